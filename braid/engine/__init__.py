@@ -1,0 +1,1 @@
+"""Engine: scheduling, KV block management and the step loop."""

@@ -1,0 +1,1 @@
+"""Model architectures, loaders and the default model registry."""

@@ -1,0 +1,139 @@
+"""Paged attention over one flat batch of query tokens from many requests (CPU, torch ops).
+
+Attention contract (DESIGN.md): request i contributes n_i query tokens at positions
+[c_i, c_i + n_i); they attend to every cached position < c_i of that request and, causally,
+to each other. Prefill chunks (n_i large), decodes (n_i = 1) and verification windows
+(n_i = 1 + k) are the same case; nothing here knows which is which.
+
+Requests are split into attention *groups*, built once per step and reused by every layer:
+all requests with short query windows form one padded batch (one SDPA call), and each request
+with a long window (a prefill chunk) is a group of its own. A per-long-request call is the
+only per-request loop: padding a 512-token chunk together with 1-token decodes would multiply
+the attention work by the number of requests, and the token budget keeps long windows few.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Query windows up to this length share one padded SDPA call (decodes, verification windows).
+SHORT_QUERY_MAX = 16
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    query_index: torch.Tensor  # [G, q_max] rows of the flat batch (padding rows repeat row 0)
+    kv_slots: torch.Tensor  # [G, kv_max] cache slots of positions 0..seq_len-1 (padding: 0)
+    mask: torch.Tensor | None  # [G, 1, q_max, kv_max] True = attend; None = attend to all
+    out_rows: torch.Tensor  # [num_valid] flat rows this group writes
+    out_select: torch.Tensor  # [num_valid] index into the group's flattened [G * q_max]
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot where each query token's K/V goes
+    groups: list[AttentionGroup]
+    num_tokens: int
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Inputs for one step. Request i has `query_lens[i]` new tokens after `context_lens[i]`
+    cached ones; `block_tables[i]` must cover `context_lens[i] + query_lens[i]` positions."""
+    seq_lens = [c + n for c, n in zip(context_lens, query_lens, strict=True)]
+    slots = [_slots(table, s, block_size) for table, s in zip(block_tables, seq_lens, strict=True)]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    slot_mapping = torch.cat(
+        [s[c:] for s, c in zip(slots, context_lens, strict=True)]
+    ) if slots else torch.empty(0, dtype=torch.long)
+    short = [i for i, n in enumerate(query_lens) if n <= SHORT_QUERY_MAX]
+    long = [i for i, n in enumerate(query_lens) if n > SHORT_QUERY_MAX]
+    groups = [_group(idx, starts, query_lens, context_lens, slots) for idx in [short] if idx]
+    groups += [_group([i], starts, query_lens, context_lens, slots) for i in long]
+    return AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        groups=[_to_device(g, device) for g in groups],
+        num_tokens=starts[-1],
+    )
+
+
+def _slots(block_table: list[int], seq_len: int, block_size: int) -> torch.Tensor:
+    positions = torch.arange(seq_len)
+    table = torch.tensor(block_table, dtype=torch.long)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def _group(
+    reqs: list[int],
+    starts: list[int],
+    query_lens: list[int],
+    context_lens: list[int],
+    slots: list[torch.Tensor],
+) -> AttentionGroup:
+    q_max = max(query_lens[i] for i in reqs)
+    kv_max = max(context_lens[i] + query_lens[i] for i in reqs)
+    q_off = torch.arange(q_max)
+    n = torch.tensor([query_lens[i] for i in reqs])
+    c = torch.tensor([context_lens[i] for i in reqs])
+    start = torch.tensor([starts[i] for i in reqs])
+    valid_q = q_off[None, :] < n[:, None]  # [G, q_max]
+    query_index = torch.where(valid_q, start[:, None] + q_off[None, :], 0)
+    kv_slots = torch.zeros(len(reqs), kv_max, dtype=torch.long)
+    for g, i in enumerate(reqs):
+        kv_slots[g, : slots[i].numel()] = slots[i]
+    # Query j of request i sits at position c_i + j and sees keys at positions <= c_i + j.
+    key_pos = torch.arange(kv_max)
+    mask = key_pos[None, None, :] <= (c[:, None, None] + q_off[None, :, None])
+    mask[:, :, 0] |= ~valid_q  # padding rows attend to key 0 so softmax has no empty row
+    full = len(reqs) == 1 and query_lens[reqs[0]] == 1
+    return AttentionGroup(
+        query_index=query_index,
+        kv_slots=kv_slots,
+        mask=None if full else mask[:, None],
+        out_rows=query_index[valid_q],
+        out_select=torch.nonzero(valid_q.flatten()).squeeze(1),
+    )
+
+
+def _to_device(g: AttentionGroup, device: torch.device | str) -> AttentionGroup:
+    return AttentionGroup(
+        query_index=g.query_index.to(device),
+        kv_slots=g.kv_slots.to(device),
+        mask=None if g.mask is None else g.mask.to(device),
+        out_rows=g.out_rows.to(device),
+        out_select=g.out_select.to(device),
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D], caches [num_slots, KVH, D] -> output [T, H, D].
+
+    Writes the new K/V into the caches first, then attends over the cache only."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    for g in meta.groups:
+        qg = q[g.query_index].transpose(1, 2)  # [G, H, q_max, D]
+        kg = k_cache[g.kv_slots].transpose(1, 2)  # [G, KVH, kv_max, D]
+        vg = v_cache[g.kv_slots].transpose(1, 2)
+        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, enable_gqa=True)
+        og = og.transpose(1, 2).flatten(0, 1)  # [G * q_max, H, D]
+        out[g.out_rows] = og[g.out_select]
+    return out

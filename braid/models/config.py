@@ -1,0 +1,73 @@
+"""Architecture description shared by the model code and the loaders."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("qwen2", "llama")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a Qwen2 / Llama decoder, named as in Hugging Face config.json."""
+
+    architecture: str  # "qwen2" or "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # QKV bias: True for Qwen2
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face config.json dict (model_type qwen2 or llama)."""
+        arch = d.get("model_type", "")
+        heads = d["num_attention_heads"]
+        return cls(
+            architecture=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 1e4)),
+            max_position_embeddings=d.get("max_position_embeddings", 32768),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            attention_bias=d.get("attention_bias", arch == "qwen2"),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The config.json dict that `from_hf_dict` (and transformers) reads back."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "architecture"}
+        d["model_type"] = self.architecture
+        d["architectures"] = ["Qwen2ForCausalLM" if self.architecture == "qwen2" else "LlamaForCausalLM"]
+        d["hidden_act"] = "silu"
+        d["torch_dtype"] = "float32"
+        return d
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,185 @@
+"""Qwen2 / Llama decoder over one flat batch of query tokens (see attention.py's contract).
+
+One class serves both architectures: they differ only in the QKV bias (Qwen2 has one) and in
+config values. Q/K/V and gate/up projections are fused so each layer runs 4 matmuls.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from braid.models.attention import AttentionMetadata, paged_attention
+from braid.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate_half), as in Hugging Face Qwen2/Llama."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        self.register_buffer("cos", freqs.cos().float(), persistent=False)  # [P, D/2]
+        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] -> rotated x."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.k_cache = torch.empty(0)  # [num_slots, KVH, D], bound by the runner
+        self.v_cache = torch.empty(0)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        rotary: RotaryEmbedding,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rotary(positions, q.view(-1, self.num_heads, self.head_dim))
+        k = rotary(positions, k.view(-1, self.num_kv_heads, self.head_dim))
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        rotary: RotaryEmbedding,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta, rotary)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2ForCausalLM(nn.Module):
+    """Qwen2 (QKV bias) or Llama (no bias) causal LM; `forward` returns hidden states and
+    `compute_logits` projects only the rows the caller needs."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden] (before the final norm)."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, attn_metadata, self.rotary)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] (rows already selected) -> logits [N, vocab] float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(self.norm(hidden), weight).float()
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """kv_cache [num_layers, 2, num_slots, KVH, D]; each layer gets views of its slice."""
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.k_cache = kv_cache[i, 0]
+            layer.self_attn.v_cache = kv_cache[i, 1]
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face named tensors, fusing q/k/v and gate/up as they arrive."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights.items():
+            target, offset = _fused_target(name, self.config)
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            if target not in params:
+                raise KeyError(f"unexpected weight {name!r} for {self.config.architecture}")
+            param = params[target]
+            param[offset : offset + tensor.shape[0]].copy_(tensor)
+            loaded.add(name)
+        missing = _expected_names(self.config) - loaded
+        if missing:
+            raise KeyError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+
+
+_FUSED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _fused_target(name: str, cfg: ModelConfig) -> tuple[str, int]:
+    """HF name -> (our parameter name, row offset inside the fused parameter)."""
+    name = name.removeprefix("model.")
+    parts = name.split(".")
+    if len(parts) < 4 or parts[-2] not in _FUSED:
+        return name, 0
+    fused, idx = _FUSED[parts[-2]]
+    q_size = cfg.num_attention_heads * cfg.head_dim
+    kv_size = cfg.num_key_value_heads * cfg.head_dim
+    offsets = (0, q_size, q_size + kv_size) if fused == "qkv_proj" else (0, cfg.intermediate_size)
+    return ".".join([*parts[:-2], fused, parts[-1]]), offsets[idx]
+
+
+def _expected_names(cfg: ModelConfig) -> set[str]:
+    """The HF names a complete checkpoint provides for this config."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not cfg.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        names |= {f"{p}self_attn.{x}_proj.weight" for x in "qkvo"}
+        names |= {f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
+        if cfg.attention_bias:
+            names |= {f"{p}self_attn.{x}_proj.bias" for x in "qkv"}
+    return names

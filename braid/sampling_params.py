@@ -1,0 +1,81 @@
+"""Per-request sampling parameters, shaped like vLLM's `SamplingParams`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick the tokens of one request.
+
+    `top_k` of 0 or -1 disables top-k. `logprobs=n` returns the sampled token's logprob and the
+    top-n logprobs per position (0: only the sampled token's). After `__post_init__`, `stop` and
+    `stop_token_ids` are always lists (possibly empty).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    _stop_list: list[str] = field(init=False, repr=False, compare=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """`stop` typed as a list (it always is one after `__post_init__`)."""
+        assert isinstance(self.stop, list)
+        return self.stop
+
+    def _validate(self) -> None:
+        checks: list[tuple[bool, str]] = [
+            (self.n >= 1, "n must be >= 1"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k >= -1, "top_k must be -1 or 0 (disabled) or >= 1"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (self.min_tokens >= 0, "min_tokens must be >= 0"),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                name = message.split(" ", 1)[0]
+                raise ValueError(f"{message}, got {getattr(self, name)!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if any(not s for s in self.stop_strings):
+            raise ValueError(f"stop must not contain empty strings, got {self.stop!r}")
+        if any(t < 0 for t in self.stop_token_ids or []):
+            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
