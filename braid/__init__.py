@@ -2,4 +2,9 @@
 
 from __future__ import annotations
 
+from braid.llm import LLM
+from braid.outputs import CompletionOutput, RequestOutput
+from braid.sampling_params import SamplingParams
+
 __version__ = "0.1.0"
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

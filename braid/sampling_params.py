@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)
@@ -31,7 +31,6 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    _stop_list: list[str] = field(init=False, repr=False, compare=False, default_factory=list)
 
     def __post_init__(self) -> None:
         if self.stop is None:

@@ -1,1 +1,1 @@
-"""Engine: scheduling, KV block management and the step loop."""
+"""Engine: scheduler, runner, sampler."""

@@ -1,0 +1,136 @@
+"""One validated engine configuration; the CLI flags are derived from its fields."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error; the message names the option (flag)."""
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class EngineConfig:
+    model: str = _opt(DEFAULT_TARGET, "default model name, GGUF file or Hugging Face folder")
+    dtype: str = _opt("auto", "weights/activations dtype: auto (float32 on CPU), float32, "
+                      "bfloat16, float16")
+    device: str = _opt("cpu", "torch device")
+    max_num_batched_tokens: int | None = _opt(
+        None, "token budget: query tokens in one forward (default 128 with chunked prefill, "
+        "max_model_len without)")
+    max_num_seqs: int = _opt(64, "most requests running at once")
+    max_model_len: int | None = _opt(None, "longest prompt + output (default min(4096, model))")
+    block_size: int = _opt(16, "tokens per KV cache block")
+    kv_cache_gib: float = _opt(2.0, "KV cache size in GiB (ignored when num_kv_blocks is set)")
+    num_kv_blocks: int | None = _opt(None, "KV cache size in blocks")
+    enable_chunked_prefill: bool = _opt(True, "split prompts into chunks that ride along with "
+                                        "decodes (off: classic prefill-first scheduling)")
+    seed: int = _opt(0, "seed of the engine's random generator (unseeded requests)")
+    num_threads: int | None = _opt(None, "torch CPU threads (default: the cores available)")
+    speculative_config: dict[str, Any] | None = _opt(
+        None, "speculative decoding as JSON, e.g. "
+        '\'{"method": "draft_model", "num_speculative_tokens": 3}\'', json=True)
+    log_stats_interval: float = _opt(10.0, "seconds between one-line stats logs (0: off)")
+
+    def __post_init__(self) -> None:
+        self._check_positive("max_num_seqs", "block_size", "kv_cache_gib")
+        self._check_positive_or_none("max_num_batched_tokens", "max_model_len", "num_kv_blocks",
+                                     "num_threads")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.log_stats_interval < 0:
+            raise ConfigError("--log-stats-interval must be >= 0")
+
+    def _check_positive(self, *names: str) -> None:
+        for name in names:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{_flag(name)} must be > 0, got {getattr(self, name)}")
+
+    def _check_positive_or_none(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{_flag(name)} must be > 0, got {value}")
+
+    def finalize(self, model_max_len: int) -> None:
+        """Fill defaults that depend on the model and check the combinations."""
+        if self.max_model_len is None:
+            self.max_model_len = min(4096, model_max_len)
+        elif self.max_model_len > model_max_len:
+            raise ConfigError(
+                f"--max-model-len {self.max_model_len} exceeds the model's {model_max_len}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 128 if self.enable_chunked_prefill else self.max_model_len
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
+                f"--max-model-len ({self.max_model_len}) without chunked prefill: a whole "
+                "prompt must fit one step (lower --max-model-len or enable chunked prefill)")
+
+    @property
+    def torch_dtype(self) -> Any:
+        import torch
+
+        if self.dtype == "auto":
+            return torch.float32
+        return getattr(torch, self.dtype)
+
+    @property
+    def threads(self) -> int:
+        return self.num_threads or len(os.sched_getaffinity(0))
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls: type = EngineConfig) -> None:
+    """One flag per config field, named after it; defaults stay the dataclass's own."""
+    group = parser.add_argument_group("engine options")
+    for f in fields(cls):
+        kwargs: dict[str, Any] = {"help": f.metadata.get("help"), "default": argparse.SUPPRESS}
+        if f.metadata.get("json"):
+            kwargs["type"] = _json_arg(_flag(f.name))
+        elif f.default is not MISSING and isinstance(f.default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = _scalar_type(f)
+        group.add_argument(_flag(f.name), **kwargs)
+
+
+def config_from_args(args: argparse.Namespace, cls: type = EngineConfig) -> Any:
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _scalar_type(f: Any) -> Any:
+    text = str(f.type)
+    if "float" in text:
+        return float
+    if "int" in text:
+        return int
+    return str
+
+
+def _json_arg(flag: str) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{flag}: invalid JSON ({e.msg})") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{flag}: expected a JSON object")
+        return value
+
+    return parse

@@ -1,0 +1,248 @@
+"""The engine: add_request / step / abort over one scheduler, one runner and one sampler."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from braid.config import ConfigError, EngineConfig
+from braid.engine.block_manager import BlockManager
+from braid.engine.output import OutputProcessor
+from braid.engine.request import Request
+from braid.engine.runner import ModelInput, ModelRunner, kv_bytes_per_token
+from braid.engine.sampler import Sampler, SamplingMetadata
+from braid.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from braid.engine.stats import EngineStats, StepStats
+from braid.models.qwen2 import Qwen2ForCausalLM
+from braid.outputs import RequestOutput
+from braid.sampling_params import SamplingParams
+from braid.tokenizer import Tokenizer
+
+logger = logging.getLogger("braid")
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (too long, bad ids); the message names the field."""
+
+
+@dataclass(slots=True)
+class _Sampled:
+    """What one step produced for one scheduled request."""
+
+    scheduled: ScheduledRequest
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: Qwen2ForCausalLM | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        torch.set_num_threads(config.threads)
+        if model is None:
+            from braid.models.loader import load_model
+
+            model, tokenizer = load_model(config.model, config.torch_dtype, config.device)
+        config.finalize(model.config.max_position_embeddings)
+        self.config = config
+        self.model_config = model.config
+        self.tokenizer = tokenizer
+        self.device = torch.device(config.device)
+        num_blocks = self._num_kv_blocks(model)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        assert config.max_num_batched_tokens is not None
+        self.scheduler = Scheduler(
+            self.blocks, config.max_num_batched_tokens, config.max_num_seqs,
+            config.enable_chunked_prefill,
+        )
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.device)
+        self.sampler = Sampler()
+        self.outputs = OutputProcessor(tokenizer, self._eos_token_ids(model))
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats(num_kv_blocks=num_blocks)
+        self._generator = torch.Generator().manual_seed(config.seed)
+
+    def _num_kv_blocks(self, model: Qwen2ForCausalLM) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            num = cfg.num_kv_blocks
+        else:
+            per_block = kv_bytes_per_token(model, cfg.torch_dtype) * cfg.block_size
+            num = int(cfg.kv_cache_gib * 2**30 // per_block)
+        assert cfg.max_model_len is not None
+        if num * cfg.block_size < cfg.max_model_len:
+            raise ConfigError(
+                f"KV cache of {num} blocks holds fewer than --max-model-len "
+                f"({cfg.max_model_len}) tokens: raise --kv-cache-gib or --num-kv-blocks")
+        return num
+
+    def _eos_token_ids(self, model: Qwen2ForCausalLM) -> frozenset[int]:
+        if self.tokenizer is not None:
+            return frozenset(self.tokenizer.eos_token_ids)
+        eos = model.config.eos_token_id
+        return frozenset([eos] if isinstance(eos, int) else eos or [])
+
+    # ---- request API -------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        params = sampling_params or SamplingParams()
+        if request_id in self.requests:
+            raise RequestError(f"request_id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        self._check_prompt(ids, params)
+        req = Request(request_id, ids, params, prompt=text)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        self.requests[request_id] = req
+        self.outputs.add(req)
+        self.scheduler.add(req)
+        return req
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("prompt must be token ids: this engine has no tokenizer")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        max_len = self.config.max_model_len
+        assert max_len is not None
+        if not ids:
+            raise RequestError("prompt must not be empty")
+        if len(ids) >= max_len:
+            raise RequestError(
+                f"prompt is {len(ids)} tokens, the maximum is {max_len - 1} (max_model_len "
+                f"{max_len} includes at least one generated token)")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its KV blocks; unknown or finished ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None or req.is_finished:
+            return None
+        self.scheduler.finish(req, "abort")
+        self.outputs.finish(req)
+        return self.outputs.make_output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample, update; return outputs of requests that moved."""
+        start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        context = sum(s.request.num_computed_tokens for s in sched.scheduled)
+        inp = self.runner.prepare(sched, self.blocks)
+        logits = self.runner.execute(inp)
+        forward_time = time.perf_counter() - start
+        sampled = self._sample(sched, inp, logits)
+        outputs = [o for s in sampled if (o := self._update(s)) is not None]
+        self._record(sched, context, forward_time, time.perf_counter() - start)
+        return outputs
+
+    def _sample(
+        self, sched: SchedulerOutput, inp: ModelInput, logits: torch.Tensor
+    ) -> list[_Sampled]:
+        rows = [s for s, (_, n) in zip(sched.scheduled, inp.logits_rows, strict=True) if n]
+        results = [_Sampled(s, [], None) for s in sched.scheduled if not s.samples]
+        if not rows:
+            return results
+        meta = SamplingMetadata.build(
+            params=[s.request.sampling_params for s in rows],
+            prompt_token_ids=[s.request.prompt_token_ids for s in rows],
+            output_token_ids=[s.request.output_token_ids for s in rows],
+            generators=[s.request.generator for s in rows],
+            vocab_size=logits.shape[-1],
+            device=self.device,
+            eos_token_ids=self.outputs.eos_token_ids,
+        )
+        out = self.sampler(logits, meta)
+        tokens = out.sampled_token_ids.tolist()
+        logprobs = _logprob_dicts(out, [s.request.sampling_params.logprobs for s in rows])
+        for i, s in enumerate(rows):
+            results.append(_Sampled(s, [tokens[i]], None if logprobs is None else [logprobs[i]]))
+        return results
+
+    def _update(self, result: _Sampled) -> RequestOutput | None:
+        s = result.scheduled
+        req = s.request
+        if req.is_finished:
+            return None  # aborted while its step ran
+        req.num_computed_tokens += s.num_new_tokens
+        if not result.token_ids:
+            return None
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        before = req.num_output_tokens
+        reason = self.outputs.append(req, result.token_ids, result.logprobs,
+                                     self.config.max_model_len or 0)
+        self.stats.add_generated(req.num_output_tokens - before)
+        # Only the last appended token lacks KV; rejected drafts' slots get overwritten later.
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            self.outputs.finish(req)
+            self.requests.pop(req.request_id, None)
+        return self.outputs.make_output(req)
+
+    def _record(
+        self, sched: SchedulerOutput, context: int, forward_time: float, step_time: float
+    ) -> None:
+        self.stats.record(StepStats(
+            num_requests=len(sched.scheduled),
+            num_prefill_tokens=sched.num_prefill_tokens,
+            num_decode_tokens=sched.num_batched_tokens - sched.num_prefill_tokens,
+            num_spec_tokens=sched.num_spec_tokens,
+            num_context_tokens=context,
+            forward_time=forward_time,
+            step_time=step_time,
+            kv_usage=self.blocks.usage,
+            num_preemptions=len(sched.preempted),
+            num_waiting=self.num_waiting,
+        ))
+        self.stats.maybe_log(self.config.log_stats_interval)
+
+    def run_until_done(self) -> Iterator[RequestOutput]:
+        while self.has_unfinished_requests():
+            yield from self.step()
+
+
+def _logprob_dicts(out, wanted: list[int | None]) -> list[dict[int, float]] | None:
+    """Per row {token_id: logprob} with the sampled token and that row's top-n."""
+    if out.logprobs is None:
+        return None
+    ids = out.logprobs.token_ids.tolist()
+    lps = out.logprobs.logprobs.tolist()
+    rows = []
+    for i, n in enumerate(wanted):
+        k = 1 + (n or 0) if n is not None else 1
+        rows.append(dict(zip(ids[i][:k], lps[i][:k], strict=True)))
+    return rows

@@ -1,0 +1,127 @@
+"""Appends sampled tokens to requests: detokenization, stop conditions, RequestOutput."""
+
+from __future__ import annotations
+
+import time
+
+from braid.engine.request import Request
+from braid.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from braid.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int]) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._text: dict[str, str] = {}
+
+    def add(self, req: Request) -> None:
+        self._text[req.request_id] = ""
+        if self.tokenizer is not None:
+            self._detok[req.request_id] = IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, req.sampling_params.skip_special_tokens)
+
+    def append(
+        self,
+        req: Request,
+        token_ids: list[int],
+        logprobs: list[dict[int, float]] | None,
+        max_model_len: int,
+    ) -> str | None:
+        """Append tokens one by one until a stop condition; return the finish reason if any."""
+        for i, token in enumerate(token_ids):
+            req.output_token_ids.append(token)
+            if logprobs is not None:
+                req.logprobs.append(logprobs[i])
+            reason = self._check_token(req, token) or self._check_text(req, token)
+            if reason is None and _length_reached(req, max_model_len):
+                reason = "length"
+            if reason is not None:
+                return reason
+        return None
+
+    def _check_token(self, req: Request, token: int) -> str | None:
+        p = req.sampling_params
+        if req.num_output_tokens <= p.min_tokens - 1:
+            return None
+        if token in (p.stop_token_ids or []):
+            req.stop_reason = token
+            return "stop"
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        return None
+
+    def _check_text(self, req: Request, token: int) -> str | None:
+        detok = self._detok.get(req.request_id)
+        if detok is None:
+            return None
+        old = self._text[req.request_id]
+        text = old + detok.add(token)
+        self._text[req.request_id] = text
+        p = req.sampling_params
+        if not p.stop_strings or req.num_output_tokens < p.min_tokens:
+            return None
+        for stop in p.stop_strings:
+            # Only the new text (plus an overlap for stops split across tokens) can match.
+            at = text.find(stop, max(0, len(old) - len(stop) + 1))
+            if at >= 0:
+                end = at + len(stop) if p.include_stop_str_in_output else at
+                self._text[req.request_id] = text[:end]
+                req.stop_reason = stop
+                return "stop"
+        return None
+
+    def finish(self, req: Request) -> None:
+        """Release the detokenizer; text it held back is kept unless a stop string cut it."""
+        req.finish_time = time.monotonic()
+        detok = self._detok.pop(req.request_id, None)
+        if detok is not None and not isinstance(req.stop_reason, str):
+            self._text[req.request_id] += detok.flush()
+
+    def make_output(self, req: Request) -> RequestOutput:
+        text = self._text[req.request_id]
+        if req.is_finished:
+            self._text.pop(req.request_id, None)
+        else:
+            text = text[: len(text) - _partial_stop_len(text, req.sampling_params.stop_strings)]
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(req.output_token_ids),
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion],
+            finished=req.is_finished,
+            metrics=RequestMetrics(
+                arrival_time=req.arrival_time,
+                first_token_time=req.first_token_time,
+                finish_time=req.finish_time,
+                num_preemptions=req.num_preemptions,
+            ),
+        )
+
+
+def _length_reached(req: Request, max_model_len: int) -> bool:
+    max_tokens = req.sampling_params.max_tokens
+    if max_tokens is not None and req.num_output_tokens >= max_tokens:
+        return True
+    return req.num_tokens >= max_model_len
+
+
+def _partial_stop_len(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that could still grow into a stop string: held
+    back while streaming so a stop string is never half-shown."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best

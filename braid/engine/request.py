@@ -1,0 +1,78 @@
+"""A request's state as the engine tracks it: two numbers (computed, total) and its outputs."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from braid.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose KV is in the cache and final (DESIGN.md vocabulary).
+    num_computed_tokens: int = 0
+    # Draft tokens proposed for the next step; never part of num_tokens until accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + accepted output tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return self.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Some prompt (or, after preemption, recomputed output) token still lacks KV."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens at positions [start, end) of prompt + output + drafts."""
+        p = self.num_prompt_tokens
+        out = self.prompt_token_ids[start:min(end, p)]
+        if end > p:
+            rest = self.output_token_ids + self.spec_token_ids
+            out = out + rest[max(start - p, 0) : end - p]
+        return out

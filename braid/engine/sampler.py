@@ -1,0 +1,318 @@
+"""Batch sampler over sampling rows, vectorized with torch ops.
+
+A sampling row is one row of logits: one per request for a plain decode, several per request
+for a speculative verification window. Everything here is per row; the caller repeats a
+request's params/generator for each of its rows and gives each row the output tokens that
+precede it (including the drafts before it in the window).
+
+Order of processing, as in vLLM V1:
+  raw logits -> (logprobs are taken here: log_softmax of the raw model output)
+  -> repetition/frequency/presence penalties, min_tokens stop suppression
+  -> greedy rows: argmax
+  -> random rows: temperature -> min_p -> top_k -> top_p -> softmax -> exponential race.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from braid.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+_NEUTRAL = SamplingParams()  # greedy rows get neutral random-only params
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-row sampling tensors, built once per step. Optional fields are None when no row
+    needs them, and the matching step is skipped."""
+
+    temperature: torch.Tensor  # [B] float32; 1.0 on greedy rows (never divided by 0)
+    all_greedy: bool
+    all_random: bool
+    greedy_mask: torch.Tensor | None  # [B] bool; None when all_greedy or all_random
+    top_k: torch.Tensor | None  # [B] int64 in [1, V]; V means off
+    top_p: torch.Tensor | None  # [B] float32; 1.0 means off
+    min_p: torch.Tensor | None  # [B] float32; 0.0 means off
+    presence_penalty: torch.Tensor | None  # [B] float32; the three penalties come together
+    frequency_penalty: torch.Tensor | None  # [B] float32
+    repetition_penalty: torch.Tensor | None  # [B] float32
+    output_token_counts: torch.Tensor | None  # [B, V] float32, counts of output tokens
+    prompt_token_mask: torch.Tensor | None  # [B, V] bool; only with a repetition penalty
+    suppressed: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) set to -inf
+    generators: dict[int, torch.Generator]  # row -> its request's generator (seeded rows)
+    max_num_logprobs: int | None  # None when no row asks for logprobs
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+        vocab_size: int,
+        device: torch.device | str,
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+    ) -> SamplingMetadata:
+        """`generators[i]` is row i's request generator (on `device`, seeded once from
+        `params.seed` by the request's owner) or None to use the batched global draw."""
+        if not len(params) == len(prompt_token_ids) == len(output_token_ids) == len(generators):
+            raise ValueError("params, token ids and generators must have one entry per row")
+        greedy = [p.greedy for p in params]
+        random_params = [_NEUTRAL if g else p for p, g in zip(params, greedy, strict=True)]
+        temps = [p.temperature for p in random_params]
+        penalties = _penalty_fields(params, prompt_token_ids, output_token_ids, vocab_size, device)
+        requested = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            greedy_mask=None
+            if all(greedy) or not any(greedy)
+            else torch.tensor(greedy, dtype=torch.bool, device=device),
+            top_k=_optional(
+                [_top_k(p.top_k, vocab_size) for p in random_params],
+                vocab_size,
+                torch.int64,
+                device,
+            ),
+            top_p=_optional([p.top_p for p in random_params], 1.0, torch.float32, device),
+            min_p=_optional([p.min_p for p in random_params], 0.0, torch.float32, device),
+            **penalties,
+            suppressed=_suppressed(params, output_token_ids, eos_token_ids, vocab_size, device),
+            generators={i: g for i, g in enumerate(generators) if g is not None and not greedy[i]},
+            max_num_logprobs=max(requested) if requested else None,
+        )
+
+
+def _top_k(top_k: int, vocab_size: int) -> int:
+    return vocab_size if top_k <= 0 else min(top_k, vocab_size)
+
+
+def _optional(
+    values: list[float] | list[int], neutral: float, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor | None:
+    if all(v == neutral for v in values):
+        return None
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _penalty_fields(
+    params: Sequence[SamplingParams],
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    vocab_size: int,
+    device: torch.device | str,
+) -> dict[str, torch.Tensor | None]:
+    """Penalty tensors, all None when no row uses a penalty. Greedy rows are penalized too."""
+    fields: dict[str, torch.Tensor | None] = dict.fromkeys(
+        (
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "output_token_counts",
+            "prompt_token_mask",
+        )
+    )
+    presence = [p.presence_penalty for p in params]
+    frequency = [p.frequency_penalty for p in params]
+    repetition = [p.repetition_penalty for p in params]
+    uses_repetition = any(r != 1.0 for r in repetition)
+    if not uses_repetition and not any(presence) and not any(frequency):
+        return fields
+    for name, values in (
+        ("presence_penalty", presence),
+        ("frequency_penalty", frequency),
+        ("repetition_penalty", repetition),
+    ):
+        fields[name] = torch.tensor(values, dtype=torch.float32, device=device)
+    fields["output_token_counts"] = _token_counts(output_token_ids, vocab_size, device)
+    if uses_repetition:
+        fields["prompt_token_mask"] = _token_counts(prompt_token_ids, vocab_size, device) > 0
+    return fields
+
+
+def _token_counts(
+    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str
+) -> torch.Tensor:
+    """[B, V] float32 occurrence counts; ids are padded with `vocab_size` (a spill column)."""
+    width = max((len(ids) for ids in token_ids), default=0)
+    padded = torch.tensor(
+        [list(ids) + [vocab_size] * (width - len(ids)) for ids in token_ids],
+        dtype=torch.int64,
+        device=device,
+    ).view(len(token_ids), width)  # [B, L]
+    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def _suppressed(
+    params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+    eos_token_ids: set[int] | frozenset[int],
+    vocab_size: int,
+    device: torch.device | str,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row, token) pairs a row may not sample yet: its stop ids (and eos unless ignore_eos)
+    while it has fewer than min_tokens output tokens."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    for row, (p, out) in enumerate(zip(params, output_token_ids, strict=True)):
+        if len(out) >= p.min_tokens:
+            continue
+        stops = set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(eos_token_ids))
+        stops = {t for t in stops if t < vocab_size}
+        rows += [row] * len(stops)
+        tokens += sorted(stops)
+    if not rows:
+        return None
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(tokens, dtype=torch.int64, device=device),
+    )
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Repetition/frequency/presence penalties (vLLM semantics) and min_tokens suppression:
+    everything a greedy argmax sees. Never modifies `logits` [B, V] (may return it as is)."""
+    if meta.repetition_penalty is not None:
+        assert meta.output_token_counts is not None
+        assert meta.presence_penalty is not None and meta.frequency_penalty is not None
+        counts = meta.output_token_counts  # [B, V]
+        seen = counts > 0  # [B, V]
+        if meta.prompt_token_mask is not None:
+            rep = meta.repetition_penalty.unsqueeze(1)  # [B, 1]
+            rep = torch.where(seen | meta.prompt_token_mask, rep, 1.0)  # [B, V]
+            logits = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = logits - meta.frequency_penalty.unsqueeze(1) * counts
+        logits = logits - meta.presence_penalty.unsqueeze(1) * seen
+    if meta.suppressed is not None:
+        logits = logits.index_put(meta.suppressed, torch.tensor(_NEG_INF, device=logits.device))
+    return logits
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)  # [B, V]
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [B, 1]
+    return logits.masked_fill_(probs < threshold, _NEG_INF)
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """One ascending sort per row. top-k keeps ties with the k-th logit; top-p keeps the
+    smallest set of highest tokens whose mass reaches p (mass above a dropped token >= p)."""
+    sorted_logits, order = logits.sort(dim=-1)  # [B, V] ascending
+    if top_k is not None:
+        kth_index = (logits.shape[1] - top_k).unsqueeze(1)  # [B, 1]
+        kth = sorted_logits.gather(1, kth_index)  # [B, 1]
+        sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V]
+        drop = cumulative <= (1 - top_p).unsqueeze(1)
+        drop[:, -1] = False  # the top token always survives
+        sorted_logits.masked_fill_(drop, _NEG_INF)
+    return logits.scatter_(1, order, sorted_logits)
+
+
+def processed_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Logits [B, V] after penalties, temperature, min_p, top_k, top_p; dropped entries -inf.
+    Greedy rows only get penalties (their temperature is 1 and their filters are off)."""
+    return _temperature_and_filters(apply_penalties(logits, meta), meta)
+
+
+def _temperature_and_filters(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    logits = logits / meta.temperature.unsqueeze(1)  # a new tensor, safe to fill in place
+    if meta.min_p is not None:
+        logits = _apply_min_p(logits, meta.min_p)
+    if meta.top_k is not None or meta.top_p is not None:
+        logits = _apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+    return logits
+
+
+def processed_logprobs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """log_softmax of `processed_logits` [B, V]; dropped entries are -inf."""
+    return processed_logits(logits, meta).log_softmax(dim=-1)
+
+
+def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The distribution each row samples from, [B, V] float32; dropped entries are 0.
+
+    Greedy rows get a one-hot at the argmax of the penalized logits, so the rejection
+    sampler's accept/recover rule reduces to exact greedy verification on those rows.
+    """
+    penalized = apply_penalties(logits, meta)  # [B, V]
+    if meta.all_greedy:
+        return _one_hot_argmax(penalized)
+    probs = _temperature_and_filters(penalized, meta).softmax(dim=-1)  # [B, V]
+    if meta.greedy_mask is None:
+        return probs
+    return torch.where(meta.greedy_mask.unsqueeze(1), _one_hot_argmax(penalized), probs)
+
+
+def _one_hot_argmax(scores: torch.Tensor) -> torch.Tensor:
+    one_hot = torch.zeros_like(scores, dtype=torch.float32)  # [B, V]
+    return one_hot.scatter_(1, scores.argmax(dim=-1, keepdim=True), 1.0)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Sample one token per row of `probs` [B, V]: argmax(probs / E), E ~ Exponential(1) iid.
+    Returns [B] int64."""
+    noise = torch.empty_like(probs)  # [B, V]
+    if len(generators) < probs.shape[0]:
+        noise.exponential_()
+    # A seeded row draws from its own generator so its tokens do not depend on which other
+    # rows share the batch; this loop runs over seeded rows only, one torch op each.
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+@dataclass(slots=True)
+class LogprobsTensors:
+    """Logprobs of the raw model output (log_softmax before penalties and temperature, like
+    vLLM's default). Column 0 is the sampled token, columns 1..n the row's top-n (a row that
+    asked for n < max_num_logprobs uses only its first 1 + n columns)."""
+
+    token_ids: torch.Tensor  # [B, 1 + max_num_logprobs] int64
+    logprobs: torch.Tensor  # [B, 1 + max_num_logprobs] float32
+    sampled_token_ranks: torch.Tensor  # [B] int64, 1 = most likely
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None  # None when no row asks for logprobs
+
+
+def gather_logprobs(
+    raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: int
+) -> LogprobsTensors:
+    """Sampled token's logprob and the top-`num_logprobs` of each row of `raw_logprobs`."""
+    sampled_logprob = raw_logprobs.gather(1, sampled.unsqueeze(1))  # [B, 1]
+    top_logprobs, top_ids = raw_logprobs.topk(num_logprobs, dim=-1)  # [B, n]
+    ranks = (raw_logprobs >= sampled_logprob).sum(dim=-1)  # [B]
+    return LogprobsTensors(
+        token_ids=torch.cat([sampled.unsqueeze(1), top_ids], dim=1),
+        logprobs=torch.cat([sampled_logprob, top_logprobs], dim=1),
+        sampled_token_ranks=ranks,
+    )
+
+
+class Sampler:
+    """Samples one token per row of logits [B, V] float32."""
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        if meta.all_greedy:
+            sampled = apply_penalties(logits, meta).argmax(dim=-1)
+        else:
+            sampled = exponential_race(target_probs(logits, meta), meta.generators)
+        if meta.max_num_logprobs is None:
+            return SamplerOutput(sampled_token_ids=sampled, logprobs=None)
+        raw = logits.log_softmax(dim=-1)  # [B, V]
+        return SamplerOutput(sampled, gather_logprobs(raw, sampled, meta.max_num_logprobs))

@@ -1,0 +1,92 @@
+"""Offline API shaped like vLLM's: `LLM(model).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from braid.config import DEFAULT_TARGET, EngineConfig
+from braid.engine.engine import LLMEngine
+from braid.outputs import RequestOutput
+from braid.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Loads a model once and generates for batches of prompts with continuous batching."""
+
+    def __init__(self, model: str = DEFAULT_TARGET, **engine_options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One output per prompt, in prompt order. One SamplingParams for all, or one each."""
+        prompt_list = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompt_list))
+        ids = []
+        for prompt, p in zip(prompt_list, params, strict=True):
+            ids.append(str(next(self._ids)))
+            self.engine.add_request(ids[-1], prompt, p)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this model has none")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            tokenizer.encode(tokenizer.apply_chat_template(list(c), add_generation_prompt),
+                             add_special_tokens=False)
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while len(finished) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[i] for i in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [list(items)]  # type: ignore[arg-type]
+    return items  # type: ignore[return-value]
+
+
+def _as_params_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
+    return list(params)

@@ -1,0 +1,287 @@
+"""GGUF -> cached Hugging Face style folder (config.json, float32 model.safetensors, tokenizer).
+
+The conversion runs once per GGUF content (keyed by its sha256) and is written to a temporary
+folder that is renamed into place, so an interrupted conversion never leaves a half cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+from tqdm import tqdm
+
+from braid.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from braid.models.errors import ModelLoadError
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("BRAID_CACHE_DIR") or Path.home() / ".cache" / "braid")
+
+
+# ---------------------------------------------------------------------------------------------
+# sha256 of a GGUF, remembered by (path, size, mtime) so a cached load does not re-hash GBs.
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f, tqdm(
+        total=path.stat().st_size, unit="B", unit_scale=True, desc=f"sha256 {path.name}"
+    ) as bar:
+        while chunk := f.read(16 << 20):
+            digest.update(chunk)
+            bar.update(len(chunk))
+    return digest.hexdigest()
+
+
+def _index_file() -> Path:
+    return cache_root() / "sha256-index.json"
+
+
+def _stat_key(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _read_index() -> dict[str, str]:
+    try:
+        return dict(json.loads(_index_file().read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def remember_sha256(path: Path, sha256: str) -> None:
+    index = _read_index()
+    index[_stat_key(path)] = sha256
+    _write_atomic(_index_file(), json.dumps(index, indent=1).encode())
+
+
+def gguf_sha256(path: Path) -> str:
+    sha = _read_index().get(_stat_key(path))
+    if sha is None:
+        sha = sha256_file(path)
+        remember_sha256(path, sha)
+    return sha
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading: metadata, config, tensor names.
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # the reader raises assorted errors on short or garbled files
+        raise ModelLoadError(f"cannot read GGUF file {path} (truncated or corrupt?): {e}") from e
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:
+    # GGUF lists dims fastest-first (ggml ne[]); PyTorch's [out_features, in_features] is reversed.
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+
+def hf_name(gguf_name: str) -> str:
+    if m := _LAYER_RE.fullmatch(gguf_name):
+        layer, part, kind = m.groups()
+        if part in _LAYER_NAMES:
+            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    elif (m := _GLOBAL_RE.fullmatch(gguf_name)) and m.group(1) in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
+    raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}: not part of a plain Qwen2/Llama decoder")
+
+
+def _single_int(value: Any) -> int:
+    """head_count_kv may be stored per layer; the model code supports one value for all layers."""
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ModelLoadError(f"per-layer head counts {sorted(set(value))} are not supported")
+        value = value[0]
+    return int(value)
+
+
+def config_from_metadata(
+    meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: Path
+) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported architecture {arch!r} in {source}; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF {source} lacks metadata key {arch}.{name}")
+        return value
+
+    hidden, heads = int(key("embedding_length")), _single_int(key("attention.head_count"))
+    if "token_embd.weight" not in shapes:
+        raise ModelLoadError(f"GGUF {source} has no token_embd.weight tensor")
+    return ModelConfig(
+        architecture=arch,
+        # The embedding's rows, which may exceed the token list (padding rows), size the model.
+        vocab_size=shapes["token_embd.weight"][0],
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=_single_int(key("attention.head_count_kv", heads)),
+        head_dim=int(key("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(key("context_length", 32768)),
+        tie_word_embeddings="output.weight" not in shapes,
+        attention_bias="blk.0.attn_q.bias" in shapes,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors: dequantize, undo llama.cpp's rope permutation, stream into one safetensors file.
+
+
+def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp convert's `permute`: per head, rows go from (dim/2, 2) back to (2, dim/2)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
+    try:
+        array = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as e:
+        raise ModelLoadError(
+            f"tensor {tensor.name}: unsupported GGUF tensor type {tensor.tensor_type.name}"
+        ) from e
+    return np.ascontiguousarray(array, dtype=np.float32).reshape(hf_shape(tensor))
+
+
+def convert_tensor(tensor: ReaderTensor, config: ModelConfig) -> np.ndarray:
+    array = dequantize_tensor(tensor)
+    if config.architecture == "llama":
+        if ".attn_q." in tensor.name:
+            array = unpermute_rope(array, config.num_attention_heads)
+        elif ".attn_k." in tensor.name:
+            array = unpermute_rope(array, config.num_key_value_heads)
+    return np.ascontiguousarray(array)
+
+
+def write_safetensors(
+    path: Path, entries: list[tuple[str, tuple[int, ...]]], arrays: Iterable[np.ndarray]
+) -> None:
+    """Write float32 tensors one at a time (the header is known up front), so only one is in memory."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in entries:
+        size = 4 * math.prod(shape)
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # keeps the data 8-byte aligned for memory mapping
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for (name, shape), array in zip(entries, arrays, strict=True):
+            if array.shape != shape or array.dtype != np.float32:
+                raise AssertionError(f"{name}: got {array.dtype}{array.shape}, header says {shape}")
+            f.write(memoryview(array).cast("B"))
+
+
+def _write_weights(reader: GGUFReader, config: ModelConfig, path: Path) -> None:
+    tensors = list(reader.tensors)
+    entries = [(hf_name(t.name), hf_shape(t)) for t in tensors]
+    bar = tqdm(tensors, desc="dequantizing", unit="tensor")
+    write_safetensors(path, entries, (convert_tensor(t, config) for t in bar))
+
+
+# ---------------------------------------------------------------------------------------------
+# The cached folder.
+
+
+def gguf_to_hf_folder(gguf_path: Path) -> Path:
+    """The cached HF-style folder of this GGUF, converting it on first use."""
+    if not gguf_path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {gguf_path}")
+    folder = cache_root() / "hf" / gguf_sha256(gguf_path)
+    if not (folder / "config.json").is_file():
+        convert_gguf(gguf_path, folder)
+    return folder
+
+
+def convert_gguf(gguf_path: Path, folder: Path) -> None:
+    from braid.tokenizer import write_gguf_tokenizer
+
+    reader = open_gguf(gguf_path)
+    meta = read_metadata(reader)
+    config = config_from_metadata(meta, {t.name: hf_shape(t) for t in reader.tensors}, gguf_path)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    try:
+        write_gguf_tokenizer(meta, tmp)
+        _write_weights(reader, config, tmp / "model.safetensors")
+        _write_json(tmp / "generation_config.json", _generation_config(config))
+        _write_json(tmp / "config.json", config.to_hf_dict())
+        _publish(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _generation_config(config: ModelConfig) -> dict[str, Any]:
+    return {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+def _publish(tmp: Path, folder: Path) -> None:
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared
+    try:
+        os.rename(tmp, folder)
+    except OSError:
+        # Another process finished the same conversion first; theirs is complete, keep it.
+        if not (folder / "config.json").is_file():
+            raise

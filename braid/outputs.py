@@ -1,0 +1,37 @@
+"""What the engine hands back to callers, shaped like vLLM's RequestOutput."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # Per generated token: {token_id: logprob} holding the sampled token and the top-n.
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    num_preemptions: int = 0
+    # Speculation figures of this request (drafts, draft tokens, accepted, ...), once present.
+    spec: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics

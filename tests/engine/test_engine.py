@@ -1,0 +1,121 @@
+"""Continuous batching gives the same greedy tokens as decoding each prompt alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from braid.config import ConfigError, EngineConfig
+from braid.engine.engine import LLMEngine, RequestError
+from braid.sampling_params import SamplingParams
+from tests.tiny import braid_model, random_weights, tiny_config
+
+CFG = tiny_config("qwen2")
+WEIGHTS = random_weights(CFG, seed=0)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPT_LENS = [3, 70, 1, 25, 140, 9, 40, 17]
+
+
+def make_engine(**options) -> LLMEngine:
+    options = {"block_size": 4, "num_kv_blocks": 256, "max_model_len": 256,
+               "log_stats_interval": 0, **options}
+    return LLMEngine(EngineConfig(model="tiny", **options), model=braid_model(CFG, WEIGHTS))
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(3, CFG.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+def run(engine: LLMEngine, arrivals: dict[int, list[int]], params=GREEDY) -> dict[str, list[int]]:
+    """arrivals: step index -> prompt indices added before that step. Returns tokens by id."""
+    ps, done, step = prompts(), {}, 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for i in arrivals.get(step, []):
+            engine.add_request(str(i), ps[i], params)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        engine.blocks.check_invariants()
+        for s in engine.stats.recent:
+            assert s.num_prefill_tokens + s.num_decode_tokens <= engine.config.max_num_batched_tokens
+        step += 1
+    return done
+
+
+@pytest.fixture(scope="module")
+def alone() -> dict[str, list[int]]:
+    out = {}
+    for i in range(len(PROMPT_LENS)):
+        out.update(run(make_engine(max_num_seqs=1, max_num_batched_tokens=256), {0: [i]}))
+    return out
+
+
+STAGGERED = {0: [0, 1, 2], 2: [3], 3: [4, 5], 9: [6], 10: [7]}
+
+
+@pytest.mark.parametrize("budget", [8, 32, 1024])
+@pytest.mark.parametrize("max_num_seqs", [1, 8])
+def test_chunked_batching_matches_alone(alone, budget: int, max_num_seqs: int) -> None:
+    engine = make_engine(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
+    assert run(engine, STAGGERED) == alone
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 8])
+def test_prefill_first_matches_alone(alone, max_num_seqs: int) -> None:
+    engine = make_engine(enable_chunked_prefill=False, max_num_seqs=max_num_seqs)
+    assert run(engine, STAGGERED) == alone
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_preemption_keeps_outputs(alone, chunked: bool) -> None:
+    # 64 blocks of 4 tokens cannot hold all requests at once: the newest get preempted.
+    engine = make_engine(num_kv_blocks=64, max_num_batched_tokens=256 if not chunked else 32,
+                         enable_chunked_prefill=chunked)
+    assert run(engine, STAGGERED) == alone
+    assert engine.stats.num_preemptions > 0
+
+
+def test_budget_below_max_model_len_without_chunking_fails() -> None:
+    with pytest.raises(ConfigError, match="--max-num-batched-tokens"):
+        make_engine(enable_chunked_prefill=False, max_num_batched_tokens=8)
+
+
+def test_step_mixes_prefill_chunk_and_decodes() -> None:
+    engine = make_engine(max_num_batched_tokens=16)
+    ps = prompts()
+    engine.add_request("a", ps[0], GREEDY)
+    engine.step()  # "a" prefilled whole (3 tokens), now decoding
+    engine.add_request("b", ps[4], GREEDY)  # 140 tokens: needs many chunks
+    engine.step()
+    last = engine.stats.recent[-1]
+    assert last.num_decode_tokens == 1 and last.num_prefill_tokens == 15
+
+
+def test_abort_frees_blocks() -> None:
+    engine = make_engine(max_num_batched_tokens=16)
+    engine.add_request("a", prompts()[4], GREEDY)
+    engine.step()
+    assert engine.blocks.num_used_blocks > 0
+    engine.abort("a")
+    engine.blocks.check_invariants()
+    assert engine.blocks.num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+def test_max_tokens_and_stop_token() -> None:
+    engine = make_engine()
+    ref = run(make_engine(), {0: [1]})["1"]
+    stop = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[ref[4]])
+    engine.add_request("s", prompts()[1], stop)
+    outs = [o for o in engine.run_until_done() if o.finished]
+    first = ref.index(ref[4])
+    assert outs[0].outputs[0].token_ids == ref[: first + 1]
+    assert outs[0].outputs[0].finish_reason == "stop" and outs[0].outputs[0].stop_reason == ref[4]
+    assert len(run(make_engine(), {0: [1]})["1"]) == 12
+
+
+@pytest.mark.parametrize("prompt, match", [([], "empty"), (list(range(300)), "maximum"),
+                                           ([5, 99999], "token ids")])
+def test_bad_prompts_are_rejected(prompt, match: str) -> None:
+    with pytest.raises(RequestError, match=match):
+        make_engine().add_request("x", prompt, GREEDY)

@@ -1,0 +1,349 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from braid.engine.sampler import (
+    Sampler,
+    SamplingMetadata,
+    apply_penalties,
+    processed_logits,
+    processed_logprobs,
+    target_probs,
+)
+from braid.sampling_params import SamplingParams
+
+V = 32
+EOS = 0
+
+
+def build(
+    params: list[SamplingParams],
+    prompts: list[list[int]] | None = None,
+    outputs: list[list[int]] | None = None,
+    generators: list[torch.Generator | None] | None = None,
+    vocab_size: int = V,
+) -> SamplingMetadata:
+    n = len(params)
+    return SamplingMetadata.build(
+        params,
+        prompts if prompts is not None else [[1, 2, 3]] * n,
+        outputs if outputs is not None else [[]] * n,
+        generators if generators is not None else [None] * n,
+        vocab_size,
+        "cpu",
+        eos_token_ids={EOS},
+    )
+
+
+def random_logits(rows: int, seed: int, vocab_size: int = V) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab_size, generator=gen) * 3
+
+
+# Plain per-row references, written for readability, not speed.
+
+
+def ref_penalize(
+    logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]
+) -> torch.Tensor:
+    out = logits.clone().double()
+    for tok in range(out.numel()):
+        count = output.count(tok)
+        if tok in prompt or count:
+            rp = p.repetition_penalty
+            out[tok] = out[tok] / rp if out[tok] > 0 else out[tok] * rp
+        out[tok] -= p.frequency_penalty * count
+        if count:
+            out[tok] -= p.presence_penalty
+    if len(output) < p.min_tokens:
+        for tok in set(p.stop_token_ids or []) | (set() if p.ignore_eos else {EOS}):
+            out[tok] = -math.inf
+    return out
+
+
+def ref_filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature -> min_p -> top_k -> top_p on one row (float64)."""
+    x = logits.double() / p.temperature
+    probs = x.softmax(-1)
+    if p.min_p > 0:
+        x[probs < p.min_p * probs.max()] = -math.inf
+    if p.top_k > 0:
+        kth = sorted(x.tolist(), reverse=True)[min(p.top_k, x.numel()) - 1]
+        x[x < kth] = -math.inf
+    if p.top_p < 1:
+        probs = x.softmax(-1)
+        keep, mass = set(), 0.0
+        for tok in sorted(range(x.numel()), key=lambda t: -probs[t].item()):
+            keep.add(tok)
+            mass += probs[tok].item()
+            if mass >= p.top_p:
+                break
+        for tok in range(x.numel()):
+            if tok not in keep:
+                x[tok] = -math.inf
+    return x
+
+
+def assert_same_logits(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert torch.equal(torch.isinf(actual), torch.isinf(expected))
+    finite = ~torch.isinf(expected)
+    torch.testing.assert_close(actual[finite].double(), expected[finite], atol=1e-4, rtol=1e-4)
+
+
+FILTER_PARAMS = [
+    SamplingParams(),
+    SamplingParams(temperature=0.5, top_k=3),
+    SamplingParams(temperature=1.5, top_p=0.5),
+    SamplingParams(top_p=0.9, top_k=10),
+    SamplingParams(min_p=0.1),
+    SamplingParams(temperature=0.7, min_p=0.05, top_k=8, top_p=0.8),
+    SamplingParams(top_k=V + 5),
+    SamplingParams(top_k=-1, top_p=0.3),
+]
+
+
+def test_filters_match_reference() -> None:
+    logits = random_logits(len(FILTER_PARAMS), seed=0)
+    meta = build(FILTER_PARAMS)
+    actual = processed_logits(logits, meta)
+    for row, p in enumerate(FILTER_PARAMS):
+        assert_same_logits(actual[row], ref_filter(logits[row], p))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    rows=st.lists(
+        st.tuples(
+            st.sampled_from([0.3, 0.8, 1.0, 2.0]),
+            st.sampled_from([0, -1, 2, 5, 20]),
+            st.sampled_from([1.0, 0.95, 0.6, 0.2]),
+            st.sampled_from([0.0, 0.02, 0.3]),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_filters_match_reference_property(
+    seed: int, rows: list[tuple[float, int, float, float]]
+) -> None:
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in rows]
+    logits = random_logits(len(params), seed=seed)
+    actual = processed_logits(logits, build(params))
+    for row, p in enumerate(params):
+        assert_same_logits(actual[row], ref_filter(logits[row], p))
+
+
+PENALTY_PARAMS = [
+    SamplingParams(repetition_penalty=1.3),
+    SamplingParams(frequency_penalty=0.7),
+    SamplingParams(presence_penalty=-0.5),
+    SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.3, presence_penalty=1.1),
+    SamplingParams(),
+    SamplingParams(temperature=0, repetition_penalty=2.0),
+]
+PROMPTS = [[1, 2, 3, 3], [4], [], [5, 6, 7, 8, 9], [1, 2], [10, 11]]
+OUTPUTS = [[3, 12, 12], [4, 4, 4, 13], [14, 14, 1], [], [7, 7], [10, 20, 20, 21]]
+
+
+def test_penalties_match_reference() -> None:
+    logits = random_logits(len(PENALTY_PARAMS), seed=1)
+    meta = build(PENALTY_PARAMS, PROMPTS, OUTPUTS)
+    original = logits.clone()
+    actual = apply_penalties(logits, meta)
+    assert torch.equal(logits, original), "apply_penalties must not modify its input"
+    for row, p in enumerate(PENALTY_PARAMS):
+        expected = ref_penalize(logits[row], p, PROMPTS[row], OUTPUTS[row])
+        assert_same_logits(actual[row], expected)
+
+
+def test_penalties_then_filters_match_reference() -> None:
+    params = [
+        SamplingParams(repetition_penalty=1.5, top_k=4, temperature=0.8),
+        SamplingParams(frequency_penalty=1.0, top_p=0.7, min_p=0.05),
+    ]
+    logits = random_logits(2, seed=2)
+    actual = processed_logits(logits, build(params, PROMPTS[:2], OUTPUTS[:2]))
+    for row, p in enumerate(params):
+        penalized = ref_penalize(logits[row], p, PROMPTS[row], OUTPUTS[row])
+        assert_same_logits(actual[row], ref_filter(penalized, p))
+
+
+def test_build_skips_unused_tensors() -> None:
+    meta = build([SamplingParams(), SamplingParams(temperature=0, top_p=0.5)])
+    assert meta.top_k is None and meta.top_p is None and meta.min_p is None
+    assert meta.repetition_penalty is None and meta.output_token_counts is None
+    assert meta.suppressed is None and meta.max_num_logprobs is None
+    meta = build([SamplingParams(frequency_penalty=0.5)], outputs=[[]])
+    assert meta.output_token_counts is not None and meta.prompt_token_mask is None
+    assert meta.output_token_counts.shape == (1, V) and meta.output_token_counts.sum() == 0
+
+
+def test_greedy_is_argmax_after_penalties() -> None:
+    params = [SamplingParams(temperature=0), SamplingParams(top_k=1, repetition_penalty=3.0)]
+    logits = random_logits(2, seed=3)
+    logits[1, 12] = 100.0  # wins unpenalized; the penalty makes it lose
+    logits[1, 13] = 50.0
+    meta = build(params, prompts=[[], []], outputs=[[], [12]])
+    out = Sampler()(logits, meta).sampled_token_ids
+    assert out.dtype == torch.int64 and out.shape == (2,)
+    assert out.tolist() == [int(logits[0].argmax()), 13]
+
+
+def test_mixed_batch_greedy_rows_are_argmax() -> None:
+    params = [SamplingParams(temperature=0), SamplingParams(), SamplingParams(top_k=1)] * 4
+    meta = build(params)
+    torch.manual_seed(0)
+    for seed in range(20):
+        logits = random_logits(len(params), seed=seed)
+        out = Sampler()(logits, meta).sampled_token_ids
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        assert torch.equal(out[greedy_rows], logits[greedy_rows].argmax(-1))
+
+
+def test_target_probs() -> None:
+    params = FILTER_PARAMS + [SamplingParams(temperature=0)]
+    logits = random_logits(len(params), seed=4)
+    meta = build(params)
+    probs = target_probs(logits, meta)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(len(params)))
+    for row, p in enumerate(FILTER_PARAMS):
+        expected = ref_filter(logits[row], p).softmax(-1).float()
+        torch.testing.assert_close(probs[row], expected, atol=1e-5, rtol=1e-4)
+    assert probs[-1].tolist() == torch.eye(V)[int(logits[-1].argmax())].tolist()
+    all_greedy = target_probs(logits[:1], build([SamplingParams(temperature=0)]))
+    assert all_greedy[0, int(logits[0].argmax())] == 1 and all_greedy.sum() == 1
+    logp = processed_logprobs(logits, meta)
+    torch.testing.assert_close(logp[:-1].exp(), probs[:-1])
+
+
+def draws(
+    params: list[SamplingParams], logits: torch.Tensor, seeds: list[int | None]
+) -> list[list[int]]:
+    """Tokens over steps; row generators are made once and advance across steps."""
+    gens = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+    meta = build(params, generators=gens)
+    return [Sampler()(logits, meta).sampled_token_ids.tolist() for _ in range(40)]
+
+
+@pytest.mark.parametrize("position", [0, 2, 4])
+def test_seeded_rows_do_not_depend_on_the_batch(position: int) -> None:
+    target = SamplingParams(temperature=1.2, top_p=0.95, seed=7)
+    logits_row = random_logits(1, seed=5) / 3  # flat enough that draws vary
+    alone = [step[0] for step in draws([target], logits_row, [7])]
+    assert len(set(alone)) > 5
+
+    others = [SamplingParams(seed=1), SamplingParams(), SamplingParams(temperature=0)]
+    others.append(SamplingParams(top_k=4, seed=99))
+    params = others[:position] + [target] + others[position:]
+    logits = random_logits(5, seed=6)
+    logits[position] = logits_row[0]
+    seeds: list[int | None] = [1, None, None, 99]
+    seeds = seeds[:position] + [7] + seeds[position:]
+    torch.manual_seed(position)  # the unseeded rows' draws differ between the runs
+    in_batch = [step[position] for step in draws(params, logits, seeds)]
+    assert in_batch == alone
+
+
+def empirical(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    return torch.bincount(tokens, minlength=vocab_size).double() / tokens.numel()
+
+
+# With N = 20000 draws the standard error of a frequency is at most 0.0036; 0.015 is > 4 sigma.
+N = 20_000
+TOL = 0.015
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.3, top_k=4),
+        SamplingParams(top_p=0.8, min_p=0.05),
+    ],
+)
+def test_empirical_distribution_matches(params: SamplingParams) -> None:
+    logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, 2.0, 0.3, -1.0, 1.5]])
+    expected = ref_filter(logits[0], params).softmax(-1)
+    torch.manual_seed(0)
+    tokens = Sampler()(logits.expand(N, -1), build([params] * N, vocab_size=8)).sampled_token_ids
+    torch.testing.assert_close(empirical(tokens, 8), expected, atol=TOL, rtol=0)
+
+
+def test_empirical_distribution_of_seeded_rows_matches() -> None:
+    params = SamplingParams(temperature=0.8, seed=0)
+    logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, 2.0, 0.3, -1.0, 1.5]])
+    n = 5000  # one generator per row; standard error <= 0.0071, tolerance 0.03 > 4 sigma
+    gens: list[torch.Generator | None] = [torch.Generator().manual_seed(i) for i in range(n)]
+    meta = build([params] * n, generators=gens, vocab_size=8)
+    tokens = Sampler()(logits.expand(n, -1), meta).sampled_token_ids
+    expected = (logits[0].double() / 0.8).softmax(-1)
+    torch.testing.assert_close(empirical(tokens, 8), expected, atol=0.03, rtol=0)
+
+
+def test_min_tokens_suppresses_eos_and_stop_ids() -> None:
+    params = [
+        SamplingParams(min_tokens=3, stop_token_ids=[5]),
+        SamplingParams(min_tokens=3, stop_token_ids=[5]),
+        SamplingParams(min_tokens=3, stop_token_ids=[5], ignore_eos=True),
+        SamplingParams(min_tokens=3, stop_token_ids=[5], temperature=0),
+    ]
+    outputs = [[9, 9], [9, 9, 9], [9], []]
+    logits = torch.zeros(4, V)
+    logits[:, EOS] = 20.0
+    logits[:, 5] = 19.0
+    meta = build(params, outputs=outputs)
+    torch.manual_seed(0)
+    for _ in range(50):
+        out = Sampler()(logits, meta).sampled_token_ids.tolist()
+        assert out[0] not in (EOS, 5)
+        assert out[2] != 5
+        assert out[3] not in (EOS, 5)
+    assert out[1] == EOS and out[2] == EOS  # past min_tokens / eos not a stop
+
+
+def test_logprobs_are_raw_log_softmax() -> None:
+    params = [
+        SamplingParams(logprobs=3, repetition_penalty=2.0),
+        SamplingParams(logprobs=0),
+        SamplingParams(),
+        SamplingParams(temperature=0, logprobs=1),
+    ]
+    logits = random_logits(4, seed=8)
+    out = Sampler()(logits, build(params, outputs=[[1, 2]] * 4))
+    assert out.logprobs is not None
+    lp = out.logprobs
+    raw = logits.log_softmax(-1)
+    assert lp.token_ids.shape == lp.logprobs.shape == (4, 4)
+    assert torch.equal(lp.token_ids[:, 0], out.sampled_token_ids)
+    sampled_raw = raw.gather(1, out.sampled_token_ids[:, None])  # [B, 1]
+    torch.testing.assert_close(lp.logprobs[:, :1], sampled_raw)
+    top = raw.topk(3, dim=-1)
+    assert torch.equal(lp.token_ids[:, 1:], top.indices)
+    torch.testing.assert_close(lp.logprobs[:, 1:], top.values)
+    expected_ranks = (raw > sampled_raw).sum(-1) + 1
+    assert torch.equal(lp.sampled_token_ranks, expected_ranks)
+    assert lp.sampled_token_ranks[3] == 1
+
+
+def test_no_logprobs_when_not_requested() -> None:
+    out = Sampler()(random_logits(2, seed=9), build([SamplingParams()] * 2))
+    assert out.logprobs is None
+
+
+def test_sampler_does_not_modify_logits() -> None:
+    params = PENALTY_PARAMS + [SamplingParams(top_k=3, top_p=0.5, min_p=0.1, min_tokens=9)]
+    logits = random_logits(len(params), seed=10)
+    original = logits.clone()
+    Sampler()(logits, build(params, PROMPTS + [[]], OUTPUTS + [[]]))
+    assert torch.equal(logits, original)
+
+
+def test_build_rejects_mismatched_rows() -> None:
+    with pytest.raises(ValueError, match="one entry per row"):
+        SamplingMetadata.build([SamplingParams()], [], [[]], [None], V, "cpu")

@@ -1,0 +1,196 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize, quantize
+
+from braid.models import gguf_loader
+from braid.models.gguf_loader import cache_root, gguf_to_hf_folder
+from braid.models.loader import ModelLoadError, load_model_files
+from tests.conftest import tiny_vocab, write_gguf
+
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 64, 256, 4, 2, 2
+HEAD_DIM = HIDDEN // HEADS
+RNG = np.random.default_rng(0)
+
+
+def hparams(**extra: object) -> dict[str, object]:
+    return dict(context_length=512, embedding_length=HIDDEN, feed_forward_length=FFN,
+                block_count=LAYERS, head_count=HEADS, head_count_kv=KV_HEADS,
+                layer_norm_rms_eps=1e-5, rope_freq_base=1e6, **extra)
+
+
+def rand(*shape: int) -> np.ndarray:
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def random_kquant(rows: int, cols: int, qtype: Q) -> np.ndarray:
+    """Random K-quant blocks (the package cannot quantize to K types) with sane f16 scales."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = RNG.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scale = np.array([0.01], np.float16).view(np.uint8)
+    if qtype == Q.Q6_K:  # layout: ql, qh, scales, d
+        raw[..., -2:] = scale
+    else:  # Q4_K: d, dmin, scales, qs
+        raw[..., 0:2] = scale
+        raw[..., 2:4] = scale
+    return raw.reshape(rows, -1)
+
+
+def layer_tensors(i: int, q: np.ndarray, k: np.ndarray, bias: bool) -> dict:
+    down_type = Q.Q4_K if i == 0 else Q.Q6_K
+    tensors = {
+        f"blk.{i}.attn_norm.weight": (rand(HIDDEN), None),
+        f"blk.{i}.attn_q.weight": (quantize(q, Q.Q8_0), Q.Q8_0),
+        f"blk.{i}.attn_k.weight": (quantize(k, Q.Q4_0), Q.Q4_0),
+        f"blk.{i}.attn_v.weight": (quantize(rand(KV_HEADS * HEAD_DIM, HIDDEN), Q.Q5_0), Q.Q5_0),
+        f"blk.{i}.attn_output.weight": (rand(HIDDEN, HIDDEN).astype(np.float16), None),
+        f"blk.{i}.ffn_norm.weight": (rand(HIDDEN), None),
+        f"blk.{i}.ffn_gate.weight": (quantize(rand(FFN, HIDDEN), Q.BF16), Q.BF16),
+        f"blk.{i}.ffn_up.weight": (rand(FFN, HIDDEN), None),
+        f"blk.{i}.ffn_down.weight": (random_kquant(HIDDEN, FFN, down_type), down_type),
+    }
+    if bias:
+        for name, rows in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
+            tensors[f"blk.{i}.attn_{name}.bias"] = (rand(rows * HEAD_DIM), None)
+    return tensors
+
+
+def tiny_qwen2(path: Path) -> tuple[Path, dict]:
+    tensors = {"token_embd.weight": (rand(len(tiny_vocab()), HIDDEN), None),
+               "output_norm.weight": (rand(HIDDEN), None)}
+    for i in range(LAYERS):
+        q, k = rand(HEADS * HEAD_DIM, HIDDEN), rand(KV_HEADS * HEAD_DIM, HIDDEN)
+        tensors.update(layer_tensors(i, q, k, bias=True))
+    return write_gguf(path, "qwen2", tensors, hparams()), tensors
+
+
+def reference(array: np.ndarray, qtype: Q | None) -> torch.Tensor:
+    if qtype is None:
+        return torch.from_numpy(array.astype(np.float32))
+    return torch.from_numpy(dequantize(array, qtype))
+
+
+def test_qwen2_gguf_weights_and_config(tmp_path: Path) -> None:
+    path, tensors = tiny_qwen2(tmp_path / "tiny.gguf")
+    loaded = load_model_files(str(path))
+    expected_names = {gguf_loader.hf_name(n) for n in tensors}
+    assert set(loaded.weights) == expected_names
+    assert "lm_head.weight" not in loaded.weights
+    for name, (array, qtype) in tensors.items():
+        got = loaded.weights[gguf_loader.hf_name(name)]
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, reference(array, qtype), rtol=0, atol=0)
+    assert loaded.weights["model.layers.0.self_attn.q_proj.weight"].shape == (HIDDEN, HIDDEN)
+    assert loaded.weights["model.layers.0.mlp.down_proj.weight"].shape == (HIDDEN, FFN)
+    cfg = loaded.config
+    assert (cfg.architecture, cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size) == (
+        "qwen2", len(tiny_vocab()), HIDDEN, FFN)
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (
+        LAYERS, HEADS, KV_HEADS)
+    assert (cfg.head_dim, cfg.rms_norm_eps, cfg.rope_theta, cfg.max_position_embeddings) == (
+        HEAD_DIM, pytest.approx(1e-5), 1e6, 512)
+    assert cfg.tie_word_embeddings and cfg.attention_bias
+    assert cfg.eos_token_id == tiny_vocab().index("<|im_end|>")
+    assert cfg.bos_token_id == tiny_vocab().index("<|endoftext|>")
+
+
+def test_cached_folder_is_complete_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, _ = tiny_qwen2(tmp_path / "tiny.gguf")
+    folder = gguf_to_hf_folder(path)
+    assert folder.parent == cache_root() / "hf"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (folder / name).is_file()
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "qwen2"
+
+    def fail(*args: object) -> None:
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr(gguf_loader, "convert_gguf", fail)
+    monkeypatch.setattr(gguf_loader, "sha256_file", fail)
+    assert gguf_to_hf_folder(path) == folder
+    assert load_model_files(str(path)).folder == folder
+
+
+def test_interrupted_conversion_leaves_no_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, _ = tiny_qwen2(tmp_path / "tiny.gguf")
+    calls = []
+
+    def flaky(tensor: object, config: object) -> np.ndarray:
+        calls.append(tensor)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(tensor, config)  # type: ignore[arg-type]
+
+    real = gguf_loader.convert_tensor
+    monkeypatch.setattr(gguf_loader, "convert_tensor", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        gguf_to_hf_folder(path)
+    assert list((cache_root() / "hf").iterdir()) == []
+    monkeypatch.setattr(gguf_loader, "convert_tensor", real)
+    assert (gguf_to_hf_folder(path) / "config.json").is_file()
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to Llama Q/K weights."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_llama_rope_permutation_round_trips(tmp_path: Path) -> None:
+    tensors = {"token_embd.weight": (rand(len(tiny_vocab()), HIDDEN), None),
+               "output_norm.weight": (rand(HIDDEN), None),
+               "output.weight": (rand(len(tiny_vocab()), HIDDEN), None)}
+    originals = {}
+    for i in range(LAYERS):
+        q, k = rand(HEADS * HEAD_DIM, HIDDEN), rand(KV_HEADS * HEAD_DIM, HIDDEN)
+        originals[i] = (q, k)
+        layer = layer_tensors(i, q, k, bias=False)
+        layer[f"blk.{i}.attn_q.weight"] = (llama_cpp_permute(q, HEADS), None)
+        layer[f"blk.{i}.attn_k.weight"] = (llama_cpp_permute(k, KV_HEADS), None)
+        tensors.update(layer)
+    path = write_gguf(tmp_path / "llama.gguf", "llama", tensors, hparams())
+    loaded = load_model_files(str(path))
+    assert loaded.config.architecture == "llama"
+    assert not loaded.config.tie_word_embeddings and not loaded.config.attention_bias
+    assert "lm_head.weight" in loaded.weights
+    for i, (q, k) in originals.items():
+        attn = f"model.layers.{i}.self_attn"
+        torch.testing.assert_close(loaded.weights[f"{attn}.q_proj.weight"], torch.from_numpy(q))
+        torch.testing.assert_close(loaded.weights[f"{attn}.k_proj.weight"], torch.from_numpy(k))
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="not found"):
+        load_model_files(str(tmp_path / "nope.gguf"))
+    with pytest.raises(ModelLoadError, match="GGUF file not found"):
+        gguf_to_hf_folder(tmp_path / "nope.gguf")
+
+
+def test_truncated_file(tmp_path: Path) -> None:
+    path, _ = tiny_qwen2(tmp_path / "tiny.gguf")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="truncated or corrupt") as err:
+        load_model_files(str(path))
+    assert "\n" not in str(err.value)
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "mamba.gguf", "mamba",
+                      {"token_embd.weight": (rand(len(tiny_vocab()), HIDDEN), None)})
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'mamba'"):
+        load_model_files(str(path))
+
+
+def test_unsupported_tensor_type(tmp_path: Path) -> None:
+    tensors = {"token_embd.weight": (rand(len(tiny_vocab()), HIDDEN), None),
+               "output_norm.weight": (np.ones(HIDDEN, np.int32), None)}
+    path = write_gguf(tmp_path / "int.gguf", "qwen2", tensors, hparams())
+    with pytest.raises(ModelLoadError, match="tensor output_norm.weight: unsupported GGUF tensor type I32"):
+        load_model_files(str(path))

@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import pytest
+
+from braid.sampling_params import SamplingParams
+
+
+def test_defaults_match_vllm() -> None:
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (p.max_tokens, p.min_tokens, p.logprobs, p.seed) == (16, 0, None, None)
+    assert p.stop == [] and p.stop_token_ids == []
+    assert not p.greedy
+
+
+@pytest.mark.parametrize(
+    ("stop", "expected"), [(None, []), ("###", ["###"]), (["a", "b"], ["a", "b"]), (("x",), ["x"])]
+)
+def test_stop_is_normalized_to_a_list(stop: object, expected: list[str]) -> None:
+    assert SamplingParams(stop=stop).stop == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "greedy"),
+    [({"temperature": 0.0}, True), ({"top_k": 1}, True), ({"top_k": -1}, False), ({}, False)],
+)
+def test_greedy(kwargs: dict[str, float], greedy: bool) -> None:
+    assert SamplingParams(**kwargs).greedy is greedy  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("n", 0),
+        ("temperature", -1.0),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 1.1),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3.0),
+        ("repetition_penalty", 0.0),
+        ("max_tokens", 0),
+        ("min_tokens", -1),
+        ("logprobs", -1),
+        ("stop", ["ok", ""]),
+        ("stop_token_ids", [-5]),
+    ],
+)
+def test_invalid_values_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"^{field} "):
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+def test_min_tokens_above_max_tokens() -> None:
+    with pytest.raises(ValueError, match=r"^min_tokens must be <= max_tokens \(4\), got 5"):
+        SamplingParams(min_tokens=5, max_tokens=4)
+    assert SamplingParams(min_tokens=50, max_tokens=None).min_tokens == 50
+
+
+def test_message_shows_the_value() -> None:
+    with pytest.raises(ValueError, match=r"^temperature must be >= 0, got -1"):
+        SamplingParams(temperature=-1)
