@@ -48,7 +48,8 @@ class EngineConfig:
         self._check_positive_or_none("max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                                      "num_threads")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ConfigError(
+                f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.log_stats_interval < 0:
             raise ConfigError("--log-stats-interval must be >= 0")
 

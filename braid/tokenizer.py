@@ -109,9 +109,11 @@ def _add_gguf_special_tokens(
     # A CONTROL token outside the byte alphabet is a llama.cpp mislabel; adding it would grow
     # the vocabulary past the model's embedding (transformers skips them too).
     control = [AddedToken(t, normalized=False, special=True)
-               for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_CONTROL and set(t) <= alphabet]
+               for t, ty in zip(tokens, types, strict=False)
+               if ty == TOKEN_TYPE_CONTROL and set(t) <= alphabet]
     user = [AddedToken(t, normalized=False, special=False)
-            for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_USER_DEFINED and t in vocab]
+            for t, ty in zip(tokens, types, strict=False)
+            if ty == TOKEN_TYPE_USER_DEFINED and t in vocab]
     backend.add_special_tokens(control)
     backend.add_tokens(user)
 
@@ -200,7 +202,7 @@ class Tokenizer:
         self.backend = backend
         self.config = config
         self.chat_template: str | None = config.get("chat_template")
-        self._special = {name: _token_content(config.get(f"{name}_token")) for name in _SPECIAL_NAMES}
+        self._special = {n: _token_content(config.get(f"{n}_token")) for n in _SPECIAL_NAMES}
         self._special_ids = sorted(i for i, t in backend.get_added_tokens_decoder().items()
                                    if t.special)
         self._eos_ids = frozenset(self._find_eos_ids(extra_eos_ids))
@@ -261,8 +263,13 @@ class Tokenizer:
     def all_special_ids(self) -> list[int]:
         return list(self._special_ids)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         special = {f"{name}_token": token for name, token in self._special.items() if token}

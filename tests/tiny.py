@@ -7,7 +7,13 @@ import torch
 from braid.models.config import ModelConfig
 from braid.models.qwen2 import Qwen2ForCausalLM
 
-VOCAB = 256
+# 256 byte-level tokens + 3 specials, rounded up (embedding rows past the tokenizer are unused).
+VOCAB = 272
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def tiny_config(arch: str = "qwen2", **overrides: object) -> ModelConfig:
@@ -16,7 +22,7 @@ def tiny_config(arch: str = "qwen2", **overrides: object) -> ModelConfig:
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512,
         tie_word_embeddings=arch == "qwen2", attention_bias=arch == "qwen2",
-        bos_token_id=1, eos_token_id=2,
+        bos_token_id=256, eos_token_id=256,
     )
     values.update(overrides)
     return ModelConfig(**values)
@@ -28,7 +34,7 @@ def hf_model(cfg: ModelConfig, seed: int = 0):  # -> transformers PreTrainedMode
 
     hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf_dict())
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)
@@ -42,5 +48,52 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def braid_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> Qwen2ForCausalLM:
     model = Qwen2ForCausalLM(cfg)
-    model.load_weights(weights)
+    model.load_weights(weights.items())
     return model.eval()
+
+
+def byte_tokenizer():  # -> tokenizers.Tokenizer
+    """Byte-level BPE without merges: one token per byte (ids 0..255), then the specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    return tok
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs), strict=True))
+
+
+
+def save_tiny_model(folder, arch: str = "qwen2", seed: int = 0, **overrides: object):
+    """Write a complete Hugging Face style model folder (config, safetensors, tokenizer with a
+    chat template) that braid loads like any real model. Returns the folder path."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_config(arch, **overrides)
+    (folder / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    weights = {k: v.contiguous() for k, v in random_weights(cfg, seed).items()
+               if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    save_file(weights, str(folder / "model.safetensors"))
+    byte_tokenizer().save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|endoftext|>", "bos_token": None, "chat_template": CHAT_TEMPLATE,
+    }))
+    return folder

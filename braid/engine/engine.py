@@ -47,7 +47,7 @@ class LLMEngine:
     ) -> None:
         torch.set_num_threads(config.threads)
         if model is None:
-            from braid.models.loader import load_model
+            from braid.models.build import load_model
 
             model, tokenizer = load_model(config.model, config.torch_dtype, config.device)
         config.finalize(model.config.max_position_embeddings)

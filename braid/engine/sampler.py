@@ -35,6 +35,7 @@ class SamplingMetadata:
     all_random: bool
     greedy_mask: torch.Tensor | None  # [B] bool; None when all_greedy or all_random
     top_k: torch.Tensor | None  # [B] int64 in [1, V]; V means off
+    max_top_k: int  # largest top-k over random rows; V when some random row has none
     top_p: torch.Tensor | None  # [B] float32; 1.0 means off
     min_p: torch.Tensor | None  # [B] float32; 0.0 means off
     presence_penalty: torch.Tensor | None  # [B] float32; the three penalties come together
@@ -64,6 +65,7 @@ class SamplingMetadata:
         greedy = [p.greedy for p in params]
         random_params = [_NEUTRAL if g else p for p, g in zip(params, greedy, strict=True)]
         temps = [p.temperature for p in random_params]
+        top_k, max_top_k = _top_k_per_row(params, vocab_size)
         penalties = _penalty_fields(params, prompt_token_ids, output_token_ids, vocab_size, device)
         requested = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
@@ -73,12 +75,8 @@ class SamplingMetadata:
             greedy_mask=None
             if all(greedy) or not any(greedy)
             else torch.tensor(greedy, dtype=torch.bool, device=device),
-            top_k=_optional(
-                [_top_k(p.top_k, vocab_size) for p in random_params],
-                vocab_size,
-                torch.int64,
-                device,
-            ),
+            top_k=_optional(top_k, vocab_size, torch.int64, device),
+            max_top_k=max_top_k,
             top_p=_optional([p.top_p for p in random_params], 1.0, torch.float32, device),
             min_p=_optional([p.min_p for p in random_params], 0.0, torch.float32, device),
             **penalties,
@@ -88,8 +86,14 @@ class SamplingMetadata:
         )
 
 
-def _top_k(top_k: int, vocab_size: int) -> int:
-    return vocab_size if top_k <= 0 else min(top_k, vocab_size)
+def _top_k_per_row(params: Sequence[SamplingParams], vocab_size: int) -> tuple[list[int], int]:
+    """Per-row k in [1, V] (V = off) and the largest k over random rows. Greedy rows take that
+    largest k, so they never force the full-sort path on their own."""
+    ks = [vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size) for p in params]
+    max_top_k = max(
+        (k for k, p in zip(ks, params, strict=True) if not p.greedy), default=vocab_size
+    )
+    return [max_top_k if p.greedy else k for k, p in zip(ks, params, strict=True)], max_top_k
 
 
 def _optional(
@@ -201,27 +205,40 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(probs < threshold, _NEG_INF)
 
 
-def _apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+def _apply_top_k_top_p(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """top-k then top-p on the rows sorted in descending order. When every random row has a
+    top-k, only the `max_top_k` highest logits are kept and sorted (topk instead of a sort)."""
+    width = logits.shape[1]
+    if meta.max_top_k < width:
+        values, order = logits.topk(meta.max_top_k, dim=-1)  # [B, K] descending
+    else:
+        values, order = logits.sort(dim=-1, descending=True)  # [B, V]
+    values = _mask_sorted(values, meta.top_k, meta.top_p)
+    return torch.full_like(logits, _NEG_INF).scatter_(1, order, values)
+
+
+def _mask_sorted(
+    values: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
-    """One ascending sort per row. top-k keeps ties with the k-th logit; top-p keeps the
-    smallest set of highest tokens whose mass reaches p (mass above a dropped token >= p)."""
-    sorted_logits, order = logits.sort(dim=-1)  # [B, V] ascending
+    """Masks descending `values` [B, K] in place. top-k keeps ties with the k-th logit;
+    top-p keeps the smallest prefix whose mass reaches p (drops a token once the mass
+    above it is >= p), so the top token always survives."""
     if top_k is not None:
-        kth_index = (logits.shape[1] - top_k).unsqueeze(1)  # [B, 1]
-        kth = sorted_logits.gather(1, kth_index)  # [B, 1]
-        sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
+        kth_index = (top_k.clamp(max=values.shape[1]) - 1).unsqueeze(1)  # [B, 1]
+        values.masked_fill_(values < values.gather(1, kth_index), _NEG_INF)
     if top_p is not None:
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V]
-        drop = cumulative <= (1 - top_p).unsqueeze(1)
-        drop[:, -1] = False  # the top token always survives
-        sorted_logits.masked_fill_(drop, _NEG_INF)
-    return logits.scatter_(1, order, sorted_logits)
+        probs = values.softmax(dim=-1)  # [B, K]
+        mass_above = probs.cumsum(dim=-1) - probs  # [B, K]
+        # rows with top_p == 1 are off; rounding could otherwise push mass_above to 1
+        drop = (mass_above >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+        values.masked_fill_(drop, _NEG_INF)
+    return values
 
 
 def processed_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Logits [B, V] after penalties, temperature, min_p, top_k, top_p; dropped entries -inf.
-    Greedy rows only get penalties (their temperature is 1 and their filters are off)."""
+    Greedy rows get penalties, temperature 1 and no filter but the batch's loosest top-k, so
+    their argmax is the greedy token (`target_probs` turns them into one-hots)."""
     return _temperature_and_filters(apply_penalties(logits, meta), meta)
 
 
@@ -230,7 +247,7 @@ def _temperature_and_filters(logits: torch.Tensor, meta: SamplingMetadata) -> to
     if meta.min_p is not None:
         logits = _apply_min_p(logits, meta.min_p)
     if meta.top_k is not None or meta.top_p is not None:
-        logits = _apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        logits = _apply_top_k_top_p(logits, meta)
     return logits
 
 

@@ -25,6 +25,46 @@ class StepStats:
 
 
 @dataclass
+class SpecStats:
+    """Speculation counters with vLLM's definitions (DESIGN.md vocabulary)."""
+
+    num_drafts: int = 0  # verification windows with at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: accepted at draft i
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_drafted:
+            self.accepted_per_position += [0] * (num_drafted - len(self.accepted_per_position))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted per window (the bonus token counts)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def as_dict(self) -> dict[str, float | int | list[int]]:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+        }
+
+
+@dataclass
 class EngineStats:
     num_kv_blocks: int
     window: int = 256
@@ -33,6 +73,7 @@ class EngineStats:
     prompt_tokens: int = 0  # prefill tokens computed (recompute after preemption included)
     generation_tokens: int = 0
     num_preemptions: int = 0
+    spec: SpecStats = field(default_factory=SpecStats)
     _last_log: float = field(default_factory=time.monotonic)
     _tokens_at_last_log: int = 0
 

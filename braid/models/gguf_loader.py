@@ -37,7 +37,11 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
 
@@ -128,7 +132,9 @@ def hf_name(gguf_name: str) -> str:
             return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
     elif (m := _GLOBAL_RE.fullmatch(gguf_name)) and m.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
-    raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}: not part of a plain Qwen2/Llama decoder")
+    raise ModelLoadError(
+        f"unexpected GGUF tensor {gguf_name!r}: not part of a plain Qwen2/Llama decoder"
+    )
 
 
 def _single_int(value: Any) -> int:
@@ -138,6 +144,11 @@ def _single_int(value: Any) -> int:
             raise ModelLoadError(f"per-layer head counts {sorted(set(value))} are not supported")
         value = value[0]
     return int(value)
+
+
+def _f32_to_float(value: Any) -> float:
+    """GGUF stores float32: 1e-6 reads back as 9.99999997e-07; keep the short decimal HF uses."""
+    return float(str(np.float32(value)))
 
 
 def config_from_metadata(
@@ -169,8 +180,8 @@ def config_from_metadata(
         num_attention_heads=heads,
         num_key_value_heads=_single_int(key("attention.head_count_kv", heads)),
         head_dim=int(key("attention.key_length", hidden // heads)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rms_norm_eps=_f32_to_float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=_f32_to_float(key("rope.freq_base", 10000.0)),
         max_position_embeddings=int(key("context_length", 32768)),
         tie_word_embeddings="output.weight" not in shapes,
         attention_bias="blk.0.attn_q.bias" in shapes,
@@ -184,7 +195,7 @@ def config_from_metadata(
 
 
 def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Inverse of llama.cpp convert's `permute`: per head, rows go from (dim/2, 2) back to (2, dim/2)."""
+    """Inverse of llama.cpp convert's `permute`: per head, rows (dim/2, 2) -> (2, dim/2)."""
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -212,12 +223,13 @@ def convert_tensor(tensor: ReaderTensor, config: ModelConfig) -> np.ndarray:
 def write_safetensors(
     path: Path, entries: list[tuple[str, tuple[int, ...]]], arrays: Iterable[np.ndarray]
 ) -> None:
-    """Write float32 tensors one at a time (the header is known up front), so only one is in memory."""
+    """Write float32 tensors one at a time (the header is known up front): one in memory."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape in entries:
         size = 4 * math.prod(shape)
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        span = [offset, offset + size]
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": span}
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # keeps the data 8-byte aligned for memory mapping
@@ -227,7 +239,7 @@ def write_safetensors(
         for (name, shape), array in zip(entries, arrays, strict=True):
             if array.shape != shape or array.dtype != np.float32:
                 raise AssertionError(f"{name}: got {array.dtype}{array.shape}, header says {shape}")
-            f.write(memoryview(array).cast("B"))
+            f.write(array.data)
 
 
 def _write_weights(reader: GGUFReader, config: ModelConfig, path: Path) -> None:

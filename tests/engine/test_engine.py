@@ -37,8 +37,9 @@ def run(engine: LLMEngine, arrivals: dict[int, list[int]], params=GREEDY) -> dic
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
         engine.blocks.check_invariants()
-        for s in engine.stats.recent:
-            assert s.num_prefill_tokens + s.num_decode_tokens <= engine.config.max_num_batched_tokens
+        budget = engine.config.max_num_batched_tokens
+        assert all(s.num_prefill_tokens + s.num_decode_tokens <= budget
+                   for s in engine.stats.recent)
         step += 1
     return done
 

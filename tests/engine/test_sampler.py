@@ -104,6 +104,7 @@ FILTER_PARAMS = [
     SamplingParams(temperature=0.7, min_p=0.05, top_k=8, top_p=0.8),
     SamplingParams(top_k=V + 5),
     SamplingParams(top_k=-1, top_p=0.3),
+    SamplingParams(top_p=1e-8),  # 1 - p rounds to 1 in float32: only the top token survives
 ]
 
 

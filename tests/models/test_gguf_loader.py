@@ -101,7 +101,9 @@ def test_qwen2_gguf_weights_and_config(tmp_path: Path) -> None:
     assert cfg.bos_token_id == tiny_vocab().index("<|endoftext|>")
 
 
-def test_cached_folder_is_complete_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cached_folder_is_complete_and_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path, _ = tiny_qwen2(tmp_path / "tiny.gguf")
     folder = gguf_to_hf_folder(path)
     assert folder.parent == cache_root() / "hf"
@@ -118,7 +120,9 @@ def test_cached_folder_is_complete_and_reused(tmp_path: Path, monkeypatch: pytes
     assert load_model_files(str(path)).folder == folder
 
 
-def test_interrupted_conversion_leaves_no_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_interrupted_conversion_leaves_no_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path, _ = tiny_qwen2(tmp_path / "tiny.gguf")
     calls = []
 
@@ -139,7 +143,8 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path: Path, monkeypatch: pyt
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py does to Llama Q/K weights."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def test_llama_rope_permutation_round_trips(tmp_path: Path) -> None:
@@ -192,5 +197,6 @@ def test_unsupported_tensor_type(tmp_path: Path) -> None:
     tensors = {"token_embd.weight": (rand(len(tiny_vocab()), HIDDEN), None),
                "output_norm.weight": (np.ones(HIDDEN, np.int32), None)}
     path = write_gguf(tmp_path / "int.gguf", "qwen2", tensors, hparams())
-    with pytest.raises(ModelLoadError, match="tensor output_norm.weight: unsupported GGUF tensor type I32"):
+    message = "tensor output_norm.weight: unsupported GGUF tensor type I32"
+    with pytest.raises(ModelLoadError, match=message):
         load_model_files(str(path))

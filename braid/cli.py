@@ -1,0 +1,113 @@
+"""`braid` command line: generate (stream one completion to the terminal)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+
+from braid.config import ConfigError, add_config_args, config_from_args
+from braid.sampling_params import SamplingParams
+
+DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=256, help="tokens to generate")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true")
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop,
+            ignore_eos=args.ignore_eos,
+        )
+    except ValueError as e:
+        raise ConfigError(f"--{str(e).split(' ', 1)[0].replace('_', '-')}: {e}") from None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from braid.engine.engine import LLMEngine
+
+    config = config_from_args(args)
+    params = _sampling_params(args)
+    text = args.prompt if args.prompt is not None else _stdin_or(DEMO_PROMPT)
+    engine = LLMEngine(config)
+    prompt: str | list[int] = text
+    if not args.raw:
+        assert engine.tokenizer is not None
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": text})
+        prompt = engine.tokenizer.encode(
+            engine.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    engine.add_request("cli", prompt, params)
+    shown = 0
+    for out in engine.run_until_done():
+        completion = out.outputs[0]
+        sys.stdout.write(completion.text[shown:])
+        sys.stdout.flush()
+        shown = len(completion.text)
+        if out.finished:
+            _report(out)
+    return 0
+
+
+def _report(out) -> None:  # noqa: ANN001 - RequestOutput
+    m, c = out.metrics, out.outputs[0]
+    total = (m.finish_time or 0) - m.arrival_time
+    decode = (m.finish_time or 0) - (m.first_token_time or 0)
+    rate = (len(c.token_ids) - 1) / decode if decode > 0 else float("nan")
+    print(
+        f"\n\n[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}, "
+        f"TTFT {(m.first_token_time or 0) - m.arrival_time:.2f} s, {rate:.2f} tok/s decode, "
+        f"{total:.1f} s total]",
+        file=sys.stderr,
+    )
+
+
+def _stdin_or(default: str) -> str:
+    if sys.stdin is None or sys.stdin.isatty():
+        return default
+    data = sys.stdin.read().strip()
+    return data or default
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="braid", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="stream one completion to the terminal")
+    gen.add_argument("prompt", nargs="?", help="prompt text (default: stdin, else a demo)")
+    gen.add_argument("--raw", action="store_true", help="no chat template: complete the text")
+    gen.add_argument("--system", default=None, help="system message for the chat template")
+    _add_sampling_args(gen)
+    add_config_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except (ConfigError, ValueError) as e:
+        print(f"braid: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

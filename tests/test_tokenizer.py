@@ -1,0 +1,141 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import numpy as np
+import pytest
+
+from braid.models.gguf_loader import gguf_to_hf_folder
+from braid.models.loader import model_folder
+from braid.tokenizer import IncrementalDetokenizer, Tokenizer, compile_chat_template
+from tests.conftest import CHAT_TEMPLATE, tiny_vocab, write_gguf
+
+TEXTS = [
+    "hello the world",
+    "naïve café — ünïcödé",
+    "日本語のテキストと中文",
+    "emoji 🚀👩‍💻🇫🇷 end",
+    "def f(x):\n    return x ** 2  # ✓\n",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    tmp = tmp_path_factory.mktemp("tok")
+    embed = np.zeros((len(tiny_vocab()), 32), np.float32)
+    path = write_gguf(tmp / "tok.gguf", "qwen2", {"token_embd.weight": (embed, None)},
+                      {"embedding_length": 32, "head_count": 4, "feed_forward_length": 64,
+                       "block_count": 0})
+    return Tokenizer.from_folder(gguf_to_hf_folder(path))
+
+
+def stream(tokenizer: Tokenizer, ids: list[int], step: int = 1) -> str:
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.add(ids[i:i + step]) for i in range(0, len(ids), step)]
+    return "".join(pieces) + detok.flush()
+
+
+def test_gguf_tokenizer_encodes_with_merges(tiny_tokenizer: Tokenizer) -> None:
+    vocab = tiny_vocab()
+    ids = tiny_tokenizer.encode("hello the")
+    assert [vocab[i] for i in ids] == ["hello", "Ġthe"]
+    im_start = vocab.index("<|im_start|>")
+    assert tiny_tokenizer.encode("<|im_start|>hello")[0] == im_start
+    assert tiny_tokenizer.decode(tiny_tokenizer.encode("<|im_start|>hello")) == "hello"
+    assert tiny_tokenizer.decode([im_start], skip_special_tokens=False) == "<|im_start|>"
+    assert tiny_tokenizer.vocab_size == len(vocab)
+    assert tiny_tokenizer.eos_token_id == vocab.index("<|im_end|>")
+    assert tiny_tokenizer.eos_token_ids == {vocab.index("<|im_end|>"), vocab.index("<|endoftext|>")}
+    assert tiny_tokenizer.all_special_ids == [vocab.index(t) for t in
+                                              ("<|endoftext|>", "<|im_start|>", "<|im_end|>")]
+
+
+def test_gguf_tokenizer_matches_transformers(tiny_tokenizer: Tokenizer, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    embed = np.zeros((len(tiny_vocab()), 32), np.float32)
+    path = write_gguf(tmp_path / "tok.gguf", "qwen2", {"token_embd.weight": (embed, None)},
+                      {"embedding_length": 32, "head_count": 4})
+    reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in [*TEXTS, "<|im_start|>user\nhello<|im_end|>"]:
+        assert tiny_tokenizer.encode(text) == reference.encode(text)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("step", [1, 2, 3])
+def test_incremental_detokenizer_equals_full_decode(tiny_tokenizer: Tokenizer, text: str,
+                                                    step: int) -> None:
+    ids = tiny_tokenizer.encode(text)
+    assert stream(tiny_tokenizer, ids, step) == tiny_tokenizer.decode(ids) == text
+
+
+def test_incremental_detokenizer_holds_back_partial_characters(tiny_tokenizer: Tokenizer) -> None:
+    ids = tiny_tokenizer.encode("€")  # three byte-level tokens for one character
+    assert len(ids) == 3
+    detok = IncrementalDetokenizer(tiny_tokenizer)
+    assert [detok.add(i) for i in ids] == ["", "", "€"]
+
+
+def test_incremental_detokenizer_after_prompt(tiny_tokenizer: Tokenizer) -> None:
+    prompt = tiny_tokenizer.encode("hello")
+    output = tiny_tokenizer.encode(" the 日本")
+    detok = IncrementalDetokenizer(tiny_tokenizer, prompt_ids=prompt)
+    assert "".join(detok.add(i) for i in output) + detok.flush() == " the 日本"
+
+
+def test_chat_template(tiny_tokenizer: Tokenizer) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    expected = ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                "<|im_start|>assistant\n")
+    assert tiny_tokenizer.chat_template == CHAT_TEMPLATE
+    assert tiny_tokenizer.apply_chat_template(messages) == expected
+    assert tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=False) == (
+        expected.removesuffix("<|im_start|>assistant\n"))
+
+
+def test_chat_template_helpers() -> None:
+    template = compile_chat_template(
+        "{% if tools %}{{ tools | tojson }}{% endif %}\n"
+        "  {% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}ok")
+    tools: list[dict[str, Any]] = [{"name": "f", "description": "<a> & é"}]
+    assert template.render(messages=[{"role": "user"}], tools=tools) == (
+        '[{"name": "f", "description": "<a> & é"}]ok')
+    with pytest.raises(jinja2.TemplateError, match="user first"):
+        template.render(messages=[{"role": "system"}])
+
+
+REAL_TEXT = ("Hello, world! Привет мир. 你好，世界。こんにちは 🚀🔥👩‍💻 naïve café\n"
+             "def fib(n: int) -> int:\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+             "<|im_start|>user\n\t  tabs   and spaces 12345 3.14159<|im_end|>")
+
+
+@pytest.mark.real_model
+def test_real_tokenizer_matches_transformers(target_gguf: Path, reference_tokenizer: Any) -> None:
+    tokenizer = Tokenizer.from_folder(model_folder(str(target_gguf)))
+    ids = tokenizer.encode(REAL_TEXT)
+    assert ids == reference_tokenizer.encode(REAL_TEXT)
+    for skip in (True, False):
+        expected = reference_tokenizer.decode(ids, skip_special_tokens=skip)
+        assert tokenizer.decode(ids, skip) == expected
+    assert stream(tokenizer, ids) == tokenizer.decode(ids)
+    assert tokenizer.vocab_size == len(reference_tokenizer)
+    assert tokenizer.eos_token_id == reference_tokenizer.eos_token_id
+    assert {tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")} <= (
+        tokenizer.eos_token_ids)
+
+
+@pytest.mark.real_model
+def test_real_chat_template_matches_transformers(
+    target_gguf: Path, reference_tokenizer: Any
+) -> None:
+    tokenizer = Tokenizer.from_folder(model_folder(str(target_gguf)))
+    messages = [{"role": "system", "content": "You are a helpful coding assistant."},
+                {"role": "user", "content": "Write a Python function that reverses a string. 🙂"}]
+    expected = reference_tokenizer.apply_chat_template(messages, tokenize=False,
+                                                       add_generation_prompt=True)
+    assert tokenizer.apply_chat_template(messages, add_generation_prompt=True) == expected
+    user_only = messages[1:]
+    assert tokenizer.apply_chat_template(user_only) == reference_tokenizer.apply_chat_template(
+        user_only, tokenize=False, add_generation_prompt=True)
