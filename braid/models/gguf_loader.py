@@ -82,7 +82,8 @@ def _read_index() -> dict[str, str]:
 
 
 def remember_sha256(path: Path, sha256: str) -> None:
-    index = _read_index()
+    # Entries of files that no longer exist are dropped (keys are "path:size:mtime").
+    index = {k: v for k, v in _read_index().items() if Path(k.rsplit(":", 2)[0]).exists()}
     index[_stat_key(path)] = sha256
     _write_atomic(_index_file(), json.dumps(index, indent=1).encode())
 
@@ -100,6 +101,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+    os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shared
     os.replace(tmp, path)
 
 

@@ -116,6 +116,23 @@ def test_filters_match_reference() -> None:
         assert_same_logits(actual[row], ref_filter(logits[row], p))
 
 
+def test_top_k_fast_path_matches_reference() -> None:
+    params = [
+        SamplingParams(top_k=3),
+        SamplingParams(top_k=9, top_p=0.6, temperature=0.8),
+        SamplingParams(top_k=5, min_p=0.2),
+        SamplingParams(temperature=0),
+    ]
+    logits = random_logits(len(params), seed=11)
+    meta = build(params)
+    assert meta.max_top_k == 9  # every random row has a top-k: topk instead of a full sort
+    actual = processed_logits(logits, meta)
+    for row, p in enumerate(params[:-1]):
+        assert_same_logits(actual[row], ref_filter(logits[row], p))
+    assert int(actual[-1].argmax()) == int(logits[-1].argmax())
+    assert int(target_probs(logits, meta)[-1].argmax()) == int(logits[-1].argmax())
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 10_000),

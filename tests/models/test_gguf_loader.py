@@ -136,7 +136,9 @@ def test_interrupted_conversion_leaves_no_cache(
     monkeypatch.setattr(gguf_loader, "convert_tensor", flaky)
     with pytest.raises(KeyboardInterrupt):
         gguf_to_hf_folder(path)
-    assert list((cache_root() / "hf").iterdir()) == []
+    hf = cache_root() / "hf"
+    assert not (hf / gguf_loader.gguf_sha256(path)).exists()
+    assert not [p for p in hf.iterdir() if p.name.startswith(".")]  # no temp folder left
     monkeypatch.setattr(gguf_loader, "convert_tensor", real)
     assert (gguf_to_hf_folder(path) / "config.json").is_file()
 

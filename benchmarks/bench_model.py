@@ -1,0 +1,117 @@
+"""Model-layer benchmark: step cost vs query tokens, decode speed vs the memory roofline, load
+times and peak memory, for the default target on this machine.
+
+    python benchmarks/bench_model.py [--model NAME] [--cold]
+
+Prints a table; `--cold` also times a conversion from GGUF into an empty cache folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from braid.config import DEFAULT_TARGET, EngineConfig
+from braid.engine.engine import LLMEngine
+from braid.sampling_params import SamplingParams
+
+
+def measure_bandwidth(gib: float = 2.0, repeats: int = 5) -> float:
+    """Streaming read bandwidth (bytes/s): the best of several sums over a large fp32 tensor."""
+    x = torch.ones(int(gib * 2**30 / 4))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
+
+
+def time_load(model: str, cache_dir: str | None) -> float:
+    """Seconds to load the model in a fresh process (optionally with another cache dir)."""
+    env = dict(os.environ, **({"BRAID_CACHE_DIR": cache_dir} if cache_dir else {}))
+    code = ("import time; t = time.perf_counter(); from braid.models.build import load_model; "
+            f"load_model({model!r}); print(time.perf_counter() - t)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                         capture_output=True, text=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def step_ms(engine: LLMEngine, num_query_tokens: int, repeats: int = 3) -> float:
+    """Median ms of one forward whose flat batch holds `num_query_tokens` prefill tokens."""
+    times = []
+    for i in range(repeats):
+        rid = f"q{num_query_tokens}-{i}"
+        engine.add_request(rid, list(range(1000, 1000 + num_query_tokens)) + [5],
+                           SamplingParams(max_tokens=1, temperature=0))
+        engine.scheduler.max_num_batched_tokens = num_query_tokens
+        start = time.perf_counter()
+        engine.step()  # exactly num_query_tokens prompt tokens, no sampling
+        times.append(time.perf_counter() - start)
+        engine.abort(rid)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def decode_rate(engine: LLMEngine, new_tokens: int = 64) -> tuple[float, float]:
+    """Single-request greedy decode: (tokens/s, median ms per decode step)."""
+    engine.scheduler.max_num_batched_tokens = engine.config.max_num_batched_tokens or 128
+    engine.add_request("decode", list(range(2000, 2032)),
+                       SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+    engine.step()  # the prompt
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return len(times) / sum(times), sorted(times)[len(times) // 2] * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_TARGET)
+    parser.add_argument("--cold", action="store_true", help="also time a GGUF conversion")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0)
+    args = parser.parse_args()
+
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    cached_load = time_load(args.model, None)
+    cold_load = None
+    if args.cold:
+        with tempfile.TemporaryDirectory() as tmp:
+            cold_load = time_load(args.model, tmp)
+    engine = LLMEngine(EngineConfig(model=args.model, kv_cache_gib=args.kv_cache_gib,
+                                    max_num_batched_tokens=512, log_stats_interval=0))
+    model = engine.runner.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_bytes = engine.runner.kv_cache.numel() * engine.runner.kv_cache.element_size()
+    bandwidth = measure_bandwidth()
+    roofline_ms = weight_bytes / bandwidth * 1e3
+    for n in (1, 4, 16, 64, 256):
+        step_ms(engine, n, repeats=1)  # warm-up
+        print(f"step with {n:>3} query tokens: {step_ms(engine, n):8.1f} ms", flush=True)
+    rate, decode_ms = decode_rate(engine)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(f"weights:                 {weight_bytes / 1e9:8.2f} GB")
+    print(f"KV cache:                {kv_bytes / 1e9:8.2f} GB")
+    print(f"memory bandwidth:        {bandwidth / 1e9:8.1f} GB/s")
+    print(f"roofline step:           {roofline_ms:8.1f} ms")
+    print(f"decode step (median):    {decode_ms:8.1f} ms  ({decode_ms / roofline_ms:.2f}x roofline)")
+    print(f"single-request decode:   {rate:8.2f} tok/s")
+    print(f"cached load:             {cached_load:8.1f} s")
+    if cold_load is not None:
+        print(f"cold load (convert):     {cold_load:8.1f} s")
+    print(f"peak RSS:                {peak / 1e9:8.2f} GB "
+          f"({peak / (weight_bytes + kv_bytes):.2f}x weights + KV)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: `braid serve` (FastAPI + uvicorn, one engine thread)."""

@@ -1,0 +1,258 @@
+"""The engine's background thread and the asyncio bridge to it.
+
+One thread owns the `LLMEngine` and is the only code that touches it. Handlers on the event
+loop send it commands through a thread-safe queue (add, abort, stop), applied between steps;
+the thread hands outputs back with one `loop.call_soon_threadsafe` per step, which puts them
+on each HTTP request's asyncio queue. Neither side ever waits for the other: the queues are
+unbounded and the thread blocks only when it has no work at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from braid.outputs import RequestOutput
+from braid.sampling_params import SamplingParams
+from braid.server.metrics import ServerMetrics
+
+logger = logging.getLogger("braid.server")
+
+
+class EngineLike(Protocol):
+    """What the loop needs of `LLMEngine` (tests drive the loop with a fake)."""
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    sampling_params: SamplingParams | None = ...,
+                    arrival_time: float | None = ...) -> Any: ...
+    def abort(self, request_id: str) -> RequestOutput | None: ...
+    def step(self) -> list[RequestOutput]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_running(self) -> int: ...
+
+
+@dataclass(slots=True)
+class RequestFailed:
+    """Delivered instead of an output when the engine failed this request."""
+
+    request_id: str
+    error: BaseException
+
+
+Delivery = RequestOutput | RequestFailed
+OutputQueue = asyncio.Queue[Delivery]
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival_time: float
+    queue: OutputQueue
+    admitted: asyncio.Future[None]
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """Load figures published by the engine thread after every iteration."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_used_blocks: int = 0
+
+
+class AsyncEngine:
+    def __init__(self, engine: EngineLike, metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.snapshot = EngineSnapshot()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._queues: dict[str, OutputQueue] = {}  # engine thread only
+        self._num_pending_adds = 0  # event loop only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- event-loop side --------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="braid-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort what is left, end the thread (blocking: call it after the server drained)."""
+        self._inbox.put(_Stop())
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting in the engine plus those sent but not yet added."""
+        return self.snapshot.num_waiting + self._num_pending_adds
+
+    async def add(self, request_id: str, prompt: list[int], params: SamplingParams,
+                  out: OutputQueue, arrival_time: float | None = None) -> None:
+        """Add a request whose outputs go to `out`; raises what `engine.add_request` raised."""
+        assert self._loop is not None, "start() first"
+        admitted: asyncio.Future[None] = self._loop.create_future()
+        self._inbox.put(_Add(request_id, prompt, params, arrival_time or time.monotonic(), out,
+                             admitted))
+        self._num_pending_adds += 1
+        try:
+            await admitted
+        except asyncio.CancelledError:
+            self.abort(request_id)  # applied after the add: the inbox is FIFO
+            raise
+        finally:
+            self._num_pending_adds -= 1
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    # ---- engine thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            idle = not self.engine.has_unfinished_requests()
+            if not self._apply(self._take_commands(block=idle)):
+                return
+            if self.engine.has_unfinished_requests():
+                self._step()
+            self._publish()
+
+    def _take_commands(self, block: bool) -> list[_Add | _Abort | _Stop]:
+        commands = [self._inbox.get()] if block else []
+        while True:
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, commands: list[_Add | _Abort | _Stop]) -> bool:
+        """Apply commands in order; False once asked to stop."""
+        for command in commands:
+            if isinstance(command, _Add):
+                self._add(command)
+            elif isinstance(command, _Abort):
+                self._abort(command.request_id)
+            else:
+                self._abort_all()
+                self._publish()
+                return False
+        return True
+
+    def _add(self, command: _Add) -> None:
+        error: BaseException | None = None
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params,
+                                    command.arrival_time)
+            self._queues[command.request_id] = command.queue
+        except Exception as e:  # reported to this request's handler only
+            error = e
+        self._call_soon(_settle, command.admitted, error)
+
+    def _abort(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        try:
+            out = self.engine.abort(request_id)
+        except Exception:
+            logger.exception("aborting request %s failed", request_id)
+            return
+        if self.metrics is not None:
+            self.metrics.forget(request_id)
+            if out is not None:
+                self.metrics.record_finished(out)
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._queues):
+            self._deliver_failure(request_id, RuntimeError("server shutting down"))
+            self._abort(request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # The step mixes every scheduled request in one forward, so it cannot be pinned
+            # on one of them: fail the requests in the engine, keep serving new ones.
+            logger.exception("engine step failed; failing %d request(s)", len(self._queues))
+            for request_id in list(self._queues):
+                self._deliver_failure(request_id, e)
+                self._abort(request_id)
+            return
+        stats = getattr(self.engine, "stats", None)
+        if self.metrics is not None:
+            self.metrics.record_outputs(outputs)
+            if stats is not None:
+                self.metrics.record_stats(stats)
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        batch = []
+        for out in outputs:
+            target = (self._queues.pop(out.request_id, None) if out.finished
+                      else self._queues.get(out.request_id))
+            if target is not None:
+                batch.append((target, out))
+        if batch:
+            self._call_soon(_put_all, batch)
+
+    def _deliver_failure(self, request_id: str, error: BaseException) -> None:
+        target = self._queues.get(request_id)
+        if target is not None:
+            self._call_soon(_put_all, [(target, RequestFailed(request_id, error))])
+
+    def _publish(self) -> None:
+        engine: Any = self.engine
+        blocks = getattr(engine, "blocks", None)
+        self.snapshot = EngineSnapshot(
+            num_running=engine.num_running, num_waiting=engine.num_waiting,
+            kv_usage=blocks.usage if blocks is not None else 0.0,
+            num_used_blocks=blocks.num_used_blocks if blocks is not None else 0)
+        if self.metrics is not None:
+            s = self.snapshot
+            self.metrics.set_load(s.num_running, s.num_waiting, s.kv_usage)
+
+    def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is waiting any more
+            pass
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _put_all(batch: list[tuple[OutputQueue, Delivery]]) -> None:
+    for target, item in batch:
+        target.put_nowait(item)

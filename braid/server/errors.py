@@ -1,0 +1,79 @@
+"""OpenAI-style error bodies: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from braid.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger("braid.server")
+
+_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+          500: "internal_server_error", 503: "service_unavailable_error"}
+
+
+class APIError(Exception):
+    """An error a handler answers with; `param` names the request field at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: int | str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else status
+        self.headers = headers
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(
+            message=self.message, type=_TYPES.get(self.status, "api_error"), param=self.param,
+            code=self.code))
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), status_code=self.status,
+                            headers=self.headers)
+
+
+def bad_request(message: str, param: str | None) -> APIError:
+    return APIError(400, message, param)
+
+
+def field_of(message: str) -> str:
+    """Engine and SamplingParams messages start with the field name ("max_tokens must ...")."""
+    return message.split(" ", 1)[0].strip(":")
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """Pydantic's first complaint as a 400 naming the top-level body field."""
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return bad_request(f"malformed JSON body: {first.get('msg', 'invalid JSON')}", "body")
+    if not loc:
+        return bad_request(f"request body: {first.get('msg', 'invalid')}", "body")
+    where = ".".join(loc)
+    return bad_request(f"{where}: {first.get('msg', 'invalid value')}", loc[0])
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request %s %s failed", request.method, request.url.path)
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()

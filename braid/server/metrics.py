@@ -1,0 +1,161 @@
+"""Prometheus metrics named like vLLM's, under a `braid:` prefix.
+
+Everything is written from the engine thread (prometheus-client is thread-safe); counters
+follow `engine.stats` by deltas so the engine stays the single source of truth.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from braid.engine.stats import EngineStats
+from braid.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                2.5, 5.0, 10.0, 20.0)
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """Per-request state needed for inter-token latency."""
+
+    last_token_time: float
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class _Seen:
+    """Engine counters already exported."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_preemptions: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self._model = model_name
+        self._build_gauges()
+        self._build_counters()
+        self._build_histograms()
+        self._seen = _Seen()
+        self._accepted_per_pos: list[int] = []
+        self._tracked: dict[str, _Tracked] = {}
+
+    def _labels(self) -> list[str]:
+        return ["model_name"]
+
+    def _build_gauges(self) -> None:
+        r, lb = self.registry, self._labels()
+        self.running = Gauge("braid:num_requests_running", "Requests in the running batch",
+                             lb, registry=r).labels(self._model)
+        self.waiting = Gauge("braid:num_requests_waiting", "Requests waiting to be scheduled",
+                             lb, registry=r).labels(self._model)
+        self.kv_usage = Gauge("braid:kv_cache_usage_perc", "KV cache usage (1 = 100%)",
+                              lb, registry=r).labels(self._model)
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(name, doc, self._labels(), registry=self.registry).labels(self._model)
+
+    def _build_counters(self) -> None:
+        self.prompt_tokens = self._counter("braid:prompt_tokens", "Prefill tokens computed")
+        self.generation_tokens = self._counter("braid:generation_tokens", "Tokens generated")
+        self.preemptions = self._counter("braid:num_preemptions", "Preemptions")
+        self.num_drafts = self._counter("braid:spec_decode_num_drafts",
+                                        "Verification windows with at least one draft token")
+        self.num_draft_tokens = self._counter("braid:spec_decode_num_draft_tokens",
+                                              "Draft tokens proposed and verified")
+        self.num_accepted_tokens = self._counter("braid:spec_decode_num_accepted_tokens",
+                                                 "Draft tokens accepted")
+        self.accepted_per_pos = Counter(
+            "braid:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position",
+            [*self._labels(), "position"], registry=self.registry)
+        self.request_success = Counter(
+            "braid:request_success", "Finished requests by finish reason",
+            [*self._labels(), "finished_reason"], registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, doc, self._labels(), buckets=buckets,
+                         registry=self.registry).labels(self._model)
+
+    def _build_histograms(self) -> None:
+        self.ttft = self._histogram("braid:time_to_first_token_seconds",
+                                    "Time to first token", _LATENCY_BUCKETS)
+        self.itl = self._histogram("braid:inter_token_latency_seconds",
+                                   "Time between a request's successive token outputs",
+                                   _ITL_BUCKETS)
+        self.e2e = self._histogram("braid:e2e_request_latency_seconds",
+                                   "Arrival to finish", _LATENCY_BUCKETS)
+
+    # ---- updates (engine thread) -------------------------------------------------------
+
+    def set_load(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.kv_usage.set(kv_usage)
+
+    def record_stats(self, stats: EngineStats) -> None:
+        seen = self._seen
+        spec = stats.spec
+        for counter, attr, value in (
+            (self.prompt_tokens, "prompt_tokens", stats.prompt_tokens),
+            (self.generation_tokens, "generation_tokens", stats.generation_tokens),
+            (self.preemptions, "num_preemptions", stats.num_preemptions),
+            (self.num_drafts, "num_drafts", spec.num_drafts),
+            (self.num_draft_tokens, "num_draft_tokens", spec.num_draft_tokens),
+            (self.num_accepted_tokens, "num_accepted_tokens", spec.num_accepted_tokens),
+        ):
+            if value > getattr(seen, attr):
+                counter.inc(value - getattr(seen, attr))
+                setattr(seen, attr, value)
+        self._record_per_position(spec.accepted_per_position)
+
+    def _record_per_position(self, accepted: list[int]) -> None:
+        for pos, value in enumerate(accepted):
+            if pos == len(self._accepted_per_pos):
+                self._accepted_per_pos.append(0)
+            if value > self._accepted_per_pos[pos]:
+                self.accepted_per_pos.labels(self._model, str(pos)).inc(
+                    value - self._accepted_per_pos[pos])
+                self._accepted_per_pos[pos] = value
+
+    def record_outputs(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            self._record_tokens(out, now)
+            if out.finished:
+                self.record_finished(out)
+
+    def _record_tokens(self, out: RequestOutput, now: float) -> None:
+        num_tokens = len(out.outputs[0].token_ids)
+        tracked = self._tracked.get(out.request_id)
+        if tracked is None:
+            if num_tokens and out.metrics.first_token_time is not None:
+                self.ttft.observe(out.metrics.first_token_time - out.metrics.arrival_time)
+                self._tracked[out.request_id] = _Tracked(now, num_tokens)
+        elif num_tokens > tracked.num_tokens:
+            self.itl.observe(now - tracked.last_token_time)
+            tracked.last_token_time, tracked.num_tokens = now, num_tokens
+
+    def record_finished(self, out: RequestOutput) -> None:
+        self._tracked.pop(out.request_id, None)
+        reason = out.outputs[0].finish_reason or "abort"
+        self.request_success.labels(self._model, reason).inc()
+        if reason != "abort":
+            finish = out.metrics.finish_time or time.monotonic()
+            self.e2e.observe(finish - out.metrics.arrival_time)
+
+    def forget(self, request_id: str) -> None:
+        self._tracked.pop(request_id, None)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

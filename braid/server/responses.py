@@ -1,0 +1,131 @@
+"""Engine outputs -> OpenAI bodies: per-choice deltas, logprobs, usage and braid's figures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from braid.outputs import RequestOutput
+from braid.server.protocol import (
+    BraidInfo,
+    ChatLogprobs,
+    CompletionLogprobs,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+)
+from braid.tokenizer import Tokenizer
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+@dataclass(slots=True)
+class Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """One choice (one engine request) of a response, and how much of it was sent."""
+
+    index: int
+    request_id: str
+    prompt_index: int
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    final: RequestOutput | None = None
+
+    def advance(self, out: RequestOutput) -> Delta:
+        """What `out` adds to what was sent (engine text and token ids are cumulative)."""
+        c = out.outputs[0]
+        delta = Delta(c.text[self.sent_chars:], c.token_ids[self.sent_tokens:],
+                      None if c.logprobs is None else c.logprobs[self.sent_tokens:])
+        self.sent_chars = max(self.sent_chars, len(c.text))
+        self.sent_tokens = len(c.token_ids)
+        if out.finished:
+            self.final = out
+        return delta
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:n]
+
+
+def _clamp(logprob: float | None) -> float | None:
+    return None if logprob is None else max(logprob, _MIN_LOGPROB)
+
+
+def completion_logprobs(tokenizer: Tokenizer, delta: Delta, top_n: int,
+                        offset: int) -> CompletionLogprobs:
+    result = CompletionLogprobs()
+    for token_id, entry in zip(delta.token_ids, delta.logprobs or [], strict=False):
+        text = token_text(tokenizer, token_id)
+        result.tokens.append(text)
+        result.token_logprobs.append(_clamp(entry.get(token_id)))
+        result.top_logprobs.append(
+            {token_text(tokenizer, t): max(lp, _MIN_LOGPROB) for t, lp in _top(entry, top_n)})
+        result.text_offset.append(offset)
+        offset += len(text)
+    return result
+
+
+def chat_logprobs(tokenizer: Tokenizer, delta: Delta, top_n: int) -> ChatLogprobs:
+    content = []
+    for token_id, entry in zip(delta.token_ids, delta.logprobs or [], strict=False):
+        text = token_text(tokenizer, token_id)
+        top = [_top_logprob(tokenizer, t, lp) for t, lp in _top(entry, top_n)]
+        content.append(TokenLogprob(token=text, logprob=_clamp(entry.get(token_id)) or 0.0,
+                                    bytes=list(text.encode()), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+def _top_logprob(tokenizer: Tokenizer, token_id: int, logprob: float) -> TopLogprob:
+    text = token_text(tokenizer, token_id)
+    return TopLogprob(token=text, logprob=max(logprob, _MIN_LOGPROB), bytes=list(text.encode()))
+
+
+def usage(prompts: list[list[int]], choices: list[ChoiceState]) -> UsageInfo:
+    """Each prompt counts once however many choices it has (OpenAI's n semantics)."""
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(c.sent_tokens for c in choices)
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+def braid_info(outputs: list[RequestOutput]) -> BraidInfo:
+    """Preemptions and speculation figures; counters are summed over the choices."""
+    spec: dict[str, Any] = {}
+    if len(outputs) == 1:
+        spec = dict(outputs[0].metrics.spec)
+    else:
+        for out in outputs:
+            _add_counts(spec, out.metrics.spec)
+        _rederive_rates(spec)
+    return BraidInfo(num_preemptions=sum(o.metrics.num_preemptions for o in outputs), spec=spec)
+
+
+def _add_counts(total: dict[str, Any], part: dict[str, Any]) -> None:
+    for key, value in part.items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            total[key] = total.get(key, 0) + value
+        elif isinstance(value, list) and all(isinstance(v, int) for v in value):
+            have = total.setdefault(key, [])
+            have.extend([0] * (len(value) - len(have)))
+            for i, v in enumerate(value):
+                have[i] += v
+
+
+def _rederive_rates(spec: dict[str, Any]) -> None:
+    """Ratios cannot be summed: recompute them from the summed counters (DESIGN.md)."""
+    drafts, drafted = spec.get("num_drafts", 0), spec.get("num_draft_tokens", 0)
+    accepted = spec.get("num_accepted_tokens", 0)
+    if drafted:
+        spec["acceptance_rate"] = round(accepted / drafted, 4)
+    if drafts:
+        spec["mean_acceptance_length"] = round(1 + accepted / drafts, 4)
