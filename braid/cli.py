@@ -1,4 +1,5 @@
-"""`braid` command line: generate (stream one completion to the terminal)."""
+"""`braid` command line: generate (stream one completion to the terminal) and serve (the
+OpenAI-compatible HTTP server)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable
 
 from braid.config import ConfigError, add_config_args, config_from_args
 from braid.sampling_params import SamplingParams
+from braid.server.args import add_server_args
 
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 
@@ -62,6 +64,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from braid.server.app import run_server
+
+    return run_server(args)
+
+
 def _report(out) -> None:  # noqa: ANN001 - RequestOutput
     m, c = out.metrics, out.outputs[0]
     total = (m.finish_time or 0) - m.arrival_time
@@ -92,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     add_config_args(gen)
     gen.set_defaults(func=cmd_generate)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (see braid/server)")
+    add_server_args(serve)
+    add_config_args(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

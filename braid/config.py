@@ -16,6 +16,55 @@ class ConfigError(ValueError):
     """A user-facing configuration error; the message names the option (flag)."""
 
 
+@dataclass
+class SpecConfig:
+    """Speculative decoding, vLLM-shaped: {"method": "ngram" | "draft_model", ...}."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    model: str | None = None  # the draft model (name or path) for method "draft_model"
+    policy: str = "fixed"  # how k is chosen per request and step
+
+    MAX_TOKENS = 16
+    METHODS = ("ngram", "draft_model")
+    POLICIES = ("fixed",)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SpecConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"--speculative-config: unknown key {unknown[0]!r} "
+                              f"(known: {', '.join(sorted(known))})")
+        if "method" not in d or "num_speculative_tokens" not in d:
+            raise ConfigError("--speculative-config needs 'method' and 'num_speculative_tokens'")
+        spec = cls(**d)
+        spec.validate()
+        return spec
+
+    def validate(self) -> None:
+        where = "--speculative-config"
+        if self.method not in self.METHODS:
+            raise ConfigError(f"{where}: method must be one of {', '.join(self.METHODS)}, "
+                              f"got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not (
+                1 <= self.num_speculative_tokens <= self.MAX_TOKENS):
+            raise ConfigError(f"{where}: num_speculative_tokens must be an integer in "
+                              f"[1, {self.MAX_TOKENS}], got {self.num_speculative_tokens!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(f"{where}: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.policy not in self.POLICIES:
+            raise ConfigError(f"{where}: policy must be one of {', '.join(self.POLICIES)}, "
+                              f"got {self.policy!r}")
+        if self.method == "draft_model" and self.model is None:
+            self.model = DEFAULT_DRAFT
+        if self.method == "ngram" and self.model is not None:
+            raise ConfigError(f"{where}: 'model' is only for method draft_model")
+
+
 def _opt(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
@@ -52,6 +101,10 @@ class EngineConfig:
                 f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.log_stats_interval < 0:
             raise ConfigError("--log-stats-interval must be >= 0")
+        self.spec = (None if self.speculative_config is None
+                     else SpecConfig.from_dict(self.speculative_config))
+
+    spec: SpecConfig | None = field(init=False, default=None, metadata={"cli": False})
 
     def _check_positive(self, *names: str) -> None:
         for name in names:
@@ -100,6 +153,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type = EngineConfig) -
     """One flag per config field, named after it; defaults stay the dataclass's own."""
     group = parser.add_argument_group("engine options")
     for f in fields(cls):
+        if not f.init:
+            continue
         kwargs: dict[str, Any] = {"help": f.metadata.get("help"), "default": argparse.SUPPRESS}
         if f.metadata.get("json"):
             kwargs["type"] = _json_arg(_flag(f.name))

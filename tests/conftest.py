@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,11 +64,6 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
-
-
-@pytest.fixture
-def gguf_writer() -> Callable[..., Path]:
-    return write_gguf
 
 
 USER_CACHE = str(cache_root())  # read before any fixture points the cache elsewhere

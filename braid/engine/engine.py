@@ -14,12 +14,15 @@ from braid.engine.block_manager import BlockManager
 from braid.engine.output import OutputProcessor
 from braid.engine.request import Request
 from braid.engine.runner import ModelInput, ModelRunner, kv_bytes_per_token
-from braid.engine.sampler import Sampler, SamplingMetadata
+from braid.engine.sampler import Sampler, SamplingMetadata, gather_logprobs
 from braid.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from braid.engine.stats import EngineStats, StepStats
 from braid.models.qwen2 import Qwen2ForCausalLM
 from braid.outputs import RequestOutput
 from braid.sampling_params import SamplingParams
+from braid.spec.draft import DraftModelProposer
+from braid.spec.proposer import NgramPromptLookup, Proposer
+from braid.spec.rejection_sampler import rejection_sample
 from braid.tokenizer import Tokenizer
 
 logger = logging.getLogger("braid")
@@ -44,6 +47,7 @@ class LLMEngine:
         config: EngineConfig,
         model: Qwen2ForCausalLM | None = None,
         tokenizer: Tokenizer | None = None,
+        draft_model: Qwen2ForCausalLM | None = None,
     ) -> None:
         torch.set_num_threads(config.threads)
         if model is None:
@@ -65,6 +69,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.device)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(tokenizer, self._eos_token_ids(model))
+        self.proposer = self._make_proposer(model, draft_model)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats(num_kv_blocks=num_blocks)
         self._generator = torch.Generator().manual_seed(config.seed)
@@ -82,6 +87,25 @@ class LLMEngine:
                 f"KV cache of {num} blocks holds fewer than --max-model-len "
                 f"({cfg.max_model_len}) tokens: raise --kv-cache-gib or --num-kv-blocks")
         return num
+
+    def _make_proposer(
+        self, target: Qwen2ForCausalLM, draft: Qwen2ForCausalLM | None
+    ) -> Proposer | None:
+        spec = self.config.spec
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramPromptLookup(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if draft is None:
+            from braid.models.build import load_model
+
+            assert spec.model is not None
+            draft, _ = load_model(spec.model, self.config.torch_dtype, self.config.device)
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ConfigError(
+                f"--speculative-config: the draft model's vocabulary ({draft.config.vocab_size} "
+                f"tokens) differs from the target's ({target.config.vocab_size})")
+        return DraftModelProposer(draft, self.blocks, self.config.block_size, self.device)
 
     def _eos_token_ids(self, model: Qwen2ForCausalLM) -> frozenset[int]:
         if self.tokenizer is not None:
@@ -136,9 +160,15 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None or req.is_finished:
             return None
-        self.scheduler.finish(req, "abort")
-        self.outputs.finish(req)
+        self._finish(req, "abort")
         return self.outputs.make_output(req)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.scheduler.finish(req, reason)
+        self.outputs.finish(req)
+        self.requests.pop(req.request_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -165,31 +195,99 @@ class LLMEngine:
         forward_time = time.perf_counter() - start
         sampled = self._sample(sched, inp, logits)
         outputs = [o for s in sampled if (o := self._update(s)) is not None]
+        self._propose(sched)
         self._record(sched, context, forward_time, time.perf_counter() - start)
         return outputs
 
     def _sample(
         self, sched: SchedulerOutput, inp: ModelInput, logits: torch.Tensor
     ) -> list[_Sampled]:
-        rows = [s for s, (_, n) in zip(sched.scheduled, inp.logits_rows, strict=True) if n]
+        windows = [s for s in sched.scheduled if s.samples]
         results = [_Sampled(s, [], None) for s in sched.scheduled if not s.samples]
-        if not rows:
+        if not windows:
             return results
-        meta = SamplingMetadata.build(
-            params=[s.request.sampling_params for s in rows],
-            prompt_token_ids=[s.request.prompt_token_ids for s in rows],
-            output_token_ids=[s.request.output_token_ids for s in rows],
-            generators=[s.request.generator for s in rows],
+        if any(s.num_spec_tokens for s in windows):
+            tokens = self._verify(windows, logits)
+        else:
+            out = self.sampler(logits, self._sampling_metadata(windows, logits))
+            tokens = [[t] for t in out.sampled_token_ids.tolist()]
+        logprobs = self._logprobs(windows, logits, tokens)
+        for i, s in enumerate(windows):
+            results.append(_Sampled(s, tokens[i], None if logprobs is None else logprobs[i]))
+        return results
+
+    def _sampling_metadata(
+        self, windows: list[ScheduledRequest], logits: torch.Tensor
+    ) -> SamplingMetadata:
+        """One row per window position; row j of a window sees its first j drafts as output
+        (so penalties and min_tokens apply as if those drafts had been accepted)."""
+        rows = [(s, j) for s in windows for j in range(1 + s.num_spec_tokens)]
+        return SamplingMetadata.build(
+            params=[s.request.sampling_params for s, _ in rows],
+            prompt_token_ids=[s.request.prompt_token_ids for s, _ in rows],
+            output_token_ids=[s.request.output_token_ids + s.request.spec_token_ids[:j]
+                              for s, j in rows],
+            generators=[s.request.generator if not s.num_spec_tokens else None for s, _ in rows],
             vocab_size=logits.shape[-1],
             device=self.device,
             eos_token_ids=self.outputs.eos_token_ids,
         )
-        out = self.sampler(logits, meta)
-        tokens = out.sampled_token_ids.tolist()
-        logprobs = _logprob_dicts(out, [s.request.sampling_params.logprobs for s in rows])
-        for i, s in enumerate(rows):
-            results.append(_Sampled(s, [tokens[i]], None if logprobs is None else [logprobs[i]]))
-        return results
+
+    def _verify(self, windows: list[ScheduledRequest], logits: torch.Tensor) -> list[list[int]]:
+        """Rejection sampling of every window (k = 0 windows are plain samples)."""
+        out = rejection_sample(
+            logits,
+            [s.request.spec_token_ids[: s.num_spec_tokens] for s in windows],
+            None,  # drafts are greedy / n-gram: q is one-hot
+            self._sampling_metadata(windows, logits),
+            [s.request.generator for s in windows],
+        )
+        ids = out.output_token_ids.tolist()
+        return [row[: n + 1] for row, n in zip(ids, out.num_accepted.tolist(), strict=True)]
+
+    def _logprobs(
+        self, windows: list[ScheduledRequest], logits: torch.Tensor, tokens: list[list[int]]
+    ) -> list[list[dict[int, float]]] | None:
+        """{token: logprob} for each emitted token (raw model logprobs) and the top-n."""
+        wanted = [s.request.sampling_params.logprobs for s in windows]
+        if all(n is None for n in wanted):
+            return None
+        rows, starts = [], [0]
+        for s, t in zip(windows, tokens, strict=True):
+            rows += range(starts[-1], starts[-1] + len(t))
+            starts.append(starts[-1] + 1 + s.num_spec_tokens)
+        flat = [t for ts in tokens for t in ts]
+        top = max(n or 0 for n in wanted)
+        lp = gather_logprobs(logits[rows].log_softmax(dim=-1), torch.tensor(flat), top)
+        ids, values = lp.token_ids.tolist(), lp.logprobs.tolist()
+        out, r = [], 0
+        for n, t in zip(wanted, tokens, strict=True):
+            k = 1 + (n or 0)
+            out.append([dict(zip(ids[r + j][:k], values[r + j][:k], strict=True))
+                        for j in range(len(t))])
+            r += len(t)
+        return out
+
+    def _propose(self, sched: SchedulerOutput) -> None:
+        """Drafts for the next step: k per request from the policy, capped by what can still
+        be emitted (max_tokens, max_model_len)."""
+        if self.proposer is None:
+            return
+        for rid in sched.preempted:
+            self.proposer.forget(rid)
+        running = self.scheduler.running
+        ks = [0 if r.is_prefilling else self._max_k(r) for r in running]
+        for r, drafts in zip(running, self.proposer.propose(running, ks), strict=True):
+            r.spec_token_ids = drafts
+
+    def _max_k(self, req: Request) -> int:
+        assert self.config.spec is not None and self.config.max_model_len is not None
+        k = min(self.config.spec.num_speculative_tokens,
+                self.config.max_model_len - req.num_tokens)
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            k = min(k, max_tokens - req.num_output_tokens - 1)
+        return max(k, 0)
 
     def _update(self, result: _Sampled) -> RequestOutput | None:
         s = result.scheduled
@@ -201,6 +299,10 @@ class LLMEngine:
             return None
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
+        if s.num_spec_tokens:
+            req.spec.record(s.num_spec_tokens, len(result.token_ids) - 1)
+            self.stats.spec.record(s.num_spec_tokens, len(result.token_ids) - 1)
+        req.spec_token_ids = []
         before = req.num_output_tokens
         reason = self.outputs.append(req, result.token_ids, result.logprobs,
                                      self.config.max_model_len or 0)
@@ -208,9 +310,7 @@ class LLMEngine:
         # Only the last appended token lacks KV; rejected drafts' slots get overwritten later.
         req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
         if reason is not None:
-            self.scheduler.finish(req, reason)
-            self.outputs.finish(req)
-            self.requests.pop(req.request_id, None)
+            self._finish(req, reason)
         return self.outputs.make_output(req)
 
     def _record(
@@ -233,16 +333,3 @@ class LLMEngine:
     def run_until_done(self) -> Iterator[RequestOutput]:
         while self.has_unfinished_requests():
             yield from self.step()
-
-
-def _logprob_dicts(out, wanted: list[int | None]) -> list[dict[int, float]] | None:
-    """Per row {token_id: logprob} with the sampled token and that row's top-n."""
-    if out.logprobs is None:
-        return None
-    ids = out.logprobs.token_ids.tolist()
-    lps = out.logprobs.logprobs.tolist()
-    rows = []
-    for i, n in enumerate(wanted):
-        k = 1 + (n or 0) if n is not None else 1
-        rows.append(dict(zip(ids[i][:k], lps[i][:k], strict=True)))
-    return rows

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from braid.engine.stats import SpecStats
 from braid.sampling_params import SamplingParams
 
 
@@ -37,6 +38,7 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    spec: SpecStats = field(default_factory=SpecStats)  # this request's speculation figures
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None:

@@ -22,6 +22,16 @@ class ModelInput:
     logits_rows: list[tuple[int, int]]
 
 
+@dataclass(slots=True)
+class Window:
+    """One request's query tokens in a flat batch."""
+
+    token_ids: list[int]
+    start: int  # position of the first token (= tokens already cached)
+    block_table: list[int]
+    num_logits: int  # logits rows wanted for the window's last tokens (0: none)
+
+
 def kv_bytes_per_token(model: Qwen2ForCausalLM, dtype: torch.dtype) -> int:
     cfg = model.config
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -46,21 +56,32 @@ class ModelRunner:
         model.bind_kv_cache(self.kv_cache)
 
     def prepare(self, sched: SchedulerOutput, blocks: BlockManager) -> ModelInput:
+        """The step's flat batch: every scheduled window, logits where the step samples."""
+        return self.build_input([
+            Window(
+                token_ids=s.request.token_ids(s.request.num_computed_tokens,
+                                              s.request.num_computed_tokens + s.num_new_tokens),
+                start=s.request.num_computed_tokens,
+                block_table=blocks.block_table(s.request.request_id),
+                num_logits=1 + s.num_spec_tokens if s.samples else 0,
+            )
+            for s in sched.scheduled
+        ])
+
+    def build_input(self, windows: list[Window]) -> ModelInput:
         ids: list[int] = []
         positions: list[int] = []
         logits_indices: list[int] = []
         logits_rows: list[tuple[int, int]] = []
-        for s in sched.scheduled:
-            req, c, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            ids += req.token_ids(c, c + n)
-            positions += range(c, c + n)
-            rows = 1 + s.num_spec_tokens if s.samples else 0
-            logits_rows.append((len(logits_indices), rows))
-            logits_indices += range(len(ids) - rows, len(ids))
+        for w in windows:
+            ids += w.token_ids
+            positions += range(w.start, w.start + len(w.token_ids))
+            logits_rows.append((len(logits_indices), w.num_logits))
+            logits_indices += range(len(ids) - w.num_logits, len(ids))
         meta = build_attention_metadata(
-            query_lens=[s.num_new_tokens for s in sched.scheduled],
-            context_lens=[s.request.num_computed_tokens for s in sched.scheduled],
-            block_tables=[blocks.block_table(s.request.request_id) for s in sched.scheduled],
+            query_lens=[len(w.token_ids) for w in windows],
+            context_lens=[w.start for w in windows],
+            block_tables=[w.block_table for w in windows],
             block_size=self.block_size,
             device=self.device,
         )

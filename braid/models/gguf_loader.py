@@ -42,6 +42,8 @@ _GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
+# Bump when the converted folder's content changes, so stale caches are not reused.
+CONVERSION_VERSION = 1
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
 
@@ -259,7 +261,7 @@ def gguf_to_hf_folder(gguf_path: Path) -> Path:
     """The cached HF-style folder of this GGUF, converting it on first use."""
     if not gguf_path.is_file():
         raise ModelLoadError(f"GGUF file not found: {gguf_path}")
-    folder = cache_root() / "hf" / gguf_sha256(gguf_path)
+    folder = cache_root() / "hf" / f"{gguf_sha256(gguf_path)}-v{CONVERSION_VERSION}"
     if not (folder / "config.json").is_file():
         convert_gguf(gguf_path, folder)
     return folder

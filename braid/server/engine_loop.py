@@ -10,6 +10,7 @@ unbounded and the thread blocks only when it has no work at all.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -118,6 +119,8 @@ class AsyncEngine:
                   out: OutputQueue, arrival_time: float | None = None) -> None:
         """Add a request whose outputs go to `out`; raises what `engine.add_request` raised."""
         assert self._loop is not None, "start() first"
+        if not self.is_alive:
+            raise RuntimeError("the engine loop is not running")
         admitted: asyncio.Future[None] = self._loop.create_future()
         self._inbox.put(_Add(request_id, prompt, params, arrival_time or time.monotonic(), out,
                              admitted))
@@ -136,6 +139,15 @@ class AsyncEngine:
     # ---- engine thread ----------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop_forever()
+        except BaseException:
+            logger.exception("the engine loop crashed; failing every request")
+            for request_id in list(self._queues):
+                self._deliver_failure(request_id, RuntimeError("the engine loop crashed"))
+            raise
+
+    def _loop_forever(self) -> None:
         while True:
             idle = not self.engine.has_unfinished_requests()
             if not self._apply(self._take_commands(block=idle)):
@@ -153,27 +165,32 @@ class AsyncEngine:
                 return commands
 
     def _apply(self, commands: list[_Add | _Abort | _Stop]) -> bool:
-        """Apply commands in order; False once asked to stop."""
+        """Apply commands in order; False once asked to stop. Admissions are settled after
+        the snapshot counts the new requests, so `num_waiting` never misses them."""
+        settled: list[tuple[asyncio.Future[None], BaseException | None]] = []
+        running = True
         for command in commands:
             if isinstance(command, _Add):
-                self._add(command)
+                settled.append((command.admitted, self._add(command)))
             elif isinstance(command, _Abort):
                 self._abort(command.request_id)
             else:
                 self._abort_all()
-                self._publish()
-                return False
-        return True
+                running = False
+                break
+        self._publish()
+        if settled:
+            self._call_soon(_settle_all, settled)
+        return running
 
-    def _add(self, command: _Add) -> None:
-        error: BaseException | None = None
+    def _add(self, command: _Add) -> BaseException | None:
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params,
                                     command.arrival_time)
-            self._queues[command.request_id] = command.queue
         except Exception as e:  # reported to this request's handler only
-            error = e
-        self._call_soon(_settle, command.admitted, error)
+            return e
+        self._queues[command.request_id] = command.queue
+        return None
 
     def _abort(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
@@ -238,19 +255,19 @@ class AsyncEngine:
 
     def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None
-        try:
+        # A closed event loop raises RuntimeError: nobody is waiting any more.
+        with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the event loop is closed: nobody is waiting any more
-            pass
 
 
-def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
+def _settle_all(settled: list[tuple[asyncio.Future[None], BaseException | None]]) -> None:
+    for future, error in settled:
+        if future.done():  # the handler was cancelled meanwhile
+            continue
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
 
 
 def _put_all(batch: list[tuple[OutputQueue, Delivery]]) -> None:

@@ -16,10 +16,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPT_LENS = [3, 70, 1, 25, 140, 9, 40, 17]
 
 
-def make_engine(**options) -> LLMEngine:
+def make_engine(draft_model=None, **options) -> LLMEngine:
     options = {"block_size": 4, "num_kv_blocks": 256, "max_model_len": 256,
                "log_stats_interval": 0, **options}
-    return LLMEngine(EngineConfig(model="tiny", **options), model=braid_model(CFG, WEIGHTS))
+    return LLMEngine(EngineConfig(model="tiny", **options), model=braid_model(CFG, WEIGHTS),
+                     draft_model=draft_model)
 
 
 def prompts() -> list[list[int]]:
@@ -27,7 +28,9 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, CFG.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
-def run(engine: LLMEngine, arrivals: dict[int, list[int]], params=GREEDY) -> dict[str, list[int]]:
+def run(
+    engine: LLMEngine, arrivals: dict[int, list[int]], params: SamplingParams = GREEDY
+) -> dict[str, list[int]]:
     """arrivals: step index -> prompt indices added before that step. Returns tokens by id."""
     ps, done, step = prompts(), {}, 0
     while step <= max(arrivals) or engine.has_unfinished_requests():

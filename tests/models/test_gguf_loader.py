@@ -137,7 +137,7 @@ def test_interrupted_conversion_leaves_no_cache(
     with pytest.raises(KeyboardInterrupt):
         gguf_to_hf_folder(path)
     hf = cache_root() / "hf"
-    assert not (hf / gguf_loader.gguf_sha256(path)).exists()
+    assert not any(p.name.startswith(gguf_loader.gguf_sha256(path)) for p in hf.iterdir())
     assert not [p for p in hf.iterdir() if p.name.startswith(".")]  # no temp folder left
     monkeypatch.setattr(gguf_loader, "convert_tensor", real)
     assert (gguf_to_hf_folder(path) / "config.json").is_file()
@@ -202,3 +202,16 @@ def test_unsupported_tensor_type(tmp_path: Path) -> None:
     message = "tensor output_norm.weight: unsupported GGUF tensor type I32"
     with pytest.raises(ModelLoadError, match=message):
         load_model_files(str(path))
+
+
+@pytest.mark.real_model
+def test_real_target_converts(target_gguf: Path) -> None:
+    loaded = load_model_files(str(target_gguf))
+    cfg = loaded.config
+    assert (cfg.architecture, cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers) == (
+        "qwen2", 151936, 1536, 28)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (12, 2, 128)
+    assert cfg.attention_bias and cfg.rope_theta == 1e6 and cfg.rms_norm_eps == 1e-6
+    assert loaded.weights["model.layers.0.self_attn.k_proj.weight"].shape == (256, 1536)
+    assert loaded.weights["model.layers.0.mlp.down_proj.weight"].shape == (1536, 8960)
+    assert all(w.dtype == torch.float32 for w in loaded.weights.values())

@@ -1,0 +1,19 @@
+"""`braid serve` flags beyond the engine's (kept free of heavy imports: the CLI loads it)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server options")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--served-model-name", action="append", default=None,
+                       help="name(s) clients use in `model` (repeatable; default: --model)")
+    group.add_argument("--max-waiting-requests", type=int, default=256,
+                       help="engine requests allowed to wait; beyond it new requests get 503")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds SIGTERM waits for in-flight requests before cancelling")
+    group.add_argument("--log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"])

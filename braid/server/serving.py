@@ -1,0 +1,197 @@
+"""What every generation endpoint shares: validation, admission, output streams, SSE.
+
+One HTTP request is a `Job`: one engine request per choice (n choices per prompt, ids
+`{job id}-{i}`), all delivering to one asyncio queue, so n > 1 and batched prompts need
+nothing from the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from braid.engine.engine import RequestError
+from braid.outputs import RequestOutput
+from braid.sampling_params import SamplingParams
+from braid.server.engine_loop import AsyncEngine, OutputQueue, RequestFailed
+from braid.server.errors import APIError, bad_request, field_of
+from braid.server.responses import ChoiceState, Delta
+from braid.tokenizer import Tokenizer
+
+logger = logging.getLogger("braid.server")
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass
+class ServerContext:
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    model_names: list[str]
+    max_model_len: int
+    max_waiting_requests: int
+    retry_after_s: int = 1
+
+
+class EngineFailure(Exception):
+    """The engine failed this request (see `RequestFailed`)."""
+
+
+@dataclass
+class Job:
+    """One HTTP request: its prompts and one `ChoiceState` per engine request."""
+
+    id: str
+    prompts: list[list[int]]
+    choices: list[ChoiceState]
+    params: list[SamplingParams]
+    arrival_time: float = field(default_factory=time.monotonic)
+    queue: OutputQueue = field(default_factory=asyncio.Queue)
+
+    @property
+    def unfinished(self) -> list[ChoiceState]:
+        return [c for c in self.choices if c.final is None]
+
+    def choice(self, request_id: str) -> ChoiceState:
+        return next(c for c in self.choices if c.request_id == request_id)
+
+
+def check_model(ctx: ServerContext, name: str | None) -> str:
+    if name is not None and name not in ctx.model_names:
+        raise APIError(400, f"model {name!r} does not exist; this server serves "
+                       f"{', '.join(map(repr, ctx.model_names))}", "model", "model_not_found")
+    return name or ctx.model_names[0]
+
+
+def build_params(rename: dict[str, str] | None = None, **kwargs: object) -> SamplingParams:
+    """SamplingParams, with its ValueError (message starts with the field) as a 400."""
+    try:
+        return SamplingParams(**kwargs)  # type: ignore[arg-type]
+    except ValueError as e:
+        name = field_of(str(e))
+        raise bad_request(str(e), (rename or {}).get(name, name)) from None
+
+
+def make_job(prefix: str, prompts: list[list[int]], params: SamplingParams, n: int) -> Job:
+    job_id = f"{prefix}-{time.time_ns():x}{next(_counter):x}"
+    choices, per_choice = [], []
+    for index, (p, j) in enumerate(itertools.product(range(len(prompts)), range(n))):
+        choices.append(ChoiceState(index, f"{job_id}-{index}", p))
+        seed = None if params.seed is None else params.seed + j
+        per_choice.append(dataclasses.replace(params, seed=seed))
+    return Job(job_id, prompts, choices, per_choice)
+
+
+_counter = itertools.count()
+
+
+async def submit(ctx: ServerContext, job: Job, prompt_field: str = "prompt") -> None:
+    """Admit every choice, or none: 503 when too many wait, 400 for a prompt the engine
+    refuses (the field is renamed to `prompt_field`), 500 for anything else."""
+    waiting = ctx.engine.num_waiting
+    if waiting + len(job.choices) > ctx.max_waiting_requests:
+        raise APIError(503, f"server overloaded: {waiting} requests waiting (limit "
+                       f"{ctx.max_waiting_requests}); retry later",
+                       headers={"Retry-After": str(ctx.retry_after_s)})
+    results = await asyncio.gather(
+        *(ctx.engine.add(c.request_id, job.prompts[c.prompt_index], p, job.queue,
+                         job.arrival_time) for c, p in zip(job.choices, job.params, strict=True)),
+        return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        abort_unfinished(ctx, job)
+        raise _admission_error(errors[0], prompt_field)
+
+
+def _admission_error(error: BaseException, prompt_field: str) -> BaseException:
+    if isinstance(error, RequestError | ValueError):
+        name = field_of(str(error))
+        return bad_request(str(error), prompt_field if name == "prompt" else name)
+    if isinstance(error, Exception):
+        logger.error("adding a request failed", exc_info=error)
+        return APIError(500, f"internal error adding the request: {type(error).__name__}")
+    return error
+
+
+def abort_unfinished(ctx: ServerContext, job: Job) -> None:
+    for choice in job.unfinished:
+        ctx.engine.abort(choice.request_id)
+
+
+async def outputs(job: Job) -> AsyncIterator[tuple[ChoiceState, RequestOutput]]:
+    """Each output of each choice, as the engine produces them, until all have finished."""
+    while job.unfinished:
+        item = await job.queue.get()
+        if isinstance(item, RequestFailed):
+            raise EngineFailure(f"{type(item.error).__name__}: {item.error}")
+        yield job.choice(item.request_id), item
+
+
+async def collect(ctx: ServerContext, job: Job, raw: Request) -> list[RequestOutput]:
+    """Wait for every choice's final output; give up (raising) if the client goes away."""
+
+    async def drain() -> None:
+        async for choice, out in outputs(job):
+            choice.advance(out)
+
+    task = asyncio.ensure_future(drain())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await raw.is_disconnected():
+                raise ClientGone
+        task.result()
+    except EngineFailure as e:
+        raise APIError(500, f"the engine failed this request: {e}") from None
+    finally:
+        task.cancel()
+        abort_unfinished(ctx, job)
+    return [c.final for c in job.choices if c.final is not None]
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+def sse(body: BaseModel) -> str:
+    """One server-sent event; optional top-level fields are left out while unset."""
+    skip = {k for k in ("usage", "braid") if getattr(body, k, None) is None}
+    return f"data: {body.model_dump_json(exclude=skip)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+ChunkRenderer = Callable[[ChoiceState, Delta, RequestOutput], list[str]]
+
+
+async def event_stream(ctx: ServerContext, job: Job, head: list[str], render: ChunkRenderer,
+                       tail: Callable[[], list[str]]) -> AsyncIterator[str]:
+    """SSE body: `head`, one render per output, `tail` (usage), then [DONE]. A failure
+    becomes an error event; a client that leaves (the task is cancelled) aborts the job."""
+    try:
+        for chunk in head:
+            yield chunk
+        async for choice, out in outputs(job):
+            for chunk in render(choice, choice.advance(out), out):
+                yield chunk
+        for chunk in tail():
+            yield chunk
+    except Exception as e:
+        logger.exception("streaming request %s failed", job.id)
+        yield _error_event(e)
+    finally:
+        abort_unfinished(ctx, job)
+    yield SSE_DONE
+
+
+def _error_event(error: Exception) -> str:
+    api = error if isinstance(error, APIError) else APIError(
+        500, f"the request failed: {type(error).__name__}: {error}")
+    return f"data: {api.body().model_dump_json()}\n\n"

@@ -1,0 +1,118 @@
+"""POST /v1/chat/completions: the model's chat template, then a completion."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from braid.outputs import RequestOutput
+from braid.server.errors import bad_request
+from braid.server.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+)
+from braid.server.responses import ChoiceState, Delta, braid_info, chat_logprobs, usage
+from braid.server.serving import (
+    ClientGone,
+    Job,
+    ServerContext,
+    build_params,
+    check_model,
+    collect,
+    event_stream,
+    make_job,
+    sse,
+    submit,
+)
+from braid.tokenizer import Tokenizer
+
+
+async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest,
+                                 raw: Request) -> Response:
+    model = check_model(ctx, body.model)
+    use_new_name = body.max_completion_tokens is not None
+    params = build_params(
+        {"max_tokens": "max_completion_tokens"} if use_new_name else None,
+        max_tokens=body.max_completion_tokens if use_new_name else body.max_tokens,
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        skip_special_tokens=body.skip_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output)
+    prompt = await asyncio.to_thread(_render, ctx.tokenizer, body)
+    job = make_job("chatcmpl", [prompt], params, body.n)
+    await submit(ctx, job, prompt_field="messages")
+    if body.stream:
+        return StreamingResponse(_stream(ctx, job, body, model), media_type="text/event-stream")
+    try:
+        finals = await collect(ctx, job, raw)
+    except ClientGone:
+        return Response(status_code=499)
+    return JSONResponse(_response(ctx, job, body, model, finals).model_dump())
+
+
+def _render(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
+    messages = [m.as_template_dict() for m in body.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+    except Exception as e:  # template errors are the conversation's fault (jinja raise_exception)
+        raise bad_request(f"messages: the chat template rejected them: {e}", "messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _logprobs(ctx: ServerContext, body: ChatCompletionRequest, delta: Delta) -> ChatLogprobs | None:
+    if not body.logprobs:
+        return None
+    return chat_logprobs(ctx.tokenizer, delta, body.top_logprobs or 0)
+
+
+def _response(ctx: ServerContext, job: Job, body: ChatCompletionRequest, model: str,
+              finals: list[RequestOutput]) -> ChatCompletionResponse:
+    choices = []
+    for choice, out in zip(job.choices, finals, strict=True):
+        c = out.outputs[0]
+        choices.append(ChatChoice(
+            index=choice.index, message=ChatResponseMessage(content=c.text),
+            logprobs=_logprobs(ctx, body, Delta(c.text, c.token_ids, c.logprobs)),
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    return ChatCompletionResponse(id=job.id, model=model, choices=choices,
+                                  usage=usage(job.prompts, job.choices), braid=braid_info(finals))
+
+
+def _stream(ctx: ServerContext, job: Job, body: ChatCompletionRequest, model: str):  # noqa: ANN202
+    def chunk(index: int, delta: DeltaMessage, **fields: object) -> ChatCompletionStreamResponse:
+        return ChatCompletionStreamResponse(id=job.id, model=model, choices=[
+            ChatStreamChoice(index=index, delta=delta, **fields)])  # type: ignore[arg-type]
+
+    def render(choice: ChoiceState, delta: Delta, out: RequestOutput) -> list[str]:
+        if not delta.text and not out.finished and not body.logprobs:
+            return []
+        c = out.outputs[0]
+        body_chunk = chunk(choice.index, DeltaMessage(content=delta.text),
+                           logprobs=_logprobs(ctx, body, delta),
+                           finish_reason=c.finish_reason if out.finished else None,
+                           stop_reason=c.stop_reason if out.finished else None)
+        if out.finished:
+            body_chunk.braid = braid_info([out])
+        return [sse(body_chunk)]
+
+    def tail() -> list[str]:
+        if not body.include_usage:
+            return []
+        finals = [c.final for c in job.choices if c.final is not None]
+        return [sse(ChatCompletionStreamResponse(id=job.id, model=model, choices=[],
+                                                 usage=usage(job.prompts, job.choices),
+                                                 braid=braid_info(finals)))]
+
+    head = [sse(chunk(c.index, DeltaMessage(role="assistant", content=""))) for c in job.choices]
+    return event_stream(ctx, job, head, render, tail)

@@ -1,0 +1,107 @@
+"""Draft-model proposer: a smaller model with the same vocabulary and its own paged KV cache.
+
+The draft cache uses the target's block tables (same slot layout, its own tensors), so it needs
+no block manager of its own; when the target frees a request's blocks the draft forgets it.
+Each call first catches every request up from the draft's own progress to the request's tokens
+in one flat forward (prefill chunks the target ran this step, tokens accepted last step, and
+the recovered/bonus token), so drafts are never computed on a stale cache, even after steps
+where a request ran with k = 0. Then k - 1 more single-token forwards, batched over requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from braid.engine.block_manager import BlockManager
+from braid.engine.request import Request
+from braid.engine.runner import ModelRunner, Window
+from braid.models.qwen2 import Qwen2ForCausalLM
+from braid.spec.proposer import Proposer
+
+
+@dataclass(slots=True)
+class _Proposal:
+    start: int  # position of the first draft token
+    drafts: list[int]
+
+
+class DraftModelProposer(Proposer):
+    def __init__(
+        self, model: Qwen2ForCausalLM, blocks: BlockManager, block_size: int, device: torch.device
+    ) -> None:
+        self.runner = ModelRunner(model, blocks.num_blocks, block_size, device)
+        self.blocks = blocks
+        self.computed: dict[str, int] = {}  # draft KV is valid for positions < computed
+        self.last: dict[str, _Proposal] = {}
+
+    def forget(self, request_id: str) -> None:
+        self.computed.pop(request_id, None)
+        self.last.pop(request_id, None)
+
+    def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+        ks = [self._fit_blocks(r, k) for r, k in zip(requests, ks, strict=True)]
+        drafts: list[list[int]] = [[] for _ in requests]
+        if not any(ks):
+            return drafts  # the draft catches up lazily the next time it proposes
+        first = self._catch_up(requests, ks)
+        for i, token in first.items():
+            drafts[i].append(token)
+        for j in range(1, max(ks)):
+            active = [i for i, k in enumerate(ks) if k > j]
+            for i, token in zip(active, self._extend(requests, drafts, active), strict=True):
+                drafts[i].append(token)
+        for r, d in zip(requests, drafts, strict=True):
+            if d:
+                self.last[r.request_id] = _Proposal(r.num_tokens, d)
+        return drafts
+
+    def _fit_blocks(self, req: Request, k: int) -> int:
+        """Draft tokens 1..k-1 get KV at positions num_tokens..num_tokens+k-2: make room."""
+        if k and not self.blocks.allocate(req.request_id, req.num_tokens + k - 1):
+            k = max(0, self.blocks.num_slots(req.request_id) - req.num_tokens + 1)
+        return k
+
+    def _valid_prefix(self, req: Request) -> int:
+        """Positions whose draft KV matches the request's tokens: earlier proposals' KV stays
+        valid for the drafts that were accepted."""
+        done = self.computed.get(req.request_id, 0)
+        last = self.last.pop(req.request_id, None)
+        if last is None:
+            return done
+        actual = req.token_ids(last.start, last.start + len(last.drafts) - 1)
+        same = next((j for j, (a, b) in enumerate(zip(actual, last.drafts)) if a != b),
+                    len(actual))
+        return last.start + same
+
+    def _catch_up(self, requests: list[Request], ks: list[int]) -> dict[int, int]:
+        """One forward bringing each request's draft cache up to date; for requests with
+        k > 0 it runs through the last token and yields the first draft token."""
+        windows, sampled = [], []
+        for i, (r, k) in enumerate(zip(requests, ks, strict=True)):
+            start = min(self._valid_prefix(r), r.num_tokens - 1)
+            end = r.num_tokens if k else r.num_computed_tokens
+            if end <= start:
+                continue
+            windows.append(Window(r.token_ids(start, end), start,
+                                  self.blocks.block_table(r.request_id), 1 if k else 0))
+            self.computed[r.request_id] = end
+            if k:
+                sampled.append(i)
+        tokens = self._run(windows)
+        return dict(zip(sampled, tokens, strict=True))
+
+    def _extend(self, requests: list[Request], drafts: list[list[int]], active: list[int]
+                ) -> list[int]:
+        windows = [
+            Window([drafts[i][-1]], requests[i].num_tokens + len(drafts[i]) - 1,
+                   self.blocks.block_table(requests[i].request_id), 1)
+            for i in active
+        ]
+        return self._run(windows)
+
+    def _run(self, windows: list[Window]) -> list[int]:
+        """Greedy draft tokens (q is one-hot, which keeps rejection sampling exact)."""
+        logits = self.runner.execute(self.runner.build_input(windows))
+        return logits.argmax(dim=-1).tolist()

@@ -1,0 +1,66 @@
+"""Prompt-lookup (n-gram) proposer, vLLM's `ngram` method, vectorized with numpy.
+
+The proposer finds the longest suffix of the sequence, of length n in
+[prompt_lookup_min, prompt_lookup_max], that also occurs earlier in the sequence, and proposes
+the tokens that followed that earlier occurrence. Among several earlier occurrences of the
+longest suffix it takes the most recent one (as vLLM V1 does): recent context is the best
+predictor of what comes next (an edit of the code block just quoted, the current loop body).
+Occurrences may overlap the suffix; the proposal stops at the end of the sequence, so it can
+be shorter than k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class NgramProposer:
+    """Cost per call: one O(L) comparison of the last token against the context, then at most
+    prompt_lookup_max - 1 comparisons over the shrinking set of candidate occurrences."""
+
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+            raise ValueError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"prompt_lookup_min={prompt_lookup_min}, prompt_lookup_max={prompt_lookup_max}"
+            )
+        self.prompt_lookup_min = prompt_lookup_min
+        self.prompt_lookup_max = prompt_lookup_max
+
+    def propose(self, token_ids: np.ndarray | Sequence[int], k: int) -> list[int]:
+        """Up to k tokens that followed the most recent earlier occurrence of the longest
+        matching suffix; [] when no suffix of at least prompt_lookup_min tokens recurs."""
+        tokens = np.asarray(token_ids)  # [L]
+        if k <= 0 or tokens.shape[0] <= self.prompt_lookup_min:
+            return []
+        ends = self._longest_match_ends(tokens)
+        if ends is None:
+            return []
+        start = int(ends[-1]) + 1  # the most recent occurrence; ends are ascending
+        return [int(t) for t in tokens[start : start + k]]
+
+    def propose_batch(
+        self, token_ids: Sequence[np.ndarray | Sequence[int]], ks: Sequence[int]
+    ) -> list[list[int]]:
+        """`propose` for each sequence with its own k."""
+        return [self.propose(t, k) for t, k in zip(token_ids, ks, strict=True)]
+
+    def _longest_match_ends(self, tokens: np.ndarray) -> np.ndarray | None:
+        """Ascending end positions p < L - 1 of the earlier occurrences of the longest suffix
+        of length n in [min, max], i.e. tokens[p - n + 1 : p + 1] == tokens[L - n :]; None
+        when even the shortest allowed suffix has no earlier occurrence."""
+        last = tokens.shape[0] - 1
+        ends = np.flatnonzero(tokens[:last] == tokens[last])  # [C] suffix of length 1 matches
+        matched = 1
+        while matched < self.prompt_lookup_max and ends.size:
+            # extend each candidate one token to the left; candidates at p < matched cannot
+            ends_left = ends[ends >= matched]
+            longer = ends_left[tokens[ends_left - matched] == tokens[last - matched]]
+            if not longer.size:
+                break
+            ends, matched = longer, matched + 1
+        if not ends.size or matched < self.prompt_lookup_min:
+            return None
+        return ends

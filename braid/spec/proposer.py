@@ -1,0 +1,34 @@
+"""Proposers guess the next k tokens of each request; the target verifies them in one window."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from braid.engine.request import Request
+from braid.spec.ngram import NgramProposer
+
+
+class Proposer(ABC):
+    @abstractmethod
+    def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+        """Up to ks[i] draft tokens for requests[i] (k = 0: none, but the proposer may still
+        use the call to keep its state current). Called after every step with every running
+        request that is past its prompt."""
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or lost its KV blocks (preempted)."""
+
+
+class NgramPromptLookup(Proposer):
+    """Prompt lookup: no model, proposes what followed the last matching n-gram."""
+
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+        self.ngram = NgramProposer(prompt_lookup_min, prompt_lookup_max)
+
+    def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+        return [
+            self.ngram.propose(np.asarray(r.prompt_token_ids + r.output_token_ids), k) if k else []
+            for r, k in zip(requests, ks, strict=True)
+        ]

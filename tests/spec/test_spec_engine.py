@@ -1,0 +1,117 @@
+"""Speculative decoding inside the braided step is lossless and shares the token budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from braid.config import ConfigError
+from braid.sampling_params import SamplingParams
+from tests.engine.test_engine import CFG, STAGGERED, WEIGHTS, make_engine, prompts, run
+from tests.tiny import braid_model, random_weights, tiny_config
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def spec_engine(method: str, k: int, draft_weights=WEIGHTS, draft_cfg=CFG, **options):
+    spec = {
+        "method": method,
+        "num_speculative_tokens": k,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+    }
+    if method == "draft_model":
+        spec["model"] = "tiny-draft"
+    draft = braid_model(draft_cfg, draft_weights) if method == "draft_model" else None
+    return make_engine(speculative_config=spec, draft_model=draft, **options)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[int]]:
+    return run(make_engine(max_num_batched_tokens=256), STAGGERED, GREEDY)
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+@pytest.mark.parametrize("budget", [8, 32])
+def test_draft_equal_to_target_accepts_everything(reference, k: int, budget: int) -> None:
+    engine = spec_engine("draft_model", k, max_num_batched_tokens=budget)
+    assert run(engine, STAGGERED, GREEDY) == reference
+    spec = engine.stats.spec
+    assert spec.num_drafts > 0 and spec.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_unrelated_draft_is_still_lossless(reference, k: int) -> None:
+    other = tiny_config("qwen2")
+    engine = spec_engine(
+        "draft_model",
+        k,
+        draft_weights=random_weights(other, seed=5),
+        draft_cfg=other,
+        max_num_batched_tokens=16,
+    )
+    assert run(engine, STAGGERED, GREEDY) == reference
+    assert engine.stats.spec.num_draft_tokens > 0
+    assert engine.stats.spec.acceptance_rate < 0.3
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+@pytest.mark.parametrize("budget", [8, 32])
+def test_ngram_is_lossless(reference, k: int, budget: int) -> None:
+    engine = spec_engine("ngram", k, max_num_batched_tokens=budget)
+    assert run(engine, STAGGERED, GREEDY) == reference
+    assert engine.stats.spec.num_drafts > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_lossless_under_preemption(reference, method: str) -> None:
+    engine = spec_engine(method, 3, num_kv_blocks=64, max_num_batched_tokens=32)
+    assert run(engine, STAGGERED, GREEDY) == reference
+    assert engine.stats.num_preemptions > 0
+
+
+def test_one_forward_holds_a_prefill_chunk_and_a_verification_window() -> None:
+    engine = spec_engine("draft_model", 3, max_num_batched_tokens=16)
+    ps = prompts()
+    engine.add_request("a", ps[0], GREEDY)
+    engine.step()  # "a" prefilled; drafts proposed for the next step
+    assert len(engine.requests["a"].spec_token_ids) == 3
+    engine.add_request("b", ps[4], GREEDY)
+    engine.step()
+    last = engine.stats.recent[-1]
+    assert last.num_spec_tokens == 3  # a's window: 1 + 3 tokens
+    assert last.num_prefill_tokens == 16 - 4  # b's first chunk fills the rest of the budget
+
+
+def test_drafts_are_trimmed_to_the_budget() -> None:
+    engine = spec_engine("draft_model", 7, max_num_batched_tokens=4)
+    engine.add_request("a", prompts()[0], GREEDY)
+    engine.step()
+    engine.step()
+    assert engine.stats.recent[-1].num_spec_tokens == 3
+
+
+def test_vocabulary_mismatch_is_a_config_error() -> None:
+    other = tiny_config("qwen2", vocab_size=300)
+    with pytest.raises(ConfigError, match="vocabulary"):
+        spec_engine("draft_model", 3, draft_weights=random_weights(other), draft_cfg=other)
+
+
+def test_per_request_figures_in_output() -> None:
+    engine = spec_engine("draft_model", 3)
+    engine.add_request("a", prompts()[1], GREEDY)
+    final = [o for o in engine.run_until_done() if o.finished][0]
+    spec = final.metrics.spec
+    assert spec["acceptance_rate"] == 1.0 and spec["num_drafts"] > 0
+    assert spec["mean_acceptance_length"] > 3
+
+
+def test_seeded_sampling_with_speculation_is_reproducible() -> None:
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
+    outs = []
+    for _ in range(2):
+        engine = spec_engine("draft_model", 3)
+        engine.add_request("a", prompts()[1], params)
+        outs.append([o for o in engine.run_until_done() if o.finished][0].outputs[0].token_ids)
+    assert outs[0] == outs[1]
+    torch.testing.assert_close(torch.tensor(len(outs[0])), torch.tensor(16))
