@@ -15,7 +15,9 @@ argmax, bit for bit what the plain greedy `Sampler` picks.
 Random numbers: a window with a generator draws its k uniforms and then one row of V
 exponentials (the race that samples its recovered or bonus token) from that generator, so its
 tokens do not depend on the rest of the batch; with k = 0 it draws exactly what the plain
-`Sampler` would. Other windows share one batched draw.
+`Sampler` would. Other windows share one batched draw. A greedy window never reads its
+numbers (pass None for it, as `SamplingMetadata.build` leaves greedy rows out of its seeded
+rows; a generator given anyway only advances). An all-greedy batch draws nothing.
 """
 
 from __future__ import annotations
@@ -90,18 +92,33 @@ def _build_windows(
     device = target_logits.device
     num_drafts = torch.tensor(ks, dtype=torch.int64, device=device)  # [W]
     draft_start = num_drafts.cumsum(0) - num_drafts  # [W]
-    valid = torch.arange(max(ks, default=0), device=device) < num_drafts.unsqueeze(1)
-    flat = list(chain.from_iterable(draft_token_ids))
-    draft_ids = torch.full(valid.shape, -1, dtype=torch.int64, device=device)  # [W, max_k]
-    draft_ids[valid] = torch.tensor(flat, dtype=torch.int64, device=device)  # row-major order
+    max_k = max(ks, default=0)
     return _Windows(
         ks=ks,
         num_drafts=num_drafts,
         target_start=draft_start + torch.arange(len(ks), device=device),
         draft_start=draft_start,
-        draft_ids=draft_ids,
-        valid=valid,
+        draft_ids=_padded_drafts(draft_token_ids, num_drafts, draft_start, max_k),
+        valid=torch.arange(max_k, device=device) < num_drafts.unsqueeze(1),
     )
+
+
+def _padded_drafts(
+    draft_token_ids: list[list[int]],
+    num_drafts: torch.Tensor,
+    draft_start: torch.Tensor,
+    max_k: int,
+) -> torch.Tensor:
+    """[W, max_k] int64 draft ids, -1 padded, scattered without a host sync."""
+    device = num_drafts.device
+    flat = torch.tensor(list(chain.from_iterable(draft_token_ids)), dtype=torch.int64)
+    window = torch.arange(num_drafts.shape[0], device=device).repeat_interleave(
+        num_drafts, output_size=flat.numel()
+    )  # [sum(k_i)], each draft's window
+    slot = window * max_k + torch.arange(flat.numel(), device=device) - draft_start[window]
+    padded = torch.full((num_drafts.shape[0] * max_k,), -1, dtype=torch.int64, device=device)
+    padded[slot] = flat.to(device)
+    return padded.view(num_drafts.shape[0], max_k)
 
 
 def _uniforms(

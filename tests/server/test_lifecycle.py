@@ -41,47 +41,60 @@ def test_overload_returns_503_then_recovers(tiny_model_dir: Path,
         assert server.stop() == 0, server.log()
 
 
-def test_sigterm_drains_in_flight_stream_and_exits_0(
+def test_sigterm_drains_in_flight_streams_and_exits_0(
         tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    # One running at a time: the later streams are still waiting in the engine when SIGTERM
+    # comes, so the drain lasts long enough to see new connections refused.
     server = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("sigterm"), *ENGINE_FLAGS,
-                           "--shutdown-timeout", "60")
-    events: list[str] = []
-    started = threading.Event()
-
-    def stream() -> None:
-        body = {"model": server.model, "prompt": "drain me", "max_tokens": 120,
-                "ignore_eos": True, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line:
-                    events.append(line)
-                    started.set()
-
-    reader = threading.Thread(target=stream)
-    reader.start()
+                           "--max-num-seqs", "1", "--shutdown-timeout", "60")
+    streams = [_Stream(server) for _ in range(4)]
     try:
-        assert started.wait(30), server.log()
+        for stream in streams:
+            stream.thread.start()
+        assert streams[0].started.wait(30), server.log()
         server.terminate()
-        refused = _new_connections_refused(server.url, reader)
-        reader.join(60)
+        refused = _new_connections_refused(server.url, streams)
+        for stream in streams:
+            stream.thread.join(60)
         assert server.proc.wait(60) == 0, server.log()
     finally:
         server.stop()
-    assert not reader.is_alive()
-    assert events[-1] == "data: [DONE]"
-    usage = json.loads(events[-2].removeprefix("data: "))["usage"]
-    assert usage["completion_tokens"] == 120
+    for stream in streams:
+        assert not stream.thread.is_alive()
+        assert stream.events[-1] == "data: [DONE]", stream.events[-3:]
+        usage = json.loads(stream.events[-2].removeprefix("data: "))["usage"]
+        assert usage["completion_tokens"] == 200
     assert refused, "a new connection was accepted while draining"
 
 
-def _new_connections_refused(url: str, reader: threading.Thread) -> bool:
-    """While the in-flight stream drains, new connections must fail (bounded polling)."""
+class _Stream:
+    """A streaming completion read to the end in a thread."""
+
+    def __init__(self, server: ServerProcess) -> None:
+        self.server = server
+        self.events: list[str] = []
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._read)
+
+    def _read(self) -> None:
+        body = {"model": self.server.model, "prompt": "drain me", "max_tokens": 200,
+                "ignore_eos": True, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{self.server.url}/v1/completions", json=body,
+                          timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    self.events.append(line)
+                    self.started.set()
+
+
+def _new_connections_refused(url: str, streams: list[_Stream]) -> bool:
+    """While in-flight streams drain, new connections must fail (bounded polling)."""
     deadline = time.monotonic() + 10
-    while reader.is_alive() and time.monotonic() < deadline:
+    while any(s.thread.is_alive() for s in streams) and time.monotonic() < deadline:
         try:
             httpx.get(f"{url}/health", timeout=1)
         except httpx.TransportError:
             return True
-        time.sleep(0.05)
+        time.sleep(0.02)
     return False

@@ -59,7 +59,7 @@ def test_match_near_end_is_truncated() -> None:
 
 def test_propose_batch() -> None:
     proposer = NgramProposer(1, 3)
-    seqs = [[1, 2, 1], np.array([4, 5, 6]), [1, 2, 3, 1, 2]]
+    seqs: list[np.ndarray | list[int]] = [[1, 2, 1], np.array([4, 5, 6]), [1, 2, 3, 1, 2]]
     assert proposer.propose_batch(seqs, [2, 2, 0]) == [[2, 1], [], []]
 
 
@@ -90,8 +90,9 @@ def test_timing_4k_context() -> None:
     tokens[-40:] = tokens[1000:1040]
     proposer = NgramProposer(1, 4)
     assert proposer.propose(tokens, 4) == tokens[1040:1044].tolist()
-    as_list = tokens.tolist()
-    for name, arg in (("ndarray", tokens), ("list", as_list)):
+    repetitive = np.tile(np.arange(7), 600)[:4096]  # every position is a candidate
+    cases = (("ndarray", tokens), ("list", tokens.tolist()), ("repetitive ndarray", repetitive))
+    for name, arg in cases:
         for _ in range(20):
             proposer.propose(arg, 4)
         runs = 500

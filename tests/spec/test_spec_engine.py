@@ -115,3 +115,46 @@ def test_seeded_sampling_with_speculation_is_reproducible() -> None:
         outs.append([o for o in engine.run_until_done() if o.finished][0].outputs[0].token_ids)
     assert outs[0] == outs[1]
     torch.testing.assert_close(torch.tensor(len(outs[0])), torch.tensor(16))
+
+
+def _first_tokens(engine, prompt: list[int], n: int) -> torch.Tensor:
+    params = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)
+    for i in range(n):
+        engine.add_request(str(i), prompt, params)
+    out = {o.request_id: o.outputs[0].token_ids for o in engine.run_until_done() if o.finished}
+    return torch.tensor([out[str(i)][:3] for i in range(n)])  # [n, 3]
+
+
+def _chi_square_p(a: torch.Tensor, b: torch.Tensor, vocab: int) -> float:
+    """p-value of the two-sample chi-square test that a and b share one distribution."""
+    counts = torch.stack([torch.bincount(a, minlength=vocab), torch.bincount(b, minlength=vocab)])
+    counts = counts[:, counts.sum(0) >= 10].double()  # bins too small for the test are dropped
+    expected = counts.sum(1, keepdim=True) * counts.sum(0, keepdim=True) / counts.sum()
+    stat = ((counts - expected) ** 2 / expected).sum()
+    df = torch.tensor(counts.shape[1] - 1.0, dtype=torch.float64)
+    return float(torch.special.gammaincc(df / 2, stat / 2))
+
+
+def test_sampled_distribution_matches_without_speculation() -> None:
+    """Temperature 1, small vocabulary: each of the first 3 tokens has the same distribution
+    with draft speculation as without. The draft (the target itself, drafting greedily) is
+    accepted with probability p(argmax), so both acceptances and recoveries happen.
+    Chi-square at significance 0.001 per position, fixed seeds."""
+    cfg = tiny_config("qwen2", vocab_size=24, eos_token_id=None, bos_token_id=None)
+    target = draft = random_weights(cfg, seed=11)
+    target["model.embed_tokens.weight"] *= 6  # peakier next-token distributions
+    options = {"block_size": 4, "num_kv_blocks": 4096, "max_model_len": 64,
+               "max_num_seqs": 512, "max_num_batched_tokens": 4096, "log_stats_interval": 0}
+    from braid.config import EngineConfig
+    from braid.engine.engine import LLMEngine
+
+    plain = LLMEngine(EngineConfig(model="t", seed=1, **options), model=braid_model(cfg, target))
+    spec = LLMEngine(
+        EngineConfig(model="t", seed=2, speculative_config={
+            "method": "draft_model", "num_speculative_tokens": 2, "model": "d"}, **options),
+        model=braid_model(cfg, target), draft_model=braid_model(cfg, draft))
+    prompt = [3, 7, 1, 9, 4]
+    a, b = _first_tokens(plain, prompt, 4000), _first_tokens(spec, prompt, 4000)
+    assert 0.1 < spec.stats.spec.acceptance_rate < 0.9
+    for pos in range(3):
+        assert _chi_square_p(a[:, pos], b[:, pos], 24) > 1e-3

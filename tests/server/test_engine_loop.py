@@ -1,0 +1,125 @@
+"""The engine thread and its asyncio bridge, in-process, with a scripted fake engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+from braid.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from braid.sampling_params import SamplingParams
+from braid.server.engine_loop import AsyncEngine, OutputQueue, RequestFailed
+
+BAD_ADD, BAD_STEP = [666], [13]
+
+
+class FakeEngine:
+    """Each request emits one token "a" per step and finishes after three. A request whose
+    prompt is BAD_ADD fails to add; one whose prompt is BAD_STEP makes step() raise."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, tuple[list[int], list[int]]] = {}
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    sampling_params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        assert isinstance(prompt, list)
+        if prompt == BAD_ADD:
+            raise RuntimeError("tokenizer bug")
+        self.requests[request_id] = (prompt, [])
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        self.requests.pop(request_id, None)
+        return None
+
+    def step(self) -> list[RequestOutput]:
+        if any(prompt == BAD_STEP for prompt, _ in self.requests.values()):
+            raise RuntimeError("step failed")
+        outputs = []
+        for request_id, (prompt, tokens) in list(self.requests.items()):
+            tokens.append(97)
+            finished = len(tokens) == 3
+            if finished:
+                del self.requests[request_id]
+            outputs.append(RequestOutput(
+                request_id, None, prompt,
+                [CompletionOutput(0, "a" * len(tokens), list(tokens),
+                                  "length" if finished else None)],
+                finished, RequestMetrics(0.0, 0.0, 0.0 if finished else None)))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.requests)
+
+
+async def _final(out: OutputQueue) -> RequestOutput | RequestFailed:
+    while True:
+        item = await asyncio.wait_for(out.get(), timeout=10)
+        if isinstance(item, RequestFailed) or item.finished:
+            return item
+
+
+async def _run(engine: AsyncEngine, request_id: str, prompt: list[int]
+               ) -> RequestOutput | RequestFailed | BaseException:
+    out: OutputQueue = asyncio.Queue()
+    try:
+        await engine.add(request_id, prompt, SamplingParams(), out)
+    except Exception as e:
+        return e
+    return await _final(out)
+
+
+def test_a_failing_add_fails_only_that_request() -> None:
+    async def main() -> list:
+        engine = AsyncEngine(FakeEngine())
+        engine.start()
+        try:
+            return await asyncio.gather(_run(engine, "ok", [1]), _run(engine, "bad", BAD_ADD),
+                                        _run(engine, "ok2", [2]))
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    ok, bad, ok2 = asyncio.run(main())
+    assert isinstance(bad, RuntimeError)
+    assert isinstance(ok, RequestOutput) and ok.outputs[0].text == "aaa"
+    assert isinstance(ok2, RequestOutput) and ok2.finished
+
+
+def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving() -> None:
+    async def main() -> tuple:
+        engine = AsyncEngine(FakeEngine())
+        engine.start()
+        try:
+            failed = await _run(engine, "bad", BAD_STEP)
+            later = await _run(engine, "later", [3])
+            return failed, later, engine.is_alive
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    failed, later, alive = asyncio.run(main())
+    assert isinstance(failed, RequestFailed) and "step failed" in str(failed.error)
+    assert isinstance(later, RequestOutput) and later.outputs[0].text == "aaa"
+    assert alive
+
+
+def test_abort_stops_delivery_and_frees_the_request() -> None:
+    async def main() -> tuple[int, bool]:
+        fake = FakeEngine()
+        engine = AsyncEngine(fake)
+        engine.start()
+        out: OutputQueue = asyncio.Queue()
+        try:
+            await engine.add("gone", [1], SamplingParams(), out)
+            engine.abort("gone")
+            await asyncio.sleep(0.2)
+            return engine.snapshot.num_running, "gone" in fake.requests
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    assert asyncio.run(main()) == (0, False)
