@@ -46,9 +46,13 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     return dict(hf_model(cfg, seed).state_dict())
 
 
-def braid_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> Qwen2ForCausalLM:
+def braid_model(
+    cfg: ModelConfig, weights: dict[str, torch.Tensor], packed: bool = False
+) -> Qwen2ForCausalLM:
     model = Qwen2ForCausalLM(cfg)
     model.load_weights(weights.items())
+    if packed:
+        model.pack_linear_weights()
     return model.eval()
 
 

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from braid.models.config import ModelConfig
 from braid.models.loader import model_folder, safetensors_files
-from braid.models.qwen2 import Qwen2ForCausalLM
+from braid.models.qwen2 import Qwen2ForCausalLM, can_pack
 from braid.tokenizer import Tokenizer
 
 logger = logging.getLogger("braid")
@@ -33,6 +33,8 @@ def load_model(
     model.to_empty(device=device)
     model.rotary.reset()
     model.load_weights(_iter_weights(folder))
+    if can_pack(device, dtype):
+        model.pack_linear_weights()
     tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
     logger.info("loaded %s (%s, %.2f B params) in %.1f s", name_or_path, cfg.architecture,
                 sum(p.numel() for p in model.parameters()) / 1e9, time.perf_counter() - start)

@@ -16,6 +16,37 @@ from braid.models.attention import AttentionMetadata, paged_attention
 from braid.models.config import ModelConfig
 
 
+# Batch-size hint for oneDNN's weight layout: 4-16 token forwards (verification windows) are
+# what speculation relies on being as cheap as a 1-token decode.
+PACK_HINT = 16
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight can be repacked once into oneDNN's blocked layout on CPU.
+
+    Plain MKL sgemm repacks the weight on every call with more than one row, which makes a
+    4-token forward cost twice a 1-token one here; the prepacked kernel keeps small batches at
+    the memory-bandwidth cost of a decode (see benchmarks/bench_model.py)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_HINT)
+        self.weight = None  # type: ignore[assignment]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def can_pack(device: torch.device | str, dtype: torch.dtype) -> bool:
+    return (torch.device(device).type == "cpu" and dtype == torch.float32
+            and torch.backends.mkldnn.is_available())
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -62,10 +93,10 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.k_cache = torch.empty(0)  # [num_slots, KVH, D], bound by the runner
         self.v_cache = torch.empty(0)
 
@@ -84,8 +115,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -121,7 +152,7 @@ class Qwen2ForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.lm_head = (
             None if cfg.tie_word_embeddings
-            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
 
     def forward(
@@ -135,8 +166,22 @@ class Qwen2ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (rows already selected) -> logits [N, vocab] float32."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(hidden), weight).float()
+        if self.lm_head is None:
+            return F.linear(self.norm(hidden), self.embed_tokens.weight).float()
+        return self.lm_head(self.norm(hidden)).float()
+
+    @torch.no_grad()
+    def pack_linear_weights(self) -> None:
+        """Repack every projection for the CPU kernels (after loading; weights become opaque).
+        A tied LM head gets its own packed copy: the embedding lookup needs the plain one."""
+        if self.lm_head is None:
+            cfg = self.config
+            with torch.device("meta"):
+                self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head.weight = self.embed_tokens.weight
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """kv_cache [num_layers, 2, num_slots, KVH, D]; each layer gets views of its slice."""

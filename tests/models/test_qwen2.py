@@ -69,11 +69,13 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(params=["qwen2", "llama"])
+@pytest.fixture(params=[("qwen2", False), ("llama", False), ("qwen2", True), ("llama", True)],
+                ids=["qwen2", "llama", "qwen2-packed", "llama-packed"])
 def models(request):
-    cfg = tiny_config(request.param)
+    arch, packed = request.param
+    cfg = tiny_config(arch)
     hf = hf_model(cfg, seed=0)
-    return hf, braid_model(cfg, dict(hf.state_dict()))
+    return hf, braid_model(cfg, dict(hf.state_dict()), packed=packed)
 
 
 def test_whole_prompt_prefill(models) -> None:

@@ -1,0 +1,1 @@
+"""Benchmark tooling: datasets and load generation."""

