@@ -25,11 +25,11 @@ class SpecConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     model: str | None = None  # the draft model (name or path) for method "draft_model"
-    policy: str = "fixed"  # how k is chosen per request and step
+    policy: str = "goodput"  # how k is chosen per request and step: "fixed" or "goodput"
 
     MAX_TOKENS = 16
     METHODS = ("ngram", "draft_model")
-    POLICIES = ("fixed",)
+    POLICIES = ("fixed", "goodput")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpecConfig:

@@ -23,6 +23,7 @@ from braid.sampling_params import SamplingParams
 from braid.spec.draft import DraftModelProposer
 from braid.spec.proposer import NgramPromptLookup, Proposer
 from braid.spec.rejection_sampler import rejection_sample
+from braid.spec.speculator import Speculator
 from braid.tokenizer import Tokenizer
 
 logger = logging.getLogger("braid")
@@ -69,7 +70,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.device)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(tokenizer, self._eos_token_ids(model))
-        self.proposer = self._make_proposer(model, draft_model)
+        self.speculator = self._make_speculator(model, draft_model)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats(num_kv_blocks=num_blocks)
         self._generator = torch.Generator().manual_seed(config.seed)
@@ -88,24 +89,34 @@ class LLMEngine:
                 f"({cfg.max_model_len}) tokens: raise --kv-cache-gib or --num-kv-blocks")
         return num
 
-    def _make_proposer(
+    def _make_speculator(
         self, target: Qwen2ForCausalLM, draft: Qwen2ForCausalLM | None
-    ) -> Proposer | None:
-        spec = self.config.spec
+    ) -> Speculator | None:
+        cfg, spec = self.config, self.config.spec
         if spec is None:
             return None
+        proposer: Proposer
         if spec.method == "ngram":
-            return NgramPromptLookup(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        if draft is None:
-            from braid.models.build import load_model
+            proposer = NgramPromptLookup(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        else:
+            if draft is None:
+                from braid.models.build import load_model
 
-            assert spec.model is not None
-            draft, _ = load_model(spec.model, self.config.torch_dtype, self.config.device)
-        if draft.config.vocab_size != target.config.vocab_size:
-            raise ConfigError(
-                f"--speculative-config: the draft model's vocabulary ({draft.config.vocab_size} "
-                f"tokens) differs from the target's ({target.config.vocab_size})")
-        return DraftModelProposer(draft, self.blocks, self.config.block_size, self.device)
+                assert spec.model is not None
+                draft, _ = load_model(spec.model, cfg.torch_dtype, cfg.device)
+            if draft.config.vocab_size != target.config.vocab_size:
+                raise ConfigError(
+                    f"--speculative-config: the draft model's vocabulary ("
+                    f"{draft.config.vocab_size} tokens) differs from the target's "
+                    f"({target.config.vocab_size})")
+            proposer = DraftModelProposer(draft, self.blocks, cfg.block_size, self.device)
+        assert cfg.max_num_batched_tokens is not None and cfg.max_model_len is not None
+        speculator = Speculator(spec, proposer, cfg.max_num_batched_tokens, cfg.max_model_len,
+                                cfg.enable_chunked_prefill)
+        if isinstance(proposer, DraftModelProposer):
+            proposer.on_forward = speculator.observe_draft
+        speculator.warm_up(self.runner, getattr(proposer, "runner", None), self.blocks)
+        return speculator
 
     def _eos_token_ids(self, model: Qwen2ForCausalLM) -> frozenset[int]:
         if self.tokenizer is not None:
@@ -167,8 +178,8 @@ class LLMEngine:
         self.scheduler.finish(req, reason)
         self.outputs.finish(req)
         self.requests.pop(req.request_id, None)
-        if self.proposer is not None:
-            self.proposer.forget(req.request_id)
+        if self.speculator is not None:
+            self.speculator.forget(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -195,6 +206,10 @@ class LLMEngine:
         forward_time = time.perf_counter() - start
         sampled = self._sample(sched, inp, logits)
         outputs = [o for s in sampled if (o := self._update(s)) is not None]
+        target_time = time.perf_counter() - start
+        if self.speculator is not None:
+            self.speculator.observe_step(sched.num_batched_tokens, len(sched.scheduled), context,
+                                         target_time)
         self._propose(sched)
         self._record(sched, context, forward_time, time.perf_counter() - start)
         return outputs
@@ -269,25 +284,11 @@ class LLMEngine:
         return out
 
     def _propose(self, sched: SchedulerOutput) -> None:
-        """Drafts for the next step: k per request from the policy, capped by what can still
-        be emitted (max_tokens, max_model_len)."""
-        if self.proposer is None:
+        if self.speculator is None:
             return
         for rid in sched.preempted:
-            self.proposer.forget(rid)
-        running = self.scheduler.running
-        ks = [0 if r.is_prefilling else self._max_k(r) for r in running]
-        for r, drafts in zip(running, self.proposer.propose(running, ks), strict=True):
-            r.spec_token_ids = drafts
-
-    def _max_k(self, req: Request) -> int:
-        assert self.config.spec is not None and self.config.max_model_len is not None
-        k = min(self.config.spec.num_speculative_tokens,
-                self.config.max_model_len - req.num_tokens)
-        max_tokens = req.sampling_params.max_tokens
-        if max_tokens is not None:
-            k = min(k, max_tokens - req.num_output_tokens - 1)
-        return max(k, 0)
+            self.speculator.forget(rid)
+        self.speculator.propose(self.scheduler.running, self.scheduler.waiting)
 
     def _update(self, result: _Sampled) -> RequestOutput | None:
         s = result.scheduled
@@ -299,9 +300,11 @@ class LLMEngine:
             return None
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        if s.num_spec_tokens:
-            req.spec.record(s.num_spec_tokens, len(result.token_ids) - 1)
-            self.stats.spec.record(s.num_spec_tokens, len(result.token_ids) - 1)
+        if s.num_spec_tokens and self.speculator is not None:
+            accepted = len(result.token_ids) - 1
+            req.spec.record(s.num_spec_tokens, accepted)
+            self.stats.spec.record(s.num_spec_tokens, accepted)
+            self.speculator.on_verified(req, s.num_spec_tokens, accepted)
         req.spec_token_ids = []
         before = req.num_output_tokens
         reason = self.outputs.append(req, result.token_ids, result.logprobs,
@@ -311,7 +314,10 @@ class LLMEngine:
         req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
         if reason is not None:
             self._finish(req, reason)
-        return self.outputs.make_output(req)
+        out = self.outputs.make_output(req)
+        if out.metrics.spec and self.speculator is not None:
+            out.metrics.spec.update(self.speculator.request_figures(req))
+        return out
 
     def _record(
         self, sched: SchedulerOutput, context: int, forward_time: float, step_time: float

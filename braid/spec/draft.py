@@ -10,6 +10,8 @@ where a request ran with k = 0. Then k - 1 more single-token forwards, batched o
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,8 @@ class DraftModelProposer(Proposer):
         self.blocks = blocks
         self.computed: dict[str, int] = {}  # draft KV is valid for positions < computed
         self.last: dict[str, _Proposal] = {}
+        # Called with (query tokens, seconds) after every draft forward (the cost model).
+        self.on_forward: Callable[[int, float], None] | None = None
 
     def forget(self, request_id: str) -> None:
         self.computed.pop(request_id, None)
@@ -103,5 +107,9 @@ class DraftModelProposer(Proposer):
 
     def _run(self, windows: list[Window]) -> list[int]:
         """Greedy draft tokens (q is one-hot, which keeps rejection sampling exact)."""
+        start = time.perf_counter()
         logits = self.runner.execute(self.runner.build_input(windows))
-        return logits.argmax(dim=-1).tolist()
+        tokens = logits.argmax(dim=-1).tolist()
+        if self.on_forward is not None:
+            self.on_forward(sum(len(w.token_ids) for w in windows), time.perf_counter() - start)
+        return tokens

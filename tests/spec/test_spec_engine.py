@@ -13,13 +13,10 @@ from tests.tiny import braid_model, random_weights, tiny_config
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def spec_engine(method: str, k: int, draft_weights=WEIGHTS, draft_cfg=CFG, **options):
-    spec = {
-        "method": method,
-        "num_speculative_tokens": k,
-        "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3,
-    }
+def spec_engine(method: str, k: int, draft_weights=WEIGHTS, draft_cfg=CFG, policy="fixed",
+                **options):
+    spec = {"method": method, "num_speculative_tokens": k, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3, "policy": policy}
     if method == "draft_model":
         spec["model"] = "tiny-draft"
     draft = braid_model(draft_cfg, draft_weights) if method == "draft_model" else None
@@ -151,10 +148,62 @@ def test_sampled_distribution_matches_without_speculation() -> None:
     plain = LLMEngine(EngineConfig(model="t", seed=1, **options), model=braid_model(cfg, target))
     spec = LLMEngine(
         EngineConfig(model="t", seed=2, speculative_config={
-            "method": "draft_model", "num_speculative_tokens": 2, "model": "d"}, **options),
+            "method": "draft_model", "num_speculative_tokens": 2, "model": "d",
+            "policy": "fixed"}, **options),
         model=braid_model(cfg, target), draft_model=braid_model(cfg, draft))
     prompt = [3, 7, 1, 9, 4]
     a, b = _first_tokens(plain, prompt, 4000), _first_tokens(spec, prompt, 4000)
     assert 0.1 < spec.stats.spec.acceptance_rate < 0.9
     for pos in range(3):
         assert _chi_square_p(a[:, pos], b[:, pos], 24) > 1e-3
+
+
+class HingeCost:
+    """Synthetic step cost: 0.2 s up to 4 query tokens, +0.1 s per token beyond (so with
+    many requests decoding, drafts cost more than they return); free drafts."""
+
+    error_ema = 0.0
+
+    def target_time(self, tokens: int, requests: int, context: int) -> float:
+        return 0.2 + 0.1 * max(0, tokens - 4)
+
+    def draft_time(self, tokens: int) -> float:
+        return 0.001
+
+    def observe_target(self, *args, **kwargs) -> None:
+        pass
+
+    def observe_draft(self, *args, **kwargs) -> None:
+        pass
+
+
+def test_goodput_switches_off_under_load_and_back_on_losslessly() -> None:
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ps = prompts()
+
+    def drive(engine) -> tuple[dict[str, list[int]], list[int]]:
+        engine.add_request("A", ps[0], long)
+        done, history = {}, []
+        for step in range(200):
+            if step == 4:
+                for i in range(1, 8):
+                    engine.add_request(str(i), ps[i][:6], short)
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            if "A" in engine.requests:
+                history.append(len(engine.requests["A"].spec_token_ids))
+            if not engine.has_unfinished_requests():
+                break
+        return done, history
+
+    reference, _ = drive(make_engine(max_num_batched_tokens=64))
+    engine = spec_engine("draft_model", 3, policy="goodput", max_num_batched_tokens=64)
+    engine.speculator.cost = HingeCost()
+    outputs, history = drive(engine)
+    assert outputs == reference
+    first_off = history.index(0)
+    assert max(history[:first_off]) > 0, history  # on while alone
+    assert any(history[first_off:]), history  # back on once the others finished
+    assert engine.speculator.chosen_k[0] > 0 and engine.speculator.chosen_k[3] > 0

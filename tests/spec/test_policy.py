@@ -1,0 +1,101 @@
+"""The goodput policy with synthetic step costs and acceptance rates."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from braid.spec.cost_model import StepCostModel
+from braid.spec.policy import (
+    AcceptanceEstimator,
+    StepPlan,
+    brute_force_ks,
+    choose_ks,
+    expected_tokens,
+    goodput_of,
+)
+
+
+def cost_model(per_token: float, knee: int = 16, fixed: float = 0.25, draft: float = 0.02,
+               per_context: float = 0.0) -> StepCostModel:
+    """Fitted from synthetic measurements: flat up to `knee` tokens (memory-bound), then
+    `per_token` seconds per extra token (compute-bound)."""
+    model = StepCostModel()
+    for q in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256):
+        for ctx, requests in ((0, 1), (4000, 4), (8000, min(q, 64))):
+            seconds = fixed + 0.0002 * q + per_token * max(0, q - knee) + per_context * ctx
+            model.observe_target(q, requests, ctx, seconds, anchor=True)
+    for q in (1, 4, 8, 16, 32):
+        model.observe_draft(q, draft + 0.001 * q, anchor=True)
+    return model
+
+
+MEMORY_BOUND = cost_model(per_token=0.0005)
+# Past the knee each token costs 20 ms: a draft accepted with probability a yields a tokens
+# for 20 ms, while the step's own decodes already yield more than 1 token per 20 ms.
+COMPUTE_BOUND = cost_model(per_token=0.02, knee=8, fixed=0.05)
+
+
+def plan(decodes: int, prefill: int = 0, budget: int = 128) -> StepPlan:
+    return StepPlan(num_decodes=decodes, num_prefill_tokens=prefill, num_requests=decodes,
+                    context_tokens=500 * decodes, budget=budget)
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 3) == 4.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_cost_model_fits_the_hinge() -> None:
+    assert MEMORY_BOUND.target_time(1, 4, 0) == pytest.approx(0.2502, rel=0.02)
+    assert MEMORY_BOUND.target_time(64, 4, 0) == pytest.approx(0.25 + 0.0128 + 0.024, rel=0.02)
+
+
+def test_memory_bound_high_acceptance_takes_the_maximum() -> None:
+    assert choose_ks([0.9, 0.9], [5, 5], plan(2), MEMORY_BOUND) == [5, 5]
+
+
+def test_compute_bound_turns_speculation_off() -> None:
+    assert choose_ks([0.9] * 32, [5] * 32, plan(32), COMPUTE_BOUND) == [0] * 32
+
+
+def test_low_acceptance_turns_speculation_off() -> None:
+    assert choose_ks([0.02, 0.05], [5, 5], plan(2), MEMORY_BOUND) == [0, 0]
+
+
+def test_short_budget_shared_with_prefill_gives_smaller_k() -> None:
+    roomy = choose_ks([0.8, 0.8], [5, 5], plan(2, prefill=0, budget=32), MEMORY_BOUND)
+    short = choose_ks([0.8, 0.8], [5, 5], plan(2, prefill=26, budget=32), MEMORY_BOUND)
+    assert sum(short) == 4 < sum(roomy)
+
+
+def test_heterogeneous_requests_get_k_in_order_of_acceptance() -> None:
+    alphas = [0.3, 0.9, 0.6, 0.75]
+    ks = choose_ks(alphas, [6] * 4, plan(4, prefill=100, budget=112), MEMORY_BOUND)
+    order = sorted(range(4), key=lambda i: alphas[i])
+    assert [ks[i] for i in order] == sorted(ks)
+    assert ks[1] > ks[0]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_greedy_within_two_percent_of_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    n = rng.randint(1, 4)
+    alphas = [rng.uniform(0.05, 0.95) for _ in range(n)]
+    caps = [rng.randint(0, 4) for _ in range(n)]
+    p = plan(n, prefill=rng.choice([0, 10, 40]), budget=rng.choice([16, 48, 128]))
+    cost = rng.choice([MEMORY_BOUND, COMPUTE_BOUND, cost_model(per_token=0.004, knee=8)])
+    _, best = brute_force_ks(alphas, caps, p, cost)
+    assert goodput_of(alphas, choose_ks(alphas, caps, p, cost), p, cost) >= 0.98 * best
+
+
+def test_acceptance_estimate_follows_the_request_and_starts_from_global() -> None:
+    est = AcceptanceEstimator(prior=0.5)
+    for _ in range(20):
+        est.update("good", 4, 4)
+        est.update("bad", 4, 0)
+    assert est.alpha("good") > 0.85 and est.alpha("bad") < 0.3
+    assert est.alpha("new") == pytest.approx(est.global_alpha)
+    assert est.alpha("bad") < est.global_alpha < est.alpha("good")
