@@ -91,7 +91,7 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=args.model, kv_cache_gib=args.kv_cache_gib,
                                     max_num_batched_tokens=512, log_stats_interval=0))
     model = engine.runner.model
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = model.weight_bytes()
     kv_bytes = engine.runner.kv_cache.numel() * engine.runner.kv_cache.element_size()
     bandwidth = measure_bandwidth()
     roofline_ms = weight_bytes / bandwidth * 1e3
@@ -104,7 +104,8 @@ def main() -> None:
     print(f"KV cache:                {kv_bytes / 1e9:8.2f} GB")
     print(f"memory bandwidth:        {bandwidth / 1e9:8.1f} GB/s")
     print(f"roofline step:           {roofline_ms:8.1f} ms")
-    print(f"decode step (median):    {decode_ms:8.1f} ms  ({decode_ms / roofline_ms:.2f}x roofline)")
+    print(f"decode step (median):    {decode_ms:8.1f} ms  "
+          f"({decode_ms / roofline_ms:.2f}x roofline)")
     print(f"single-request decode:   {rate:8.2f} tok/s")
     print(f"cached load:             {cached_load:8.1f} s")
     if cold_load is not None:

@@ -52,8 +52,9 @@ class LLM:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
+        conversations: Sequence[Any] = (
+            [messages] if messages and isinstance(messages[0], dict) else messages)
+        prompts: list[Prompt] = [
             tokenizer.encode(tokenizer.apply_chat_template(list(c), add_generation_prompt),
                              add_special_tokens=False)
             for c in conversations

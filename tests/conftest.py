@@ -13,15 +13,11 @@ from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 
 from braid.models.gguf_loader import cache_root
 from braid.tokenizer import bytes_to_unicode
+from tests.tiny import CHAT_TEMPLATE, SPECIALS
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 # A tiny byte-level BPE: the 256 byte tokens, a few merges, then chat control tokens.
 MERGES = ["Ġ t", "h e", "Ġt he", "l l", "he ll", "hell o"]
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 def tiny_vocab() -> list[str]:

@@ -60,25 +60,14 @@ def byte_tokenizer():  # -> tokenizers.Tokenizer
     """Byte-level BPE without merges: one token per byte (ids 0..255), then the specials."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    from braid.tokenizer import bytes_to_unicode
+
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
     return tok
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs), strict=True))
-
 
 
 def save_tiny_model(folder, arch: str = "qwen2", seed: int = 0, **overrides: object):

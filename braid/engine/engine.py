@@ -205,7 +205,7 @@ class LLMEngine:
         logits = self.runner.execute(inp)
         forward_time = time.perf_counter() - start
         sampled = self._sample(sched, inp, logits)
-        outputs = [o for s in sampled if (o := self._update(s)) is not None]
+        outputs = [o for s in sampled if (o := self._update_guarded(s)) is not None]
         target_time = time.perf_counter() - start
         if self.speculator is not None:
             self.speculator.observe_step(sched.num_batched_tokens, len(sched.scheduled), context,
@@ -267,7 +267,8 @@ class LLMEngine:
         wanted = [s.request.sampling_params.logprobs for s in windows]
         if all(n is None for n in wanted):
             return None
-        rows, starts = [], [0]
+        rows: list[int] = []
+        starts = [0]
         for s, t in zip(windows, tokens, strict=True):
             rows += range(starts[-1], starts[-1] + len(t))
             starts.append(starts[-1] + 1 + s.num_spec_tokens)
@@ -289,6 +290,19 @@ class LLMEngine:
         for rid in sched.preempted:
             self.speculator.forget(rid)
         self.speculator.propose(self.scheduler.running, self.scheduler.waiting)
+
+    def _update_guarded(self, result: _Sampled) -> RequestOutput | None:
+        """Bookkeeping of one request; a failure there (detokenizer, stop check) fails that
+        request alone, with finish_reason "error", and the others go on."""
+        try:
+            return self._update(result)
+        except Exception:
+            req = result.scheduled.request
+            logger.exception("request %s failed while appending its tokens", req.request_id)
+            if req.is_finished:
+                return None
+            self._finish(req, "error")
+            return self.outputs.make_output(req)
 
     def _update(self, result: _Sampled) -> RequestOutput | None:
         s = result.scheduled

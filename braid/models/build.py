@@ -69,6 +69,6 @@ def _read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             start, end = info["data_offsets"]
             f.seek(8 + size + start)
             buf = tensor.view(-1).view(torch.uint8).numpy()
-            if end - start != buf.nbytes or f.readinto(memoryview(buf)) != buf.nbytes:
+            if end - start != buf.nbytes or f.readinto(buf.data) != buf.nbytes:
                 raise ModelLoadError(f"{path}: tensor {name} is truncated")
             yield name, tensor

@@ -64,7 +64,8 @@ class ModelConfig:
         """The config.json dict that `from_hf_dict` (and transformers) reads back."""
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "architecture"}
         d["model_type"] = self.architecture
-        d["architectures"] = ["Qwen2ForCausalLM" if self.architecture == "qwen2" else "LlamaForCausalLM"]
+        d["architectures"] = [
+            "Qwen2ForCausalLM" if self.architecture == "qwen2" else "LlamaForCausalLM"]
         d["hidden_act"] = "silu"
         d["torch_dtype"] = "float32"
         return d

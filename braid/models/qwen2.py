@@ -15,7 +15,6 @@ from torch import nn
 from braid.models.attention import AttentionMetadata, paged_attention
 from braid.models.config import ModelConfig
 
-
 # Batch-size hint for oneDNN's weight layout: 4-16 token forwards (verification windows) are
 # what speculation relies on being as cheap as a 1-token decode.
 PACK_HINT = 16
@@ -59,6 +58,9 @@ class RMSNorm(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate_half), as in Hugging Face Qwen2/Llama."""
+
+    cos: torch.Tensor  # [P, D/2]
+    sin: torch.Tensor
 
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
         super().__init__()
@@ -170,6 +172,13 @@ class Qwen2ForCausalLM(nn.Module):
             return F.linear(self.norm(hidden), self.embed_tokens.weight).float()
         return self.lm_head(self.norm(hidden)).float()
 
+    def weight_bytes(self) -> int:
+        """Bytes of weights a forward streams (packed projections included)."""
+        tensors: list[torch.Tensor] = list(self.parameters())
+        tensors += [m.packed for m in self.modules() if isinstance(m, Linear)
+                    and m.packed is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     @torch.no_grad()
     def pack_linear_weights(self) -> None:
         """Repack every projection for the CPU kernels (after loading; weights become opaque).
@@ -186,8 +195,9 @@ class Qwen2ForCausalLM(nn.Module):
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """kv_cache [num_layers, 2, num_slots, KVH, D]; each layer gets views of its slice."""
         for i, layer in enumerate(self.layers):
-            layer.self_attn.k_cache = kv_cache[i, 0]
-            layer.self_attn.v_cache = kv_cache[i, 1]
+            attn = layer.get_submodule("self_attn")
+            attn.k_cache = kv_cache[i, 0]
+            attn.v_cache = kv_cache[i, 1]
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

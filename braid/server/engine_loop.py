@@ -224,7 +224,7 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.record_outputs(outputs)
             if stats is not None:
-                self.metrics.record_stats(stats)
+                self.metrics.record_stats(stats, getattr(self.engine, "speculator", None))
         self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -13,9 +13,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from braid.engine.stats import EngineStats
 from braid.outputs import RequestOutput
+from braid.spec.speculator import Speculator
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+_K_BUCKETS = tuple(float(k) for k in range(17))
 _ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                 2.5, 5.0, 10.0, 20.0)
 
@@ -49,6 +51,7 @@ class ServerMetrics:
         self._build_histograms()
         self._seen = _Seen()
         self._accepted_per_pos: list[int] = []
+        self._chosen_k_seen: dict[int, int] = {}
         self._tracked: dict[str, _Tracked] = {}
 
     def _labels(self) -> list[str]:
@@ -62,6 +65,9 @@ class ServerMetrics:
                              lb, registry=r).labels(self._model)
         self.kv_usage = Gauge("braid:kv_cache_usage_perc", "KV cache usage (1 = 100%)",
                               lb, registry=r).labels(self._model)
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, self._labels(), registry=self.registry).labels(self._model)
 
     def _counter(self, name: str, doc: str) -> Counter:
         return Counter(name, doc, self._labels(), registry=self.registry).labels(self._model)
@@ -95,6 +101,18 @@ class ServerMetrics:
                                    _ITL_BUCKETS)
         self.e2e = self._histogram("braid:e2e_request_latency_seconds",
                                    "Arrival to finish", _LATENCY_BUCKETS)
+        self.chosen_k = self._histogram("braid:spec_decode_chosen_k",
+                                        "Draft tokens chosen per decoding request and step",
+                                        _K_BUCKETS)
+        self.step_time = self._gauge("braid:step_time_seconds", "Last measured step time")
+        self.predicted_step_time = self._gauge(
+            "braid:spec_decode_predicted_step_time_seconds",
+            "Target step time the speculation policy predicted for its last decision")
+        self.cost_model_error = self._gauge(
+            "braid:spec_decode_cost_model_relative_error",
+            "Moving average of |predicted - measured| / measured target step time")
+        self.acceptance_estimate = self._gauge(
+            "braid:spec_decode_acceptance_estimate", "Global per-draft acceptance estimate")
 
     # ---- updates (engine thread) -------------------------------------------------------
 
@@ -103,7 +121,11 @@ class ServerMetrics:
         self.waiting.set(num_waiting)
         self.kv_usage.set(kv_usage)
 
-    def record_stats(self, stats: EngineStats) -> None:
+    def record_stats(self, stats: EngineStats, speculator: Speculator | None = None) -> None:
+        if stats.recent:
+            self.step_time.set(stats.recent[-1].step_time)
+        if speculator is not None:
+            self._record_speculator(speculator)
         seen = self._seen
         spec = stats.spec
         for counter, attr, value in (
@@ -118,6 +140,15 @@ class ServerMetrics:
                 counter.inc(value - getattr(seen, attr))
                 setattr(seen, attr, value)
         self._record_per_position(spec.accepted_per_position)
+
+    def _record_speculator(self, speculator: Speculator) -> None:
+        for k, count in speculator.chosen_k.items():
+            for _ in range(count - self._chosen_k_seen.get(k, 0)):
+                self.chosen_k.observe(k)
+            self._chosen_k_seen[k] = count
+        self.predicted_step_time.set(speculator.predicted_step_time)
+        self.cost_model_error.set(speculator.cost.error_ema)
+        self.acceptance_estimate.set(speculator.acceptance.global_alpha)
 
     def _record_per_position(self, accepted: list[int]) -> None:
         for pos, value in enumerate(accepted):

@@ -75,7 +75,8 @@ class DraftModelProposer(Proposer):
         if last is None:
             return done
         actual = req.token_ids(last.start, last.start + len(last.drafts) - 1)
-        same = next((j for j, (a, b) in enumerate(zip(actual, last.drafts)) if a != b),
+        drafts = last.drafts[: len(actual)]
+        same = next((j for j, (a, b) in enumerate(zip(actual, drafts, strict=True)) if a != b),
                     len(actual))
         return last.start + same
 

@@ -17,7 +17,7 @@ class Proposer(ABC):
         use the call to keep its state current). Called after every step with every running
         request that is past its prompt."""
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str) -> None:  # noqa: B027 - optional hook, no state by default
         """The request finished or lost its KV blocks (preempted)."""
 
 

@@ -119,8 +119,9 @@ class Speculator:
             for n in sizes:
                 self.cost.observe_target(n, 1, 0, _time_forward(target, blocks, rid, n),
                                          anchor=True)
-            for n in [n for n in WARMUP_DRAFT_TOKENS if n <= max(sizes)] if draft else ():
-                self.cost.observe_draft(n, _time_forward(draft, blocks, rid, n), anchor=True)
+            if draft is not None:
+                for n in [n for n in WARMUP_DRAFT_TOKENS if n <= max(sizes)]:
+                    self.cost.observe_draft(n, _time_forward(draft, blocks, rid, n), anchor=True)
         finally:
             blocks.free(rid)
         logger.info("speculation cost model warmed up in %.1f s: target step %.0f ms at 1 "

@@ -123,3 +123,24 @@ def test_max_tokens_and_stop_token() -> None:
 def test_bad_prompts_are_rejected(prompt, match: str) -> None:
     with pytest.raises(RequestError, match=match):
         make_engine().add_request("x", prompt, GREEDY)
+
+
+def test_a_failing_request_fails_alone(monkeypatch) -> None:
+    engine = make_engine()
+    ps = prompts()
+    for i in range(3):
+        engine.add_request(str(i), ps[i], GREEDY)
+    original = engine.outputs.append
+
+    def append(req, *args):
+        if req.request_id == "1":
+            raise RuntimeError("boom")
+        return original(req, *args)
+
+    monkeypatch.setattr(engine.outputs, "append", append)
+    finished = {o.request_id: o.outputs[0] for o in engine.run_until_done() if o.finished}
+    assert finished["1"].finish_reason == "error"
+    assert finished["0"].finish_reason == finished["2"].finish_reason == "length"
+    assert len(finished["0"].token_ids) == 12
+    engine.blocks.check_invariants()
+    assert engine.blocks.num_used_blocks == 0

@@ -1,0 +1,160 @@
+"""Speculative decoding benchmark on the default pair: tokens/s per mode and load.
+
+    python benchmarks/bench_spec.py --workload humaneval --num-prompts 16 --max-tokens 128 \
+        --concurrency 1 --modes none,ngram4,draft1,draft2,draft3,draft4,draft5,goodput
+
+Closed loop: `concurrency` requests in flight until all prompts are done (greedy). Prints a
+table (throughput, speedup over no speculation, acceptance) and saves JSON and a plot of
+throughput vs concurrency in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from braid.bench.datasets import BenchPrompt, edit_prompts, humaneval, sharegpt
+from braid.config import DEFAULT_DRAFT, DEFAULT_TARGET, EngineConfig
+from braid.engine.engine import LLMEngine
+from braid.engine.stats import SpecStats
+from braid.models.build import load_model
+from braid.sampling_params import SamplingParams
+
+
+def spec_config(mode: str) -> dict[str, Any] | None:
+    if mode == "none":
+        return None
+    if mode.startswith("ngram"):
+        return {"method": "ngram", "num_speculative_tokens": int(mode[5:]), "policy": "fixed"}
+    if mode.startswith("draft"):
+        return {"method": "draft_model", "num_speculative_tokens": int(mode[5:]),
+                "policy": "fixed"}
+    if mode.startswith("goodput"):
+        method = "ngram" if mode.endswith("ngram") else "draft_model"
+        return {"method": method, "num_speculative_tokens": 5, "policy": "goodput"}
+    raise SystemExit(f"unknown mode {mode!r}")
+
+
+def prompts_for(workload: str, num: int, tokenizer: Any, max_tokens: int) -> list[list[int]]:
+    items: list[BenchPrompt]
+    if workload == "humaneval":
+        items = humaneval(num)
+        return [tokenizer.encode(p.prompt, add_special_tokens=False) for p in items]
+    items = edit_prompts(num) if workload == "edit" else sharegpt(num, tokenizer=tokenizer)
+    return [tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": r, "content": c} for r, c in p.messages]), add_special_tokens=False)
+        for p in items]
+
+
+def run_mode(engine: LLMEngine, prompts: list[list[int]], concurrency: int,
+             max_tokens: int) -> dict[str, Any]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    pending, in_flight, generated = list(enumerate(prompts)), 0, 0
+    start = time.perf_counter()
+    with tqdm(total=len(prompts), desc=f"  c={concurrency}", leave=False) as bar:
+        while pending or engine.has_unfinished_requests():
+            while pending and in_flight < concurrency:
+                i, p = pending.pop(0)
+                engine.add_request(str(i), p, params)
+                in_flight += 1
+            for out in engine.step():
+                if out.finished:
+                    in_flight -= 1
+                    generated += len(out.outputs[0].token_ids)
+                    bar.update(1)
+    seconds = time.perf_counter() - start
+    spec = engine.stats.spec
+    result = {"tokens": generated, "seconds": seconds, "tok_per_s": generated / seconds,
+              **spec.as_dict()}
+    if engine.speculator is not None and engine.speculator.chosen_k:
+        result["chosen_k"] = dict(sorted(engine.speculator.chosen_k.items()))
+        result["cost_model_error"] = round(engine.speculator.cost.error_ema, 3)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=["humaneval", "edit", "sharegpt"],
+                        default="humaneval")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--concurrency", default="1", help="comma-separated list")
+    parser.add_argument("--modes", default="none,ngram4,draft1,draft3,draft5,goodput")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=128)
+    parser.add_argument("--out", default="docs/benchmarks")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    target = load_model(DEFAULT_TARGET)
+    modes = args.modes.split(",")
+    draft = load_model(DEFAULT_DRAFT)[0] if any("draft" in m or m == "goodput"
+                                               for m in modes) else None
+    prompts = prompts_for(args.workload, args.num_prompts, target[1], args.max_tokens)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    print(f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads;"
+          f" {args.workload}: {len(prompts)} prompts, {args.max_tokens} new tokens, greedy")
+    results: list[dict[str, Any]] = []
+    for mode in modes:
+        for c in levels:
+            engine = LLMEngine(
+                EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                             max_num_seqs=max(levels), kv_cache_gib=1.0, log_stats_interval=0,
+                             speculative_config=spec_config(mode)),
+                model=target[0], tokenizer=target[1], draft_model=draft)
+            run_mode(engine, prompts[:1], 1, 8)  # warm-up
+            engine.stats.spec = SpecStats()
+            if engine.speculator is not None:
+                engine.speculator.chosen_k.clear()
+            r = {"mode": mode, "concurrency": c, **run_mode(engine, prompts, c, args.max_tokens)}
+            results.append(r)
+            print_row(r, results)
+    save(results, args)
+
+
+def print_row(r: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    base = next((x for x in results if x["mode"] == "none"
+                 and x["concurrency"] == r["concurrency"]), None)
+    speedup = f"{r['tok_per_s'] / base['tok_per_s']:.2f}x" if base else "-"
+    spec = (f"acceptance {r['acceptance_rate']:.2f}, mean length "
+            f"{r['mean_acceptance_length']:.2f}" if r["num_drafts"] else "")
+    ks = f", k chosen {r['chosen_k']}" if "chosen_k" in r else ""
+    print(f"{r['mode']:>9} c={r['concurrency']:<3} {r['tok_per_s']:7.2f} tok/s {speedup:>6}  "
+          f"{spec}{ks}", flush=True)
+
+
+def save(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"spec_{args.workload}"
+    (out / f"{stem}.json").write_text(json.dumps({"args": vars(args), "results": results},
+                                                 indent=1))
+    levels = sorted({r["concurrency"] for r in results})
+    if len(levels) < 2:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode in dict.fromkeys(r["mode"] for r in results):
+        rows = [r for r in results if r["mode"] == mode]
+        ax.plot([r["concurrency"] for r in rows], [r["tok_per_s"] for r in rows], marker="o",
+                label=mode)
+    ax.set(xscale="log", xlabel="concurrent requests", ylabel="output tokens/s",
+           title=f"braid speculation modes, {args.workload}")
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / f"{stem}.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
