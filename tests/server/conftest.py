@@ -2,76 +2,18 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
+from braid.bench.server_process import START_TIMEOUT_S, ServerProcess, free_port
 from tests.tiny import save_tiny_model
+
+__all__ = ["ENGINE_FLAGS", "ENGINE_OPTIONS", "START_TIMEOUT_S", "ServerProcess", "free_port"]
 
 ENGINE_FLAGS = ["--num-kv-blocks", "256", "--block-size", "4", "--max-model-len", "256"]
 ENGINE_OPTIONS = {"num_kv_blocks": 256, "block_size": 4, "max_model_len": 256}
-START_TIMEOUT_S = 90.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class ServerProcess:
-    """`python -m braid.cli serve ...` with its log in a file; stopped with SIGTERM."""
-
-    def __init__(self, model: Path | str, log_dir: Path, *extra: str,
-                 timeout_s: float = START_TIMEOUT_S) -> None:
-        self.model = str(model)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"server-{self.port}.log"
-        cmd = [sys.executable, "-m", "braid.cli", "serve", "--model", self.model,
-               "--port", str(self.port), "--log-stats-interval", "0", *extra]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        self._wait_healthy(timeout_s)
-
-    def _wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server not healthy after {timeout_s} s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-5000:]
-
-    def terminate(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-
-    def stop(self, timeout_s: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="session")

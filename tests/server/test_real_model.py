@@ -20,8 +20,10 @@ pytestmark = [
 def real_server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     from braid.config import DEFAULT_TARGET
 
+    spec = '{"method": "draft_model", "num_speculative_tokens": 5}'
     server = ServerProcess(DEFAULT_TARGET, tmp_path_factory.mktemp("real-server"),
-                           "--max-model-len", "2048", timeout_s=900)
+                           "--max-model-len", "2048", "--kv-cache-gib", "0.5",
+                           "--speculative-config", spec, timeout_s=900)
     yield server
     assert server.stop() == 0, server.log()
 
@@ -37,5 +39,6 @@ def test_real_model_chat(real_server: ServerProcess) -> None:
     assert res.usage is not None and 0 < res.usage.completion_tokens <= 48
     braid = (res.model_extra or {})["braid"]
     assert braid["num_preemptions"] == 0
-    # Speculation figures: once speculative decoding lands ([M3]/[M5]), start this server with
-    # the default draft (--speculative-config) and assert on braid["spec"] here.
+    spec = braid["spec"]
+    assert spec["num_drafts"] > 0 and 0 < spec["acceptance_rate"] <= 1, spec
+    assert spec["mean_acceptance_length"] > 1

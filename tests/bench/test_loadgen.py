@@ -1,0 +1,118 @@
+"""Arrival statistics, and the load generator against a real braid server (tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from braid.bench.datasets import BenchPrompt, random_prompts
+from braid.bench.loadgen import LoadConfig, arrival_times, request_body, run_load
+from braid.bench.serve import benchmark, save_json
+from braid.bench.server_process import free_port
+from tests.server.conftest import ServerProcess
+
+N = 20_000
+
+
+@pytest.mark.parametrize("rate", [0.2, 4.0])
+def test_poisson_arrivals_have_the_rate_and_are_reproducible(rate: float) -> None:
+    times = arrival_times(N, rate, seed=3)
+    gaps = np.diff(times)
+    assert times[0] == 0.0 and np.all(gaps > 0)
+    # exponential gaps: mean 1/rate, coefficient of variation 1 (tolerance ~5 sigma at N=20k)
+    assert gaps.mean() == pytest.approx(1 / rate, rel=0.04)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.05)
+    assert np.array_equal(times, arrival_times(N, rate, seed=3))
+    assert not np.array_equal(times, arrival_times(N, rate, seed=4))
+
+
+def test_burstiness_keeps_the_mean_and_changes_the_spread() -> None:
+    gaps = np.diff(arrival_times(N, 2.0, burstiness=0.25, seed=0))
+    assert gaps.mean() == pytest.approx(0.5, rel=0.06)
+    assert gaps.std() / gaps.mean() == pytest.approx(2.0, rel=0.06)  # gamma CV = 1/sqrt(shape)
+
+
+def test_infinite_rate_sends_everything_at_once() -> None:
+    assert np.array_equal(arrival_times(5, math.inf), np.zeros(5))
+    assert len(arrival_times(0, 1.0)) == 0
+
+
+def test_request_bodies_stream_with_usage_and_cap_tokens() -> None:
+    prompt = BenchPrompt("hi", 100, (("user", "hello"),))
+    chat = request_body(LoadConfig("http://x", "m", max_output_len=8), prompt)
+    assert chat["messages"] == [{"role": "user", "content": "hello"}]
+    assert chat["max_tokens"] == 8 and chat["stream"] is True
+    assert chat["stream_options"] == {"include_usage": True}
+    completion = request_body(LoadConfig("http://x", "m", endpoint="completions"), prompt)
+    assert completion["prompt"] == "hi" and completion["max_tokens"] == 100
+    with pytest.raises(ValueError, match="--request-rate"):
+        LoadConfig("http://x", "m", request_rate=0)
+
+
+DIST_KEYS = {"mean", "median", "p90", "p99"}
+TOP_KEYS = {"schema", "date", "config", "duration_s", "num_requests", "completed", "failed",
+            "failure_reasons", "total_input_tokens", "total_output_tokens", "request_throughput",
+            "output_throughput", "total_token_throughput", "goodput", "ttft_ms", "tpot_ms",
+            "itl_ms", "e2el_ms", "spec", "requests"}
+REQUEST_KEYS = {"send_time", "success", "error", "prompt_tokens", "output_tokens", "ttft",
+                "latency", "itl", "tpot"}
+
+
+def check_schema(result: dict) -> None:
+    assert set(result) == TOP_KEYS and result["schema"] == "braid.bench.serve/1"
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        assert set(result[key]) == DIST_KEYS
+    assert len(result["requests"]) == result["num_requests"]
+    for r in result["requests"]:
+        assert set(r) == REQUEST_KEYS and isinstance(r["itl"], list)
+    assert result["completed"] + result["failed"] == result["num_requests"]
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_benchmark_against_a_real_server(server: ServerProcess, tmp_path: Path,
+                                         endpoint: str) -> None:
+    prompts = random_prompts(4, input_len=6, output_len=12, seed=1)
+    cfg = LoadConfig(server.url, server.model, endpoint=endpoint, request_rate=50.0,
+                     progress=False)
+    result = benchmark(cfg, prompts, {"ttft": 60_000, "tpot": 60_000})
+    save_json(result, tmp_path / "r.json")
+    result = json.loads((tmp_path / "r.json").read_text())
+    check_schema(result)
+    assert result["completed"] == 4 and result["failed"] == 0
+    assert result["total_output_tokens"] == 4 * 12  # from usage (ignore_eos)
+    assert all(r["prompt_tokens"] > 0 and r["ttft"] > 0 for r in result["requests"])
+    assert result["goodput"] == pytest.approx(result["request_throughput"])
+    assert result["ttft_ms"]["p99"] >= result["ttft_ms"]["median"] > 0
+    assert result["spec"]["num_drafts"] == 0 and result["config"]["request_rate"] == 50.0
+
+
+def test_failed_requests_are_counted_with_their_reason(server: ServerProcess) -> None:
+    short = random_prompts(2, input_len=6, output_len=4, seed=0)
+    too_long = BenchPrompt("x" * 400, 4)  # byte tokenizer: 400+ tokens > max-model-len 256
+    cfg = LoadConfig(server.url, server.model, endpoint="completions", progress=False)
+    result = benchmark(cfg, [short[0], too_long, short[1]], warmup=False)
+    assert (result["completed"], result["failed"]) == (2, 1)
+    [reason] = result["failure_reasons"]
+    assert reason.startswith("HTTP 400: prompt is") and "max_model_len 256" in reason
+    assert result["requests"][1]["success"] is False
+    assert result["goodput"] is None and result["total_output_tokens"] == 8
+
+
+def test_unreachable_server_fails_every_request() -> None:
+    cfg = LoadConfig(f"http://127.0.0.1:{free_port()}", "m", progress=False)
+    records, _ = asyncio.run(run_load(cfg, random_prompts(3, 4, 4)))
+    assert [r.success for r in records] == [False] * 3
+    assert all(r.error.startswith("ConnectError") for r in records)
+
+
+def test_max_concurrency_one_is_a_closed_loop(server: ServerProcess) -> None:
+    cfg = LoadConfig(server.url, server.model, max_concurrency=1, progress=False)
+    records, _ = asyncio.run(run_load(cfg, random_prompts(3, input_len=4, output_len=6)))
+    assert all(r.success for r in records)
+    for before, after in zip(records, records[1:], strict=False):
+        assert after.send_time >= before.send_time + (before.latency or 0)

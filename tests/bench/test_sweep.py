@@ -1,0 +1,94 @@
+"""`braid bench sweep` end to end on the tiny model (two modes, two rates), and its parts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from braid.bench.args import MODES as MODES_FLAG_DEFAULT
+from braid.bench.sweep import DEFAULT, MODES, QUICK, mode_flags, parse_rates, resolve_sizing
+from braid.bench.sweep_report import mean_k
+from braid.cli import build_parser, main
+from tests.server.conftest import ENGINE_FLAGS
+
+
+def test_mode_flags() -> None:
+    assert mode_flags("baseline") == ["--no-enable-chunked-prefill"]
+    assert mode_flags("chunked") == ["--enable-chunked-prefill"]
+    spec = mode_flags("spec", draft_model="d")
+    assert spec[:2] == ["--no-enable-chunked-prefill", "--speculative-config"]
+    assert json.loads(spec[2]) == {"method": "draft_model", "num_speculative_tokens": 3,
+                                   "policy": "fixed", "model": "d"}
+    dynamic = json.loads(mode_flags("chunked_dynamic")[2])
+    assert (dynamic["num_speculative_tokens"], dynamic["policy"]) == (5, "goodput")
+    with pytest.raises(ValueError, match="unknown mode"):
+        mode_flags("turbo")
+    assert ",".join(MODES) == MODES_FLAG_DEFAULT
+
+
+def test_rates_and_sizing() -> None:
+    assert parse_rates("0.1, 0.2,inf") == [0.1, 0.2, float("inf")]
+    for bad in ("", "0", "a,b", "-1"):
+        with pytest.raises(ValueError, match="--request-rates"):
+            parse_rates(bad)
+    args = build_parser().parse_args(["bench", "sweep", "--quick", "--num-prompts", "7"])
+    resolve_sizing(args)
+    assert (args.request_rates, args.num_prompts, args.max_output_len) == (
+        QUICK.request_rates, 7, QUICK.max_output_len)
+    args = build_parser().parse_args(["bench", "sweep"])
+    resolve_sizing(args)
+    assert args.request_rates == DEFAULT.request_rates and args.out == "docs/benchmarks"
+    assert args.goodput == ["ttft:10000", "tpot:500"]
+    assert mean_k({"0": 1, "3": 3}) == pytest.approx(2.25) and mean_k({}) is None
+
+
+def test_sweep_end_to_end(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+                          ) -> None:
+    out = tmp_path / "bench"
+    argv = ["bench", "sweep", "--model", str(tiny_model_dir), "--draft-model",
+            str(tiny_model_dir), "--dataset", "random", "--random-input-len", "6",
+            "--modes", "baseline,chunked_fixed", "--request-rates", "4,inf", "--num-prompts", "4",
+            "--max-output-len", "10", "--goodput", "ttft:60000", "--server-args",
+            " ".join(ENGINE_FLAGS), "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    sweep = json.loads((out / "sweep_random.json").read_text())
+    assert sweep["schema"] == "braid.bench.sweep/1" and list(sweep["modes"]) == [
+        "baseline", "chunked_fixed"]
+    for entry in sweep["modes"].values():
+        assert entry["error"] is None and entry["exit_code"] == 0
+        assert [r["config"]["request_rate"] for r in entry["runs"]] == [4.0, "inf"]
+        assert all(r["completed"] == 4 and r["total_output_tokens"] == 40 for r in entry["runs"])
+        assert all(r["goodput"] == pytest.approx(r["request_throughput"]) for r in entry["runs"])
+    spec = sweep["modes"]["chunked_fixed"]["runs"][0]["spec"]
+    assert spec["num_draft_tokens"] > 0 and "3" in spec["chosen_k"]
+    assert spec["acceptance_rate"] > 0.5  # the draft is the target itself
+    md = (out / "sweep_random.md").read_text()
+    assert "braid bench sweep --model" in md and "| chunked_fixed | inf | 4/0 |" in md
+    assert "--no-enable-chunked-prefill" in md and sweep["machine"]["cpus_available"] >= 1
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert "sweep_random_tpot_p99.png" in pngs and len(pngs) == 6
+    assert all(f"]({name})" in md for name in pngs)
+
+
+def test_a_mode_whose_server_fails_is_reported(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    argv = ["bench", "sweep", "--model", str(tmp_path / "missing"), "--dataset", "random",
+            "--modes", "baseline", "--request-rates", "1", "--num-prompts", "1",
+            "--out", str(out), "--no-progress", "--server-timeout", "60"]
+    assert main(argv) == 1
+    entry = json.loads((out / "sweep_random.json").read_text())["modes"]["baseline"]
+    assert entry["error"].startswith("server did not start") and entry["runs"] == []
+    assert "FAILED" in (out / "sweep_random.md").read_text()
+
+
+def test_bench_serve_cli_parses_the_issue_flags() -> None:
+    args = build_parser().parse_args([
+        "bench", "serve", "--base-url", "http://h:1", "--model", "m", "--dataset", "random",
+        "--random-input-len", "5", "--random-output-len", "6", "--num-prompts", "3",
+        "--request-rate", "inf", "--burstiness", "0.5", "--max-concurrency", "2", "--seed", "9",
+        "--goodput", "ttft:100", "tpot:20", "--endpoint", "completions", "--result-json", "r"])
+    assert args.request_rate == float("inf") and args.goodput == ["ttft:100", "tpot:20"]
+    assert isinstance(args, argparse.Namespace) and args.max_concurrency == 2
