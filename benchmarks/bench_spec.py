@@ -151,6 +151,7 @@ def save(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     ax.set(xscale="log", xlabel="concurrent requests", ylabel="output tokens/s",
            title=f"braid speculation modes, {args.workload}")
     ax.set_xticks(levels, [str(c) for c in levels])
+    ax.minorticks_off()
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / f"{stem}.png", dpi=120)
