@@ -90,6 +90,10 @@ class EngineConfig:
     speculative_config: dict[str, Any] | None = _opt(
         None, "speculative decoding as JSON, e.g. "
         '\'{"method": "draft_model", "num_speculative_tokens": 3}\'', json=True)
+    target_itl_ms: float | None = _opt(
+        None, "inter-token latency target: the speculation policy picks the prefill chunk and "
+        "the draft lengths so the predicted step time stays under it (needs chunked prefill "
+        "and a goodput speculative config)")
     log_stats_interval: float = _opt(10.0, "seconds between one-line stats logs (0: off)")
 
     def __post_init__(self) -> None:
@@ -103,6 +107,19 @@ class EngineConfig:
             raise ConfigError("--log-stats-interval must be >= 0")
         self.spec = (None if self.speculative_config is None
                      else SpecConfig.from_dict(self.speculative_config))
+        self._check_itl_target()
+
+    def _check_itl_target(self) -> None:
+        if self.target_itl_ms is None:
+            return
+        if self.target_itl_ms <= 0:
+            raise ConfigError(f"--target-itl-ms must be > 0, got {self.target_itl_ms}")
+        if not self.enable_chunked_prefill:
+            raise ConfigError("--target-itl-ms needs chunked prefill (drop "
+                              "--no-enable-chunked-prefill)")
+        if self.spec is None or self.spec.policy != "goodput":
+            raise ConfigError("--target-itl-ms needs --speculative-config with policy goodput "
+                              "(its step-cost model picks the prefill chunk)")
 
     spec: SpecConfig | None = field(init=False, default=None, metadata={"cli": False})
 

@@ -111,8 +111,10 @@ class LLMEngine:
                     f"({target.config.vocab_size})")
             proposer = DraftModelProposer(draft, self.blocks, cfg.block_size, self.device)
         assert cfg.max_num_batched_tokens is not None and cfg.max_model_len is not None
-        speculator = Speculator(spec, proposer, cfg.max_num_batched_tokens, cfg.max_model_len,
-                                cfg.enable_chunked_prefill)
+        speculator = Speculator(
+            spec, proposer, cfg.max_num_batched_tokens, cfg.max_model_len,
+            cfg.enable_chunked_prefill,
+            None if cfg.target_itl_ms is None else cfg.target_itl_ms / 1e3)
         if isinstance(proposer, DraftModelProposer):
             proposer.on_forward = speculator.observe_draft
         speculator.warm_up(self.runner, getattr(proposer, "runner", None), self.blocks)
@@ -290,6 +292,7 @@ class LLMEngine:
         for rid in sched.preempted:
             self.speculator.forget(rid)
         self.speculator.propose(self.scheduler.running, self.scheduler.waiting)
+        self.scheduler.prefill_token_cap = self.speculator.prefill_cap
 
     def _update_guarded(self, result: _Sampled) -> RequestOutput | None:
         """Bookkeeping of one request; a failure there (detokenizer, stop check) fails that

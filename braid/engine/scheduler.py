@@ -67,6 +67,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last one is preempted first
         self.num_preemptions = 0
+        # Prefill tokens allowed in the next step (an ITL target's choice); None = budget.
+        self.prefill_token_cap: int | None = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -86,6 +88,8 @@ class Scheduler:
         prefilling = [r for r in self.running if r.is_prefilling]
         budget = self._schedule_running(out, decoding, budget)
         if self.enable_chunked_prefill:
+            if self.prefill_token_cap is not None:
+                budget = min(budget, self.prefill_token_cap)
             budget = self._schedule_running(out, prefilling, budget)
             if not out.preempted:
                 self._admit(out, budget)

@@ -67,6 +67,7 @@ class StepPlan:
     num_requests: int  # requests in the step (decodes + prefilling)
     context_tokens: int  # cached tokens attended to
     budget: int  # max_num_batched_tokens
+    max_seconds: float = math.inf  # predicted step time (target + drafting) must stay under
 
 
 def choose_ks(
@@ -124,6 +125,8 @@ def _ratio(emitted: float, tokens: int, drafting: int, top: int, plan: StepPlan,
     seconds = cost.target_time(tokens, plan.num_requests, plan.context_tokens)
     if top:
         seconds += cost.draft_time(drafting) * top
+    if seconds > plan.max_seconds:
+        return -math.inf
     return emitted / seconds if seconds > 0 else math.inf
 
 
@@ -131,6 +134,21 @@ def _goodput(alphas: list[float], ks: list[int], plan: StepPlan, cost: StepCostM
     emitted = sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True))
     tokens = plan.num_decodes + plan.num_prefill_tokens + sum(ks)
     return _ratio(emitted, tokens, sum(1 for k in ks if k), max(ks, default=0), plan, cost)
+
+
+def prefill_under_target(demand: int, plan: StepPlan, cost: StepCostModel,
+                         min_chunk: int = 16) -> int:
+    """Largest prefill chunk (<= demand) whose step, without drafts, is predicted to stay
+    under plan.max_seconds; at least `min_chunk` tokens so waiting prompts always move."""
+    def fits(p: int) -> bool:
+        t = cost.target_time(plan.num_decodes + p, plan.num_requests, plan.context_tokens)
+        return t <= plan.max_seconds
+
+    lo, hi = 0, demand  # step time grows with tokens: bisect for the last chunk that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return max(lo, min(min_chunk, demand))
 
 
 def brute_force_ks(

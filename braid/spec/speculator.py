@@ -13,7 +13,12 @@ from braid.engine.block_manager import BlockManager
 from braid.engine.request import Request
 from braid.engine.runner import ModelRunner, Window
 from braid.spec.cost_model import StepCostModel
-from braid.spec.policy import AcceptanceEstimator, StepPlan, choose_ks
+from braid.spec.policy import (
+    AcceptanceEstimator,
+    StepPlan,
+    choose_ks,
+    prefill_under_target,
+)
 from braid.spec.proposer import Proposer
 
 logger = logging.getLogger("braid")
@@ -27,12 +32,14 @@ WARMUP_DRAFT_TOKENS = (1, 8, 32)
 
 class Speculator:
     def __init__(self, spec: SpecConfig, proposer: Proposer, budget: int, max_model_len: int,
-                 chunked_prefill: bool) -> None:
+                 chunked_prefill: bool, target_itl: float | None = None) -> None:
         self.spec = spec
         self.proposer = proposer
         self.budget = budget
         self.max_model_len = max_model_len
         self.chunked_prefill = chunked_prefill
+        self.target_itl = target_itl  # seconds; the next step's prefill cap follows from it
+        self.prefill_cap: int | None = None
         self.acceptance = AcceptanceEstimator(prior=PRIOR_ALPHA[spec.method])
         self.cost = StepCostModel()
         self.chosen_k: Counter[int] = Counter()  # how often each k was chosen for a request
@@ -61,9 +68,9 @@ class Speculator:
 
     def _choose(self, running: Sequence[Request], waiting: Sequence[Request],
                 caps: list[int]) -> list[int]:
+        plan = self._plan(running, waiting)
         if self.spec.policy == "fixed" or not any(caps):
             return caps
-        plan = self._plan(running, waiting)
         alphas = [self.acceptance.alpha(r.request_id) for r in running]
         ks = choose_ks(alphas, caps, plan, self.cost)
         self.predicted_step_time = self.cost.target_time(
@@ -80,11 +87,18 @@ class Speculator:
             demand += sum(r.num_tokens for r in waiting)
         else:
             demand = 0  # prompts run in steps of their own
-        prefill = min(demand, max(0, self.budget - decodes))
-        return StepPlan(
-            num_decodes=decodes, num_prefill_tokens=prefill,
-            num_requests=len(running) + (1 if waiting and prefill else 0),
+        demand = min(demand, max(0, self.budget - decodes))
+        plan = StepPlan(
+            num_decodes=decodes, num_prefill_tokens=demand,
+            num_requests=len(running) + (1 if waiting and demand else 0),
             context_tokens=sum(r.num_computed_tokens for r in running), budget=self.budget)
+        if self.target_itl is not None and decodes:
+            # ITL target: the biggest prefill chunk that keeps the step under it, then drafts
+            # only where they still fit (choose_ks rejects plans over max_seconds).
+            plan.max_seconds = self.target_itl
+            plan.num_prefill_tokens = prefill_under_target(demand, plan, self.cost)
+        self.prefill_cap = plan.num_prefill_tokens if self.target_itl is not None else None
+        return plan
 
     def on_verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         self.acceptance.update(req.request_id, num_drafted, num_accepted)

@@ -99,3 +99,19 @@ def test_acceptance_estimate_follows_the_request_and_starts_from_global() -> Non
     assert est.alpha("good") > 0.85 and est.alpha("bad") < 0.3
     assert est.alpha("new") == pytest.approx(est.global_alpha)
     assert est.alpha("bad") < est.global_alpha < est.alpha("good")
+
+
+def test_itl_target_caps_the_prefill_chunk_then_the_drafts() -> None:
+    from braid.spec.policy import prefill_under_target
+
+    p = plan(2, prefill=0, budget=512)
+    p.max_seconds = 0.30
+    chunk = prefill_under_target(400, p, COMPUTE_BOUND)
+    t = COMPUTE_BOUND.target_time
+    assert t(2 + chunk, 2, 1000) <= 0.30 < t(2 + chunk + 1, 2, 1000)
+    assert prefill_under_target(400, p, COMPUTE_BOUND, min_chunk=16) >= 16
+    p.num_prefill_tokens = chunk
+    ks = choose_ks([0.9, 0.9], [5, 5], p, COMPUTE_BOUND)
+    assert goodput_of([0.9, 0.9], ks, p, COMPUTE_BOUND) > 0  # the chosen plan fits the target
+    roomy = plan(2, prefill=chunk, budget=512)
+    assert sum(ks) <= sum(choose_ks([0.9, 0.9], [5, 5], roomy, COMPUTE_BOUND))

@@ -207,3 +207,21 @@ def test_goodput_switches_off_under_load_and_back_on_losslessly() -> None:
     assert max(history[:first_off]) > 0, history  # on while alone
     assert any(history[first_off:]), history  # back on once the others finished
     assert engine.speculator.chosen_k[0] > 0 and engine.speculator.chosen_k[3] > 0
+
+
+def test_itl_target_caps_prefill_chunks_losslessly(reference) -> None:
+    """With an ITL target the policy shrinks prefill chunks riding with decodes so the
+    (synthetic) predicted step time stays under it; outputs do not change."""
+    engine = spec_engine("draft_model", 3, policy="goodput", max_num_batched_tokens=64,
+                         target_itl_ms=800)
+    engine.speculator.cost = HingeCost()  # 0.2 s up to 4 tokens, +0.1 s per token beyond
+    assert run(engine, STAGGERED, GREEDY) == reference
+    mixed = [s for s in engine.stats.recent if s.num_decode_tokens and s.num_prefill_tokens]
+    assert mixed, "no step mixed decodes and prefill"
+    # 0.8 s allows 10 query tokens; the 16-token minimum chunk keeps prompts moving.
+    assert all(s.num_prefill_tokens <= 16 for s in mixed)
+
+
+def test_itl_target_needs_goodput_speculation() -> None:
+    with pytest.raises(ConfigError, match="--target-itl-ms"):
+        make_engine(target_itl_ms=100)
