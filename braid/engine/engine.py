@@ -13,7 +13,7 @@ from braid.config import ConfigError, EngineConfig
 from braid.engine.block_manager import BlockManager
 from braid.engine.output import OutputProcessor
 from braid.engine.request import Request
-from braid.engine.runner import ModelInput, ModelRunner, kv_bytes_per_token
+from braid.engine.runner import ModelRunner, kv_bytes_per_token
 from braid.engine.sampler import Sampler, SamplingMetadata, gather_logprobs
 from braid.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from braid.engine.stats import EngineStats, StepStats
@@ -206,7 +206,7 @@ class LLMEngine:
         inp = self.runner.prepare(sched, self.blocks)
         logits = self.runner.execute(inp)
         forward_time = time.perf_counter() - start
-        sampled = self._sample(sched, inp, logits)
+        sampled = self._sample(sched, logits)
         outputs = [o for s in sampled if (o := self._update_guarded(s)) is not None]
         target_time = time.perf_counter() - start
         if self.speculator is not None:
@@ -216,9 +216,7 @@ class LLMEngine:
         self._record(sched, context, forward_time, time.perf_counter() - start)
         return outputs
 
-    def _sample(
-        self, sched: SchedulerOutput, inp: ModelInput, logits: torch.Tensor
-    ) -> list[_Sampled]:
+    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[_Sampled]:
         windows = [s for s in sched.scheduled if s.samples]
         results = [_Sampled(s, [], None) for s in sched.scheduled if not s.samples]
         if not windows:
