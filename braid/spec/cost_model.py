@@ -1,7 +1,10 @@
 """Online model of step cost: how long the target forward (and a draft forward) will take.
 
-Target: t = a + b*q + c*max(0, q - knee) + d*ctx + e*r, fitted by least squares over a
-sliding window of measured steps (q query tokens, ctx cached tokens attended, r requests).
+Target: t = a + b*q + c*max(0, q - knee) + d*ctx, fitted by least squares over a sliding
+window of measured steps (q query tokens, ctx cached tokens attended). There is no
+per-request term on purpose: under a steady policy the query tokens are nearly proportional
+to the number of requests, and a fit free to split the cost between the two would
+extrapolate the cost of k = 0 from the cost of the k it happened to run (drafts look free).
 The hinge captures the roofline: up to a few dozen tokens a forward streams the weights once
 and costs about the same, past that it becomes compute-bound. The knee is the one of a few
 candidates that fits best. Warm-up measurements stay in the fit as anchors, so a window of
@@ -81,7 +84,7 @@ class StepCostModel:
 
     @staticmethod
     def _features(knee: int, tokens: int, requests: int, context: int) -> tuple[float, ...]:
-        return (tokens, max(0, tokens - knee), context / 1000.0, requests)
+        return (tokens, max(0, tokens - knee), context / 1000.0)
 
     def observe_target(self, tokens: int, requests: int, context: int, seconds: float,
                        anchor: bool = False) -> None:

@@ -121,10 +121,13 @@ def _greedy(alphas: list[float], caps: list[int], room: int, plan: StepPlan,
 def _ratio(emitted: float, tokens: int, drafting: int, top: int, plan: StepPlan,
            cost: StepCostModel) -> float:
     """Expected emitted tokens per second of a step with `tokens` query tokens, where
-    `drafting` requests draft up to `top` tokens (that many batched draft forwards)."""
+    `drafting` requests draft up to `top` tokens (that many batched draft forwards). The
+    first draft forward also carries the step's prefill chunk: a draft that proposes must
+    have seen every prompt, so speculating during a prefill-heavy step pays for that too."""
     seconds = cost.target_time(tokens, plan.num_requests, plan.context_tokens)
     if top:
-        seconds += cost.draft_time(drafting) * top
+        seconds += (cost.draft_time(drafting + plan.num_prefill_tokens)
+                    + cost.draft_time(drafting) * (top - 1))
     if seconds > plan.max_seconds:
         return -math.inf
     return emitted / seconds if seconds > 0 else math.inf
