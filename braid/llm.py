@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -32,14 +33,17 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One output per prompt, in prompt order. One SamplingParams for all, or one each."""
+        """One output per prompt, in prompt order. One SamplingParams for all, or one each;
+        `n > 1` gives n completions per prompt (n engine requests; seeds seed, seed + 1, ...)."""
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
-        ids = []
+        groups: list[list[str]] = []
         for prompt, p in zip(prompt_list, params, strict=True):
-            ids.append(str(next(self._ids)))
-            self.engine.add_request(ids[-1], prompt, p)
-        return self._run(ids, use_tqdm)
+            rid = str(next(self._ids))
+            groups.append([f"{rid}-{j}" for j in range(p.n)] if p.n > 1 else [rid])
+            for sub_id, sub in zip(groups[-1], _fan_out(p), strict=True):
+                self.engine.add_request(sub_id, prompt, sub)
+        return self._run(groups, use_tqdm)
 
     def chat(
         self,
@@ -61,15 +65,33 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, groups: list[list[str]], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
-            while len(finished) < len(ids):
+        total = sum(len(g) for g in groups)
+        with tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while len(finished) < total:
                 for out in self.engine.step():
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)
-        return [finished[i] for i in ids]
+        return [_merge([finished[i] for i in g]) for g in groups]
+
+
+def _fan_out(params: SamplingParams) -> list[SamplingParams]:
+    if params.n == 1:
+        return [params]
+    seed = params.seed
+    return [replace(params, n=1, seed=None if seed is None else seed + j)
+            for j in range(params.n)]
+
+
+def _merge(outs: list[RequestOutput]) -> RequestOutput:
+    """The n completions of one prompt as one output (choices indexed 0..n-1)."""
+    if len(outs) == 1:
+        return outs[0]
+    first = outs[0]
+    completions = [replace(o.outputs[0], index=j) for j, o in enumerate(outs)]
+    return replace(first, request_id=first.request_id.rsplit("-", 1)[0], outputs=completions)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

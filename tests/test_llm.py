@@ -1,0 +1,18 @@
+"""Offline LLM API."""
+
+from __future__ import annotations
+
+
+def test_n_completions_per_prompt(tmp_path) -> None:
+    from braid import LLM, SamplingParams
+    from tests.tiny import save_tiny_model
+
+    llm = LLM(str(save_tiny_model(tmp_path)), num_kv_blocks=256, block_size=4,
+              max_model_len=256, log_stats_interval=0)
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    out = llm.generate(["hello", "bye"], params, use_tqdm=False)
+    assert [len(o.outputs) for o in out] == [3, 3]
+    assert [c.index for c in out[0].outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out[0].outputs}) > 1  # seeds 7, 8, 9 differ
+    again = llm.generate("hello", params, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out[0].outputs]
