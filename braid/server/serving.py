@@ -79,6 +79,18 @@ def build_params(rename: dict[str, str] | None = None, **kwargs: object) -> Samp
         raise bad_request(str(e), (rename or {}).get(name, name)) from None
 
 
+_SHARED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                  "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                  "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+
+
+def request_params(body: object, max_tokens: int | None, logprobs: int | None,
+                   rename: dict[str, str] | None = None) -> SamplingParams:
+    """SamplingParams from the fields completions and chat requests share (same names)."""
+    shared = {name: getattr(body, name) for name in _SHARED_FIELDS}
+    return build_params(rename, max_tokens=max_tokens, logprobs=logprobs, **shared)
+
+
 def make_job(prefix: str, prompts: list[list[int]], params: SamplingParams, n: int) -> Job:
     job_id = f"{prefix}-{time.time_ns():x}{next(_counter):x}"
     choices, per_choice = [], []

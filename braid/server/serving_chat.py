@@ -24,11 +24,11 @@ from braid.server.serving import (
     ClientGone,
     Job,
     ServerContext,
-    build_params,
     check_model,
     collect,
     event_stream,
     make_job,
+    request_params,
     sse,
     submit,
 )
@@ -39,16 +39,10 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
                                  raw: Request) -> Response:
     model = check_model(ctx, body.model)
     use_new_name = body.max_completion_tokens is not None
-    params = build_params(
-        {"max_tokens": "max_completion_tokens"} if use_new_name else None,
-        max_tokens=body.max_completion_tokens if use_new_name else body.max_tokens,
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-        seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
-        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
-        ignore_eos=body.ignore_eos, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        skip_special_tokens=body.skip_special_tokens,
-        include_stop_str_in_output=body.include_stop_str_in_output)
+    params = request_params(
+        body, body.max_completion_tokens if use_new_name else body.max_tokens,
+        (body.top_logprobs or 0) if body.logprobs else None,
+        {"max_tokens": "max_completion_tokens"} if use_new_name else None)
     prompt = await asyncio.to_thread(_render, ctx.tokenizer, body)
     job = make_job("chatcmpl", [prompt], params, body.n)
     await submit(ctx, job, prompt_field="messages")

@@ -26,11 +26,11 @@ from braid.server.serving import (
     ClientGone,
     Job,
     ServerContext,
-    build_params,
     check_model,
     collect,
     event_stream,
     make_job,
+    request_params,
     sse,
     submit,
 )
@@ -40,14 +40,7 @@ from braid.tokenizer import Tokenizer
 async def create_completion(ctx: ServerContext, body: CompletionRequest,
                             raw: Request) -> Response:
     model = check_model(ctx, body.model)
-    params = build_params(
-        max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-        top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop,
-        stop_token_ids=body.stop_token_ids, presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-        min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, logprobs=body.logprobs,
-        skip_special_tokens=body.skip_special_tokens,
-        include_stop_str_in_output=body.include_stop_str_in_output)
+    params = request_params(body, body.max_tokens, body.logprobs)
     prompts = await asyncio.to_thread(tokenize_prompts, ctx.tokenizer, body.prompt)
     job = make_job("cmpl", prompts, params, body.n)
     await submit(ctx, job)
