@@ -7,11 +7,12 @@ once into a cached Hugging Face style folder; a Hugging Face folder is read as i
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from tqdm.auto import tqdm
 
 from braid.models.config import ModelConfig
 from braid.models.errors import ModelLoadError
@@ -54,8 +55,12 @@ def model_folder(name_or_path: str) -> Path:
 
 def load_model_files(name_or_path: str) -> LoadedModelFiles:
     folder = model_folder(name_or_path)
-    config = ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
-    return LoadedModelFiles(config=config, weights=load_weights(folder), folder=folder)
+    return LoadedModelFiles(config=load_config(folder), weights=load_weights(folder),
+                            folder=folder)
+
+
+def load_config(folder: Path) -> ModelConfig:
+    return ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -70,11 +75,41 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def load_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the folder's safetensors files (memory-mapped), as float32."""
-    weights: dict[str, torch.Tensor] = {}
-    for file in safetensors_files(folder):
-        if not file.is_file():
-            raise ModelLoadError(f"missing weights shard {file}")
-        for name, tensor in load_file(file).items():
-            weights[name] = tensor if tensor.dtype == torch.float32 else tensor.float()
-    return weights
+    """All tensors of the folder's safetensors files, as float32."""
+    return {name: t if t.dtype == torch.float32 else t.float()
+            for name, t in iter_weights(folder)}
+
+
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "F64": torch.float64}
+
+
+def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors of the folder's safetensors files in their stored dtype, read one at a time
+    with plain file reads: unlike a memory map, the file's pages never count toward this
+    process's memory, so loading peaks at one model plus the largest tensor."""
+    files = safetensors_files(folder)
+    with tqdm(desc="Loading weights", unit="tensor", leave=False) as bar:
+        for file in files:
+            if not file.is_file():
+                raise ModelLoadError(f"missing weights shard {file}")
+            for name, tensor in _read_safetensors(file):
+                yield name, tensor
+                bar.update(1)
+
+
+def _read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            if info["dtype"] not in _DTYPES:
+                raise ModelLoadError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+            tensor = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
+            start, end = info["data_offsets"]
+            f.seek(8 + size + start)
+            buf = tensor.view(-1).view(torch.uint8).numpy()
+            if end - start != buf.nbytes or f.readinto(buf.data) != buf.nbytes:
+                raise ModelLoadError(f"{path}: tensor {name} is truncated")
+            yield name, tensor
