@@ -80,10 +80,10 @@ def choose_ks(
     largest k) the k_i are allocated greedily by marginal gain (E is concave in k, the
     target's cost linear in tokens), and the best K wins."""
     room = max(0, plan.budget - plan.num_decodes - plan.num_prefill_tokens)
-    best_ks, best = [0] * len(alphas), _goodput(alphas, [0] * len(alphas), plan, cost)
+    best_ks, best = [0] * len(alphas), goodput_of(alphas, [0] * len(alphas), plan, cost)
     for top in range(1, max(max_ks, default=0) + 1):
         ks = _greedy(alphas, [min(m, top) for m in max_ks], room, plan, cost)
-        value = _goodput(alphas, ks, plan, cost)
+        value = goodput_of(alphas, ks, plan, cost)
         if value > best * (1 + 1e-9):
             best_ks, best = ks, value
     return best_ks
@@ -133,7 +133,9 @@ def _ratio(emitted: float, tokens: int, drafting: int, top: int, plan: StepPlan,
     return emitted / seconds if seconds > 0 else math.inf
 
 
-def _goodput(alphas: list[float], ks: list[int], plan: StepPlan, cost: StepCostModel) -> float:
+def goodput_of(alphas: list[float], ks: list[int], plan: StepPlan, cost: StepCostModel
+               ) -> float:
+    """Expected emitted tokens per second of the next step with drafts `ks`."""
     emitted = sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True))
     tokens = plan.num_decodes + plan.num_prefill_tokens + sum(ks)
     return _ratio(emitted, tokens, sum(1 for k in ks if k), max(ks, default=0), plan, cost)
@@ -152,23 +154,3 @@ def prefill_under_target(demand: int, plan: StepPlan, cost: StepCostModel,
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     return max(lo, min(min_chunk, demand))
-
-
-def brute_force_ks(
-    alphas: list[float], max_ks: list[int], plan: StepPlan, cost: StepCostModel
-) -> tuple[list[int], float]:
-    """Exhaustive optimum (for tests on small cases)."""
-    import itertools
-
-    room = max(0, plan.budget - plan.num_decodes - plan.num_prefill_tokens)
-    best: tuple[list[int], float] = ([0] * len(alphas), -1.0)
-    for ks in itertools.product(*(range(m + 1) for m in max_ks)):
-        if sum(ks) <= room:
-            value = _goodput(alphas, list(ks), plan, cost)
-            if value > best[1]:
-                best = (list(ks), value)
-    return best
-
-
-def goodput_of(alphas: list[float], ks: list[int], plan: StepPlan, cost: StepCostModel) -> float:
-    return _goodput(alphas, ks, plan, cost)

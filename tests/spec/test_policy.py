@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -10,7 +11,6 @@ from braid.spec.cost_model import StepCostModel
 from braid.spec.policy import (
     AcceptanceEstimator,
     StepPlan,
-    brute_force_ks,
     choose_ks,
     expected_tokens,
     goodput_of,
@@ -77,6 +77,20 @@ def test_heterogeneous_requests_get_k_in_order_of_acceptance() -> None:
     order = sorted(range(4), key=lambda i: alphas[i])
     assert [ks[i] for i in order] == sorted(ks)
     assert ks[1] > ks[0]
+
+
+def brute_force_ks(
+    alphas: list[float], max_ks: list[int], plan: StepPlan, cost: StepCostModel
+) -> tuple[list[int], float]:
+    """Exhaustive optimum over every k assignment that fits the budget."""
+    room = max(0, plan.budget - plan.num_decodes - plan.num_prefill_tokens)
+    best: tuple[list[int], float] = ([0] * len(alphas), -1.0)
+    for ks in itertools.product(*(range(m + 1) for m in max_ks)):
+        if sum(ks) <= room:
+            value = goodput_of(alphas, list(ks), plan, cost)
+            if value > best[1]:
+                best = (list(ks), value)
+    return best
 
 
 @pytest.mark.parametrize("seed", range(30))
