@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from braid.engine.engine import RequestError
@@ -170,6 +171,19 @@ async def collect(ctx: ServerContext, job: Job, raw: Request) -> list[RequestOut
 
 class ClientGone(Exception):
     """The client closed the connection before the response was ready."""
+
+
+async def respond(ctx: ServerContext, job: Job, raw: Request, stream: bool,
+                  events: Callable[[], AsyncIterator[str]],
+                  build: Callable[[list[RequestOutput]], BaseModel]) -> Response:
+    """SSE stream of `events()`, or one JSON body built from every choice's final output."""
+    if stream:
+        return StreamingResponse(events(), media_type="text/event-stream")
+    try:
+        finals = await collect(ctx, job, raw)
+    except ClientGone:
+        return Response(status_code=499)
+    return JSONResponse(build(finals).model_dump())
 
 
 def sse(body: BaseModel) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from braid.outputs import RequestOutput
 from braid.server.errors import bad_request
@@ -21,14 +21,13 @@ from braid.server.protocol import (
 )
 from braid.server.responses import ChoiceState, Delta, braid_info, chat_logprobs, usage
 from braid.server.serving import (
-    ClientGone,
     Job,
     ServerContext,
     check_model,
-    collect,
     event_stream,
     make_job,
     request_params,
+    respond,
     sse,
     submit,
 )
@@ -46,13 +45,8 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     prompt = await asyncio.to_thread(_render, ctx.tokenizer, body)
     job = make_job("chatcmpl", [prompt], params, body.n)
     await submit(ctx, job, prompt_field="messages")
-    if body.stream:
-        return StreamingResponse(_stream(ctx, job, body, model), media_type="text/event-stream")
-    try:
-        finals = await collect(ctx, job, raw)
-    except ClientGone:
-        return Response(status_code=499)
-    return JSONResponse(_response(ctx, job, body, model, finals).model_dump())
+    return await respond(ctx, job, raw, body.stream, lambda: _stream(ctx, job, body, model),
+                         lambda finals: _response(ctx, job, body, model, finals))
 
 
 def _render(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:

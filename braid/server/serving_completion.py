@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from braid.outputs import RequestOutput
 from braid.server.protocol import (
@@ -23,14 +23,13 @@ from braid.server.responses import (
     usage,
 )
 from braid.server.serving import (
-    ClientGone,
     Job,
     ServerContext,
     check_model,
-    collect,
     event_stream,
     make_job,
     request_params,
+    respond,
     sse,
     submit,
 )
@@ -44,13 +43,8 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest,
     prompts = await asyncio.to_thread(tokenize_prompts, ctx.tokenizer, body.prompt)
     job = make_job("cmpl", prompts, params, body.n)
     await submit(ctx, job)
-    if body.stream:
-        return StreamingResponse(_stream(ctx, job, body, model), media_type="text/event-stream")
-    try:
-        finals = await collect(ctx, job, raw)
-    except ClientGone:
-        return Response(status_code=499)
-    return JSONResponse(_response(ctx, job, body, model, finals).model_dump())
+    return await respond(ctx, job, raw, body.stream, lambda: _stream(ctx, job, body, model),
+                         lambda finals: _response(ctx, job, body, model, finals))
 
 
 def tokenize_prompts(tokenizer: Tokenizer,
