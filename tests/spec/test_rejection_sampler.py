@@ -8,28 +8,9 @@ import torch
 from braid.engine.sampler import Sampler, SamplingMetadata, target_probs
 from braid.sampling_params import SamplingParams
 from braid.spec.rejection_sampler import rejection_sample
+from tests.engine.test_sampler import V, build
 
-V = 32
-EOS = 0
 TV_TOLERANCE = 0.01
-
-
-def build(
-    params: list[SamplingParams],
-    outputs: list[list[int]] | None = None,
-    prompts: list[list[int]] | None = None,
-    vocab_size: int = V,
-) -> SamplingMetadata:
-    n = len(params)
-    return SamplingMetadata.build(
-        params,
-        prompts if prompts is not None else [[1, 2, 3]] * n,
-        outputs if outputs is not None else [[]] * n,
-        [None] * n,
-        vocab_size,
-        "cpu",
-        eos_token_ids={EOS},
-    )
 
 
 def same_params_meta(params: SamplingParams, rows: int, vocab_size: int = V) -> SamplingMetadata:
