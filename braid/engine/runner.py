@@ -18,8 +18,6 @@ class ModelInput:
     positions: torch.Tensor  # [T]
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [R] rows of the flat batch whose logits are needed
-    # For each scheduled request: (first logits row, number of rows); rows == 0 if not sampled.
-    logits_rows: list[tuple[int, int]]
 
 
 @dataclass(slots=True)
@@ -72,11 +70,9 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         logits_indices: list[int] = []
-        logits_rows: list[tuple[int, int]] = []
         for w in windows:
             ids += w.token_ids
             positions += range(w.start, w.start + len(w.token_ids))
-            logits_rows.append((len(logits_indices), w.num_logits))
             logits_indices += range(len(ids) - w.num_logits, len(ids))
         meta = build_attention_metadata(
             query_lens=[len(w.token_ids) for w in windows],
@@ -90,7 +86,6 @@ class ModelRunner:
             positions=torch.tensor(positions, device=self.device),
             attn_metadata=meta,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
-            logits_rows=logits_rows,
         )
 
     @torch.inference_mode()

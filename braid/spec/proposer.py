@@ -15,7 +15,7 @@ class Proposer(ABC):
     def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
         """Up to ks[i] draft tokens for requests[i] (k = 0: none, but the proposer may still
         use the call to keep its state current). Called after every step with every running
-        request that is past its prompt."""
+        request; those still prefilling get k = 0."""
 
     def forget(self, request_id: str) -> None:  # noqa: B027 - optional hook, no state by default
         """The request finished or lost its KV blocks (preempted)."""

@@ -68,8 +68,10 @@ class Speculator:
 
     def _choose(self, running: Sequence[Request], waiting: Sequence[Request],
                 caps: list[int]) -> list[int]:
-        plan = self._plan(running, waiting)
-        if self.spec.policy == "fixed" or not any(caps):
+        if self.spec.policy == "fixed":
+            return caps
+        plan = self._plan(running, waiting)  # also sets the ITL target's prefill cap
+        if not any(caps):
             return caps
         alphas = [self.acceptance.alpha(r.request_id) for r in running]
         ks = choose_ks(alphas, caps, plan, self.cost)
