@@ -3,7 +3,9 @@
     python benchmarks/bench_spec.py --workload humaneval --num-prompts 16 --max-tokens 128 \
         --concurrency 1 --modes none,ngram4,draft1,draft2,draft3,draft4,draft5,goodput
 
-Closed loop: `concurrency` requests in flight until all prompts are done (greedy). Prints a
+Closed loop: `concurrency` requests in flight until all prompts are done (greedy); each load
+level runs max(--num-prompts, --prompts-per-slot * concurrency) prompts, so high levels
+measure a steady state, not one batch that starts and ends together. Prints a
 table (throughput, speedup over no speculation, acceptance) and saves JSON and a plot of
 throughput vs concurrency in --out.
 """
@@ -83,7 +85,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=["humaneval", "edit", "sharegpt"],
                         default="humaneval")
-    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--num-prompts", type=int, default=16, help="at least this many")
+    parser.add_argument("--prompts-per-slot", type=int, default=0,
+                        help="at least this many prompts per concurrent request")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", default="1", help="comma-separated list")
     parser.add_argument("--modes", default="none,ngram4,draft1,draft3,draft5,goodput")
@@ -96,10 +100,12 @@ def main() -> None:
     modes = args.modes.split(",")
     draft = load_model(DEFAULT_DRAFT)[0] if any("draft" in m or m == "goodput"
                                                for m in modes) else None
-    prompts = prompts_for(args.workload, args.num_prompts, target[1], args.max_tokens)
     levels = [int(c) for c in args.concurrency.split(",")]
+    counts = {c: max(args.num_prompts, args.prompts_per_slot * c) for c in levels}
+    prompts = prompts_for(args.workload, max(counts.values()), target[1], args.max_tokens)
     print(f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads;"
-          f" {args.workload}: {len(prompts)} prompts, {args.max_tokens} new tokens, greedy")
+          f" {args.workload}: {counts} prompts per concurrency, {args.max_tokens} new tokens,"
+          " greedy")
     results: list[dict[str, Any]] = []
     for mode in modes:
         for c in levels:
@@ -112,7 +118,8 @@ def main() -> None:
             engine.stats.spec = SpecStats()
             if engine.speculator is not None:
                 engine.speculator.chosen_k.clear()
-            r = {"mode": mode, "concurrency": c, **run_mode(engine, prompts, c, args.max_tokens)}
+            r = {"mode": mode, "concurrency": c, "prompts": counts[c],
+                 **run_mode(engine, prompts[:counts[c]], c, args.max_tokens)}
             results.append(r)
             print_row(r, results)
     save(results, args)

@@ -20,6 +20,7 @@ from braid.engine.stats import EngineStats, StepStats
 from braid.models.qwen2 import Qwen2ForCausalLM
 from braid.outputs import RequestOutput
 from braid.sampling_params import SamplingParams
+from braid.spec.cost_model import attention_work
 from braid.spec.draft import DraftModelProposer
 from braid.spec.proposer import NgramPromptLookup, Proposer
 from braid.spec.rejection_sampler import rejection_sample
@@ -203,6 +204,9 @@ class LLMEngine:
         if sched.is_empty:
             return []
         context = sum(s.request.num_computed_tokens for s in sched.scheduled)
+        attention = sum(attention_work(s.num_new_tokens, s.request.num_computed_tokens)
+                        for s in sched.scheduled)
+        rows = sum(1 + s.num_spec_tokens for s in sched.scheduled if s.samples)
         inp = self.runner.prepare(sched, self.blocks)
         logits = self.runner.execute(inp)
         forward_time = time.perf_counter() - start
@@ -210,8 +214,7 @@ class LLMEngine:
         outputs = [o for s in sampled if (o := self._update_guarded(s)) is not None]
         target_time = time.perf_counter() - start
         if self.speculator is not None:
-            self.speculator.observe_step(sched.num_batched_tokens, len(sched.scheduled), context,
-                                         target_time)
+            self.speculator.observe_step(sched.num_batched_tokens, attention, rows, target_time)
         self._propose(sched)
         self._record(sched, context, forward_time, time.perf_counter() - start)
         return outputs

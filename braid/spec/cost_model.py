@@ -1,14 +1,20 @@
-"""Online model of step cost: how long the target forward (and a draft forward) will take.
+"""Online model of step cost: how long a target forward (and a draft forward) will take.
 
-Target: t = a + b*q + c*max(0, q - knee) + d*ctx, fitted by least squares over a sliding
-window of measured steps (q query tokens, ctx cached tokens attended). There is no
-per-request term on purpose: under a steady policy the query tokens are nearly proportional
-to the number of requests, and a fit free to split the cost between the two would
+One forward costs t = a + b*q + sum_j c_j*max(0, q - knee_j) + d*attn + e*rows, fitted by
+non-negative least squares over a sliding window of measured forwards (q query tokens, attn the
+attention work sum_i q_i * kv_i of its windows, rows the positions that need logits: the LM
+head over a 150k vocabulary is a large matmul of its own, paid by every verified position but
+only once per prefill chunk). The hinges make the token curve piecewise linear and
+convex: up to a few dozen tokens a forward streams the weights once and costs about the same,
+past that it becomes compute-bound and each token costs more. Attention is a feature of its
+own so that long contexts do not bend the token curve (a fit over total context instead
+charged every decode of a long conversation as if it were a prefill chunk).
+
+There is no per-request term on purpose: under a steady policy the query tokens are nearly
+proportional to the number of requests, and a fit free to split the cost between the two would
 extrapolate the cost of k = 0 from the cost of the k it happened to run (drafts look free).
-The hinge captures the roofline: up to a few dozen tokens a forward streams the weights once
-and costs about the same, past that it becomes compute-bound. The knee is the one of a few
-candidates that fits best. Warm-up measurements stay in the fit as anchors, so a window of
-identical steady-state steps cannot make the model blind to other sizes.
+Warm-up measurements stay in the fit as anchors, so a window of identical steady-state steps
+cannot make the model blind to other sizes.
 """
 
 from __future__ import annotations
@@ -18,94 +24,113 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-KNEES = (8, 16, 32, 64, 128)
+KNEES = (4, 8, 16, 32, 64, 128, 256)
+ATTENTION_UNIT = 1e6  # attention work is fitted per million query-key pairs
+
+
+def attention_work(query_len: int, context_len: int) -> int:
+    """Query-key pairs of one window of `query_len` tokens after `context_len` cached ones."""
+    return query_len * (context_len + query_len)
 
 
 @dataclass
-class LinearFit:
-    """Least squares with non-negative slopes over (features, seconds) samples."""
+class ForwardCost:
+    """Seconds of one forward of a model from its query tokens, attention work and logits
+    rows."""
 
     window: int = 256
-    anchors: list[tuple[tuple[float, ...], float]] = field(default_factory=list)
-    recent: deque[tuple[tuple[float, ...], float]] = field(default_factory=deque)
-    coef: np.ndarray | None = None
+    anchors: list[tuple[np.ndarray, float]] = field(default_factory=list)
+    recent: deque[tuple[np.ndarray, float]] = field(default_factory=deque)
+    error_ema: float = 0.0  # relative |predicted - measured| / measured, online samples
+    _coef: np.ndarray | None = None
+    _num_observed: int = 0
 
-    def add(self, x: tuple[float, ...], seconds: float, anchor: bool = False) -> None:
+    @staticmethod
+    def features(tokens: float, attention: float, rows: float) -> np.ndarray:
+        hinges = [max(0.0, tokens - knee) for knee in KNEES]
+        return np.array([1.0, tokens, *hinges, attention / ATTENTION_UNIT, rows])
+
+    def observe(self, tokens: float, attention: float, rows: float, seconds: float,
+                anchor: bool = False) -> None:
+        x = self.features(tokens, attention, rows)
+        if not anchor and self._num_observed + len(self.anchors) >= 2:
+            error = abs(self._predict(x) - seconds) / max(seconds, 1e-9)
+            self.error_ema = (error if self._num_observed == 0
+                              else 0.9 * self.error_ema + 0.1 * error)
+        if not anchor:
+            self._num_observed += 1
         (self.anchors if anchor else self.recent).append((x, seconds))
         if len(self.recent) > self.window:
             self.recent.popleft()
-        self.coef = None
+        self._coef = None
 
-    def fit(self) -> np.ndarray | None:
-        samples = self.anchors + list(self.recent)
-        if len(samples) < 2:
-            return None
-        xs = np.array([(1.0, *x) for x, _ in samples])
-        ys = np.array([y for _, y in samples])
-        return _nonnegative_lstsq(xs, ys)
+    def __call__(self, tokens: float, attention: float = 0.0, rows: float | None = None
+                 ) -> float:
+        """Predicted seconds; `rows` defaults to every token (decode and verification)."""
+        return self._predict(self.features(tokens, attention, tokens if rows is None else rows))
 
-    def predict(self, x: tuple[float, ...]) -> float:
-        if self.coef is None:
-            self.coef = self.fit()
-        if self.coef is None:
-            return 0.0
-        return float(self.coef @ np.array((1.0, *x)))
-
-    def residual(self) -> float:
-        samples = self.anchors + list(self.recent)
-        return float(sum((self.predict(x) - y) ** 2 for x, y in samples))
+    def _predict(self, x: np.ndarray) -> float:
+        if self._coef is None:
+            samples = self.anchors + list(self.recent)
+            if not samples:
+                return 0.0
+            self._coef = nnls(np.array([s[0] for s in samples]),
+                              np.array([s[1] for s in samples]))
+        return float(self._coef @ x)
 
 
-def _nonnegative_lstsq(xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
-    """Least squares with every coefficient >= 0 (more tokens, context or requests never
-    make a step cheaper): refit without the most negative coefficient until none is left
-    (an active-set approximation of NNLS; exact for the few features used here in practice).
-    Clipping after an unconstrained fit would be wrong: a negative slope on one feature would
-    have bent all the others."""
-    active = list(range(xs.shape[1]))
-    coef = np.zeros(xs.shape[1])
-    while active:
-        fit = np.linalg.lstsq(xs[:, active], ys, rcond=None)[0]  # minimum-norm if alike
-        worst = int(np.argmin(fit))
-        if fit[worst] >= 0:
-            coef[active] = fit
-            return coef
-        active.pop(worst)
-    return coef
+def nnls(a: np.ndarray, b: np.ndarray, tol: float = 1e-12) -> np.ndarray:
+    """min |a x - b| subject to x >= 0 (Lawson-Hanson active set). Every coefficient is a
+    cost, so none may be negative: more tokens or attention never make a step cheaper.
+    Clipping an unconstrained fit would be wrong: one negative slope bends all the others."""
+    scale = np.maximum(np.abs(a).max(axis=0), 1e-12)  # columns of comparable size
+    a = a / scale
+    n = a.shape[1]
+    passive = np.zeros(n, dtype=bool)
+    x = np.zeros(n)
+    w = a.T @ (b - a @ x)
+    for _ in range(3 * n):
+        if passive.all() or w[~passive].max() <= tol:
+            break
+        passive[np.argmax(np.where(passive, -np.inf, w))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > tol).all():
+                break
+            blocked = passive & (z <= tol)
+            step = np.min(x[blocked] / (x[blocked] - z[blocked]))
+            x = x + step * (z - x)
+            passive &= x > tol
+        x = z
+        w = a.T @ (b - a @ x)
+    return x / scale
 
 
 class StepCostModel:
+    """The target forward and the draft forward, each a ForwardCost."""
+
     def __init__(self, window: int = 256) -> None:
-        self._target = {knee: LinearFit(window) for knee in KNEES}
-        self._knee = KNEES[1]
-        self._draft = LinearFit(window)
-        self._num_target = 0
-        self.error_ema = 0.0  # relative |predicted - measured| / measured of target steps
+        self.target = ForwardCost(window)
+        self.draft = ForwardCost(window)
 
-    @staticmethod
-    def _features(knee: int, tokens: int, requests: int, context: int) -> tuple[float, ...]:
-        return (tokens, max(0, tokens - knee), context / 1000.0)
+    @property
+    def error_ema(self) -> float:
+        return self.target.error_ema
 
-    def observe_target(self, tokens: int, requests: int, context: int, seconds: float,
+    def observe_target(self, tokens: int, attention: int, rows: int, seconds: float,
                        anchor: bool = False) -> None:
-        predicted = self.target_time(tokens, requests, context)
-        if predicted > 0 and not anchor:
-            error = abs(predicted - seconds) / seconds
-            self.error_ema = error if self._num_target == 0 else 0.9 * self.error_ema + 0.1 * error
-            self._num_target += 1
-        for knee, fit in self._target.items():
-            fit.add(self._features(knee, tokens, requests, context), seconds, anchor)
-        if anchor or self._num_target % 32 == 0:
-            self._knee = min(self._target, key=lambda k: self._target[k].residual())
+        self.target.observe(tokens, attention, rows, seconds, anchor)
 
-    def observe_draft(self, tokens: int, seconds: float, anchor: bool = False) -> None:
-        self._draft.add((tokens,), seconds, anchor)
+    def observe_draft(self, tokens: int, rows: int, seconds: float, anchor: bool = False
+                      ) -> None:
+        self.draft.observe(tokens, 0, rows, seconds, anchor)
 
-    def target_time(self, tokens: int, requests: int, context: int) -> float:
-        """Predicted seconds of one target forward."""
-        return self._target[self._knee].predict(
-            self._features(self._knee, tokens, requests, context))
+    def target_time(self, tokens: float, attention: float = 0.0, rows: float | None = None
+                    ) -> float:
+        """Predicted seconds of one target forward (`rows` logits rows, default all)."""
+        return self.target(tokens, attention, rows)
 
-    def draft_time(self, tokens: int) -> float:
+    def draft_time(self, tokens: float, rows: float | None = None) -> float:
         """Predicted seconds of one draft forward over `tokens` query tokens."""
-        return self._draft.predict((tokens,))
+        return self.draft(tokens, 0.0, rows) if tokens else 0.0

@@ -2,10 +2,12 @@
 
 The draft cache uses the target's block tables (same slot layout, its own tensors), so it needs
 no block manager of its own; when the target frees a request's blocks the draft forgets it.
-Each call first catches every request up from the draft's own progress to the request's tokens
-in one flat forward (prefill chunks the target ran this step, tokens accepted last step, and
-the recovered/bonus token), so drafts are never computed on a stale cache, even after steps
-where a request ran with k = 0. Then k - 1 more single-token forwards, batched over requests.
+Each call first catches every request that drafts up from the draft's own progress to the
+request's tokens in one flat forward (its prompt if the draft has not seen it yet, tokens
+accepted last step, tokens emitted while its k was 0, and the recovered/bonus token), so drafts
+are never computed on a stale cache. Requests with k = 0 are left behind: under load, when the
+policy turns speculation off, the draft costs nothing, and the policy weighs the catch-up (the
+`lag`) before turning it back on. Then k - 1 more single-token forwards, batched over requests.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ class DraftModelProposer(Proposer):
         self.blocks = blocks
         self.computed: dict[str, int] = {}  # draft KV is valid for positions < computed
         self.last: dict[str, _Proposal] = {}
-        # Called with (query tokens, seconds) after every draft forward (the cost model).
-        self.on_forward: Callable[[int, float], None] | None = None
+        # Called with (query tokens, logits rows, seconds) after every draft forward.
+        self.on_forward: Callable[[int, int, float], None] | None = None
 
     def forget(self, request_id: str) -> None:
         self.computed.pop(request_id, None)
@@ -67,11 +69,14 @@ class DraftModelProposer(Proposer):
             k = max(0, self.blocks.num_slots(req.request_id) - req.num_tokens + 1)
         return k
 
-    def _valid_prefix(self, req: Request) -> int:
+    def lag(self, req: Request) -> int:
+        return req.num_tokens - min(self._valid_prefix(req, keep=True), req.num_tokens - 1)
+
+    def _valid_prefix(self, req: Request, keep: bool = False) -> int:
         """Positions whose draft KV matches the request's tokens: earlier proposals' KV stays
-        valid for the drafts that were accepted."""
+        valid for the drafts that were accepted (consumed unless `keep`)."""
         done = self.computed.get(req.request_id, 0)
-        last = self.last.pop(req.request_id, None)
+        last = self.last.get(req.request_id) if keep else self.last.pop(req.request_id, None)
         if last is None:
             return done
         actual = req.token_ids(last.start, last.start + len(last.drafts) - 1)
@@ -81,19 +86,17 @@ class DraftModelProposer(Proposer):
         return last.start + same
 
     def _catch_up(self, requests: list[Request], ks: list[int]) -> dict[int, int]:
-        """One forward bringing each request's draft cache up to date; for requests with
-        k > 0 it runs through the last token and yields the first draft token."""
+        """One forward bringing the draft cache of each request with k > 0 up to date; it
+        runs through the last token and yields the first draft token."""
         windows, sampled = [], []
         for i, (r, k) in enumerate(zip(requests, ks, strict=True)):
-            start = min(self._valid_prefix(r), r.num_tokens - 1)
-            end = r.num_tokens if k else r.num_computed_tokens
-            if end <= start:
+            if not k:
                 continue
-            windows.append(Window(r.token_ids(start, end), start,
-                                  self.blocks.block_table(r.request_id), 1 if k else 0))
-            self.computed[r.request_id] = end
-            if k:
-                sampled.append(i)
+            start = min(self._valid_prefix(r), r.num_tokens - 1)
+            windows.append(Window(r.token_ids(start, r.num_tokens), start,
+                                  self.blocks.block_table(r.request_id), 1))
+            self.computed[r.request_id] = r.num_tokens
+            sampled.append(i)
         tokens = self._run(windows)
         return dict(zip(sampled, tokens, strict=True))
 
@@ -112,5 +115,6 @@ class DraftModelProposer(Proposer):
         logits = self.runner.execute(self.runner.build_input(windows))
         tokens = logits.argmax(dim=-1).tolist()
         if self.on_forward is not None:
-            self.on_forward(sum(len(w.token_ids) for w in windows), time.perf_counter() - start)
+            self.on_forward(sum(len(w.token_ids) for w in windows), len(windows),
+                            time.perf_counter() - start)
         return tokens

@@ -12,7 +12,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from braid.spec.cost_model import StepCostModel
+from braid.spec.cost_model import StepCostModel, attention_work
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -60,13 +60,16 @@ class AcceptanceEstimator:
 
 @dataclass(slots=True)
 class StepPlan:
-    """What the next step is expected to hold besides drafts."""
+    """What the next step is expected to hold besides drafts, and what drafting costs."""
 
     num_decodes: int  # requests past their prompt: 1 query token each
     num_prefill_tokens: int  # prefill chunk tokens the scheduler will run
-    num_requests: int  # requests in the step (decodes + prefilling)
-    context_tokens: int  # cached tokens attended to
     budget: int  # max_num_batched_tokens
+    base_attention: float = 0.0  # attention work of the step without drafts
+    # Per request (the order of the alphas): cached tokens its decode window follows, and the
+    # draft tokens it adds to the first draft forward if it drafts (catching the draft up).
+    contexts: list[int] = field(default_factory=list)
+    catch_up: list[float] = field(default_factory=list)
     max_seconds: float = math.inf  # predicted step time (target + drafting) must stay under
 
 
@@ -77,8 +80,9 @@ def choose_ks(
     [0, max_ks[i]] with the drafts fitting the budget left after decodes and prefill.
 
     Drafting K tokens for anyone costs K draft forwards for the batch, so for each K (the
-    largest k) the k_i are allocated greedily by marginal gain (E is concave in k, the
-    target's cost linear in tokens), and the best K wins."""
+    largest k) the k_i are allocated greedily by marginal gain per marginal cost (E is
+    concave in k; a request's first draft also pays for catching the draft up), and the
+    best K wins."""
     room = max(0, plan.budget - plan.num_decodes - plan.num_prefill_tokens)
     best_ks, best = [0] * len(alphas), goodput_of(alphas, [0] * len(alphas), plan, cost)
     for top in range(1, max(max_ks, default=0) + 1):
@@ -89,65 +93,105 @@ def choose_ks(
     return best_ks
 
 
+@dataclass(slots=True)
+class _Step:
+    """Running sums of a candidate step, so goodput is evaluated in O(1) per draft token."""
+
+    emitted: float
+    tokens: int
+    attention: float
+    first_draft: float = 0.0  # query tokens of the first draft forward
+    drafting: int = 0  # requests that draft
+    top: int = 0  # largest k: number of draft forwards
+
+
 def _greedy(alphas: list[float], caps: list[int], room: int, plan: StepPlan,
             cost: StepCostModel) -> list[int]:
-    """Add draft tokens one at a time, each to the request whose next draft adds the most
-    expected tokens; return the best prefix of that path (goodput is evaluated in O(1) per
-    token from running sums)."""
-    ks = [0] * len(alphas)
-    heap = [(-(expected_tokens(a, 1) - 1.0), i) for i, a in enumerate(alphas) if caps[i] > 0]
+    """Add draft tokens one at a time, each where it adds the most expected tokens per
+    second it costs; return the best prefix of that path."""
+    n = len(alphas)
+    contexts = plan.contexts or [0] * n
+    catch_up = plan.catch_up or [1.0] * n
+    step = _Step(float(n), plan.num_decodes + plan.num_prefill_tokens, plan.base_attention)
+    # Marginal prices, from the cost model around the step without drafts.
+    base = step.tokens
+    t_token = max((cost.target_time(base + 16) - cost.target_time(base)) / 16, 1e-6)
+    t_attention = max(cost.target_time(base, 1e6) - cost.target_time(base), 0.0) / 1e6
+    d_token = max((cost.draft_time(65, 1) - cost.draft_time(1, 1)) / 64, 0.0)
+
+    def key(i: int, k: int) -> float:
+        gain = expected_tokens(alphas[i], k + 1) - expected_tokens(alphas[i], k)
+        seconds = t_token + t_attention * (contexts[i] + 2 * k + 2)
+        if k == 0:
+            seconds += d_token * catch_up[i]
+        return -gain / seconds
+
+    ks = [0] * n
+    heap = [(key(i, 0), i) for i in range(n) if caps[i] > 0]
     heapq.heapify(heap)
-    emitted = float(len(alphas))
-    base_tokens = plan.num_decodes + plan.num_prefill_tokens
-    best, best_ks = _ratio(emitted, base_tokens, 0, 0, plan, cost), list(ks)
-    drafting = top = total = 0
+    best, best_ks = _ratio(step, plan, cost), list(ks)
+    total = 0
     while heap and total < room:
-        neg_gain, i = heapq.heappop(heap)
-        emitted -= neg_gain
-        drafting += ks[i] == 0
-        ks[i] += 1
+        _, i = heapq.heappop(heap)
+        k = ks[i]
+        step.emitted += expected_tokens(alphas[i], k + 1) - expected_tokens(alphas[i], k)
+        step.tokens += 1
+        step.attention += (attention_work(k + 2, contexts[i])
+                           - attention_work(k + 1, contexts[i]))
+        if k == 0:
+            step.drafting += 1
+            step.first_draft += catch_up[i]
+        ks[i] = k + 1
+        step.top = max(step.top, k + 1)
         total += 1
-        top = max(top, ks[i])
-        value = _ratio(emitted, base_tokens + total, drafting, top, plan, cost)
+        value = _ratio(step, plan, cost)
         if value > best * (1 + 1e-9):
             best, best_ks = value, list(ks)
         if ks[i] < caps[i]:
-            a = alphas[i]
-            gain = expected_tokens(a, ks[i] + 1) - expected_tokens(a, ks[i])
-            heapq.heappush(heap, (-gain, i))
+            heapq.heappush(heap, (key(i, ks[i]), i))
     return best_ks
 
 
-def _ratio(emitted: float, tokens: int, drafting: int, top: int, plan: StepPlan,
-           cost: StepCostModel) -> float:
-    """Expected emitted tokens per second of a step with `tokens` query tokens, where
-    `drafting` requests draft up to `top` tokens (that many batched draft forwards). The
-    first draft forward also carries the step's prefill chunk: a draft that proposes must
-    have seen every prompt, so speculating during a prefill-heavy step pays for that too."""
-    seconds = cost.target_time(tokens, plan.num_requests, plan.context_tokens)
-    if top:
-        seconds += (cost.draft_time(drafting + plan.num_prefill_tokens)
-                    + cost.draft_time(drafting) * (top - 1))
+def _ratio(step: _Step, plan: StepPlan, cost: StepCostModel) -> float:
+    """Expected emitted tokens per second of a step: the target forward, plus (when anyone
+    drafts) one draft forward that catches the drafting requests up and yields their first
+    draft, and top - 1 more over the drafting requests."""
+    seconds = cost.target_time(step.tokens, step.attention,
+                               step.tokens - plan.num_prefill_tokens)
+    if step.top:
+        seconds += (cost.draft_time(step.first_draft, step.drafting)
+                    + cost.draft_time(step.drafting) * (step.top - 1))
     if seconds > plan.max_seconds:
         return -math.inf
-    return emitted / seconds if seconds > 0 else math.inf
+    return step.emitted / seconds if seconds > 0 else math.inf
 
 
 def goodput_of(alphas: list[float], ks: list[int], plan: StepPlan, cost: StepCostModel
                ) -> float:
     """Expected emitted tokens per second of the next step with drafts `ks`."""
-    emitted = sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True))
-    tokens = plan.num_decodes + plan.num_prefill_tokens + sum(ks)
-    return _ratio(emitted, tokens, sum(1 for k in ks if k), max(ks, default=0), plan, cost)
+    n = len(alphas)
+    contexts = plan.contexts or [0] * n
+    catch_up = plan.catch_up or [1.0] * n
+    step = _Step(
+        emitted=sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True)),
+        tokens=plan.num_decodes + plan.num_prefill_tokens + sum(ks),
+        attention=plan.base_attention + sum(
+            attention_work(1 + k, c) - attention_work(1, c)
+            for k, c in zip(ks, contexts, strict=True) if k),
+        first_draft=sum(c for k, c in zip(ks, catch_up, strict=True) if k),
+        drafting=sum(1 for k in ks if k), top=max(ks, default=0))
+    return _ratio(step, plan, cost)
 
 
 def prefill_under_target(demand: int, plan: StepPlan, cost: StepCostModel,
-                         min_chunk: int = 16) -> int:
-    """Largest prefill chunk (<= demand) whose step, without drafts, is predicted to stay
-    under plan.max_seconds; at least `min_chunk` tokens so waiting prompts always move."""
+                         context: int = 0, min_chunk: int = 16) -> int:
+    """Largest prefill chunk (<= demand, following `context` cached tokens) whose step,
+    without drafts, is predicted to stay under plan.max_seconds (plan.base_attention holds
+    the decodes' attention); at least `min_chunk` tokens so waiting prompts always move."""
     def fits(p: int) -> bool:
-        t = cost.target_time(plan.num_decodes + p, plan.num_requests, plan.context_tokens)
-        return t <= plan.max_seconds
+        attention = plan.base_attention + attention_work(p, context)
+        return (cost.target_time(plan.num_decodes + p, attention, plan.num_decodes + 1)
+                <= plan.max_seconds)
 
     lo, hi = 0, demand  # step time grows with tokens: bisect for the last chunk that fits
     while lo < hi:

@@ -17,6 +17,11 @@ class Proposer(ABC):
         use the call to keep its state current). Called after every step with every running
         request; those still prefilling get k = 0."""
 
+    def lag(self, req: Request) -> int:
+        """Tokens of `req` the proposer must process before it can draft for it (0 for
+        proposers without state)."""
+        return 0
+
     def forget(self, request_id: str) -> None:  # noqa: B027 - optional hook, no state by default
         """The request finished or lost its KV blocks (preempted)."""
 

@@ -12,11 +12,13 @@ from braid.config import SpecConfig
 from braid.engine.block_manager import BlockManager
 from braid.engine.request import Request
 from braid.engine.runner import ModelRunner, Window
-from braid.spec.cost_model import StepCostModel
+from braid.spec.cost_model import StepCostModel, attention_work
 from braid.spec.policy import (
     AcceptanceEstimator,
     StepPlan,
     choose_ks,
+    expected_tokens,
+    goodput_of,
     prefill_under_target,
 )
 from braid.spec.proposer import Proposer
@@ -25,9 +27,14 @@ logger = logging.getLogger("braid")
 
 # Prior acceptance before any verification (roughly what each method gets on code).
 PRIOR_ALPHA = {"draft_model": 0.7, "ngram": 0.3}
-WARMUP_TARGET_TOKENS = (1, 8, 32, 96)
+# Warm-up forwards (query tokens, logits rows): verification-like windows that need logits
+# at every position, and prefill-like ones that need one.
+WARMUP_TARGET = ((1, 1), (4, 4), (8, 8), (16, 16), (32, 32), (64, 64), (64, 1), (128, 1))
+WARMUP_DRAFT = ((1, 1), (8, 8), (16, 16), (32, 1), (64, 1), (128, 1))
 LOG_EVERY = 100  # steps between cost-model log lines
-WARMUP_DRAFT_TOKENS = (1, 8, 32)
+# A draft backlog (a prompt the draft has not seen) is paid once; its cost is spread over at
+# most this many of the request's future tokens when deciding whether to start drafting.
+CATCH_UP_HORIZON = 256
 
 
 class Speculator:
@@ -70,46 +77,72 @@ class Speculator:
                 caps: list[int]) -> list[int]:
         if self.spec.policy == "fixed":
             return caps
-        plan = self._plan(running, waiting)  # also sets the ITL target's prefill cap
+        alphas = [self.acceptance.alpha(r.request_id) for r in running]
+        plan = self._plan(running, waiting, alphas)  # also sets the ITL target's prefill cap
         if not any(caps):
             return caps
-        alphas = [self.acceptance.alpha(r.request_id) for r in running]
         ks = choose_ks(alphas, caps, plan, self.cost)
-        self.predicted_step_time = self.cost.target_time(
-            plan.num_decodes + plan.num_prefill_tokens + sum(ks), plan.num_requests,
-            plan.context_tokens)
+        self.predicted_step_time = self._predicted_seconds(alphas, ks, plan)
         return ks
 
-    def _plan(self, running: Sequence[Request], waiting: Sequence[Request]) -> StepPlan:
+    def _predicted_seconds(self, alphas: list[float], ks: list[int], plan: StepPlan) -> float:
+        value = goodput_of(alphas, ks, plan, self.cost)
+        emitted = sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True))
+        return emitted / value if value > 0 else 0.0
+
+    def _plan(self, running: Sequence[Request], waiting: Sequence[Request],
+              alphas: list[float]) -> StepPlan:
         """What the scheduler will put in the next step besides drafts (decodes go first,
-        then prefill chunks fill the budget)."""
-        decodes = sum(1 for r in running if not r.is_prefilling)
-        demand = sum(r.num_tokens - r.num_computed_tokens for r in running if r.is_prefilling)
+        then prefill chunks fill the budget), and what drafting would cost each request."""
+        decoding = [r for r in running if not r.is_prefilling]
+        prefilling = [r for r in running if r.is_prefilling]
+        demand = sum(r.num_tokens - r.num_computed_tokens for r in prefilling)
         if self.chunked_prefill:
             demand += sum(r.num_tokens for r in waiting)
         else:
             demand = 0  # prompts run in steps of their own
-        demand = min(demand, max(0, self.budget - decodes))
+        demand = min(demand, max(0, self.budget - len(decoding)))
+        contexts = [r.num_computed_tokens for r in running]
         plan = StepPlan(
-            num_decodes=decodes, num_prefill_tokens=demand,
-            num_requests=len(running) + (1 if waiting and demand else 0),
-            context_tokens=sum(r.num_computed_tokens for r in running), budget=self.budget)
-        if self.target_itl is not None and decodes:
+            num_decodes=len(decoding), num_prefill_tokens=demand, budget=self.budget,
+            base_attention=sum(attention_work(1, r.num_computed_tokens) for r in decoding),
+            contexts=contexts,
+            catch_up=[self._catch_up_cost(r, a) for r, a in zip(running, alphas, strict=True)])
+        chunk_context = prefilling[0].num_computed_tokens if prefilling else 0
+        if self.target_itl is not None and decoding:
             # ITL target: the biggest prefill chunk that keeps the step under it, then drafts
             # only where they still fit (choose_ks rejects plans over max_seconds).
             plan.max_seconds = self.target_itl
-            plan.num_prefill_tokens = prefill_under_target(demand, plan, self.cost)
+            plan.num_prefill_tokens = prefill_under_target(demand, plan, self.cost,
+                                                           chunk_context)
         self.prefill_cap = plan.num_prefill_tokens if self.target_itl is not None else None
+        plan.base_attention += attention_work(plan.num_prefill_tokens, chunk_context)
         return plan
+
+    def _catch_up_cost(self, req: Request, alpha: float) -> float:
+        """Draft tokens request `req` adds to the first draft forward if it drafts now. What
+        a window normally leaves behind (the accepted drafts and the bonus token) recurs every
+        step and is charged in full; a longer backlog (the prompt, or tokens emitted while
+        its k was 0) is paid once and is spread over the steps the request has left."""
+        lag = self.proposer.lag(req)
+        usual = self.spec.num_speculative_tokens + 1
+        if lag <= usual:
+            return float(max(lag, 1))
+        remaining = min(self.max_model_len - req.num_tokens, CATCH_UP_HORIZON)
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            remaining = min(remaining, max_tokens - req.num_output_tokens)
+        steps = max(1.0, remaining / expected_tokens(alpha, self.spec.num_speculative_tokens))
+        return usual + (lag - usual) / steps
 
     def on_verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         self.acceptance.update(req.request_id, num_drafted, num_accepted)
 
-    def observe_step(self, tokens: int, requests: int, context: int, seconds: float) -> None:
+    def observe_step(self, tokens: int, attention: int, rows: int, seconds: float) -> None:
         if self.spec.policy != "goodput":
             return
-        predicted = self.cost.target_time(tokens, requests, context)
-        self.cost.observe_target(tokens, requests, context, seconds)
+        predicted = self.cost.target_time(tokens, attention, rows)
+        self.cost.observe_target(tokens, attention, rows, seconds)
         self._steps += 1
         if self._steps % LOG_EVERY == 0:
             logger.info("cost model: step of %d tokens predicted %.0f ms, took %.0f ms; mean "
@@ -117,9 +150,9 @@ class Speculator:
                         tokens, predicted * 1e3, seconds * 1e3, self.cost.error_ema * 100,
                         self.acceptance.global_alpha, dict(sorted(self.chosen_k.items())))
 
-    def observe_draft(self, tokens: int, seconds: float) -> None:
+    def observe_draft(self, tokens: int, rows: int, seconds: float) -> None:
         if self.spec.policy == "goodput":
-            self.cost.observe_draft(tokens, seconds)
+            self.cost.observe_draft(tokens, rows, seconds)
 
     def forget(self, request_id: str) -> None:
         self.proposer.forget(request_id)
@@ -138,28 +171,29 @@ class Speculator:
             return
         start = time.perf_counter()
         rid = "__warmup__"
-        sizes = [n for n in WARMUP_TARGET_TOKENS if n <= self.budget]
-        if not blocks.allocate(rid, max(sizes)):
+        largest = max(n for n, _ in WARMUP_TARGET + WARMUP_DRAFT)
+        if not blocks.allocate(rid, largest):
             return
         try:
-            for n in sizes:
-                self.cost.observe_target(n, 1, 0, _time_forward(target, blocks, rid, n),
-                                         anchor=True)
+            for n, rows in WARMUP_TARGET:
+                self.cost.observe_target(n, attention_work(n, 0), rows,
+                                         _time_forward(target, blocks, rid, n, rows), anchor=True)
             if draft is not None:
-                for n in [n for n in WARMUP_DRAFT_TOKENS if n <= max(sizes)]:
-                    self.cost.observe_draft(n, _time_forward(draft, blocks, rid, n), anchor=True)
+                for n, rows in WARMUP_DRAFT:
+                    self.cost.observe_draft(n, rows, _time_forward(draft, blocks, rid, n, rows),
+                                            anchor=True)
         finally:
             blocks.free(rid)
         logger.info("speculation cost model warmed up in %.1f s: target step %.0f ms at 1 "
                     "token, %.0f ms at %d", time.perf_counter() - start,
-                    self.cost.target_time(1, 1, 0) * 1e3,
-                    self.cost.target_time(max(sizes), 1, 0) * 1e3, max(sizes))
+                    self.cost.target_time(1) * 1e3, self.cost.target_time(64) * 1e3, 64)
 
 
-def _time_forward(runner: ModelRunner, blocks: BlockManager, rid: str, n: int) -> float:
+def _time_forward(runner: ModelRunner, blocks: BlockManager, rid: str, n: int, rows: int
+                  ) -> float:
     """Best of two timed forwards (after an untimed one that pays first-call costs): the
     anchors should describe the machine, not a hiccup."""
-    window = Window([0] * n, 0, blocks.block_table(rid), 1)
+    window = Window([0] * n, 0, blocks.block_table(rid), rows)
     runner.execute(runner.build_input([window]))
     times = []
     for _ in range(2):

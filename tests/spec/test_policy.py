@@ -5,9 +5,10 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 
-from braid.spec.cost_model import StepCostModel
+from braid.spec.cost_model import StepCostModel, nnls
 from braid.spec.policy import (
     AcceptanceEstimator,
     StepPlan,
@@ -23,11 +24,11 @@ def cost_model(per_token: float, knee: int = 16, fixed: float = 0.25, draft: flo
     `per_token` seconds per extra token (compute-bound)."""
     model = StepCostModel()
     for q in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256):
-        for ctx, requests in ((0, 1), (4000, 4), (8000, min(q, 64))):
-            seconds = fixed + 0.0002 * q + per_token * max(0, q - knee) + per_context * ctx
-            model.observe_target(q, requests, ctx, seconds, anchor=True)
+        for attention in (0, 4000, 64000):
+            seconds = fixed + 0.0002 * q + per_token * max(0, q - knee) + per_context * attention
+            model.observe_target(q, attention, q, seconds, anchor=True)
     for q in (1, 4, 8, 16, 32):
-        model.observe_draft(q, draft + 0.001 * q, anchor=True)
+        model.observe_draft(q, q, draft + 0.001 * q, anchor=True)
     return model
 
 
@@ -38,8 +39,8 @@ COMPUTE_BOUND = cost_model(per_token=0.02, knee=8, fixed=0.05)
 
 
 def plan(decodes: int, prefill: int = 0, budget: int = 128) -> StepPlan:
-    return StepPlan(num_decodes=decodes, num_prefill_tokens=prefill, num_requests=decodes,
-                    context_tokens=500 * decodes, budget=budget)
+    return StepPlan(num_decodes=decodes, num_prefill_tokens=prefill, budget=budget,
+                    base_attention=500 * decodes, contexts=[500] * decodes)
 
 
 def test_expected_tokens() -> None:
@@ -49,8 +50,8 @@ def test_expected_tokens() -> None:
 
 
 def test_cost_model_fits_the_hinge() -> None:
-    assert MEMORY_BOUND.target_time(1, 4, 0) == pytest.approx(0.2502, rel=0.02)
-    assert MEMORY_BOUND.target_time(64, 4, 0) == pytest.approx(0.25 + 0.0128 + 0.024, rel=0.02)
+    assert MEMORY_BOUND.target_time(1) == pytest.approx(0.2502, rel=0.02)
+    assert MEMORY_BOUND.target_time(64) == pytest.approx(0.25 + 0.0128 + 0.024, rel=0.02)
 
 
 def test_memory_bound_high_acceptance_takes_the_maximum() -> None:
@@ -122,10 +123,49 @@ def test_itl_target_caps_the_prefill_chunk_then_the_drafts() -> None:
     p.max_seconds = 0.30
     chunk = prefill_under_target(400, p, COMPUTE_BOUND)
     t = COMPUTE_BOUND.target_time
-    assert t(2 + chunk, 2, 1000) <= 0.30 < t(2 + chunk + 1, 2, 1000)
+    assert t(2 + chunk, 1000 + chunk ** 2) <= 0.30 < t(2 + chunk + 1, 1000 + (chunk + 1) ** 2)
     assert prefill_under_target(400, p, COMPUTE_BOUND, min_chunk=16) >= 16
     p.num_prefill_tokens = chunk
     ks = choose_ks([0.9, 0.9], [5, 5], p, COMPUTE_BOUND)
     assert goodput_of([0.9, 0.9], ks, p, COMPUTE_BOUND) > 0  # the chosen plan fits the target
     roomy = plan(2, prefill=chunk, budget=512)
     assert sum(ks) <= sum(choose_ks([0.9, 0.9], [5, 5], roomy, COMPUTE_BOUND))
+
+
+def test_a_draft_backlog_delays_drafting_for_that_request_alone() -> None:
+    """A request the draft has not caught up on (its prompt, or tokens emitted at k = 0)
+    pays for the catch-up in the first draft forward; with a costly draft it waits while a
+    caught-up request with the same acceptance drafts."""
+    cost = cost_model(per_token=0.0005, draft=0.02)
+    for q in (64, 128, 512):
+        cost.observe_draft(q, 1, 0.02 + 0.004 * q, anchor=True)  # 4 ms per catch-up token
+    p = plan(2)
+    p.catch_up = [1.0, 400.0]
+    ks = choose_ks([0.9, 0.9], [5, 5], p, cost)
+    assert ks[0] == 5 and ks[1] == 0
+    p.catch_up = [1.0, 1.0]
+    assert choose_ks([0.9, 0.9], [5, 5], p, cost) == [5, 5]
+
+
+def test_nnls_is_the_constrained_optimum() -> None:
+    rng = np.random.default_rng(0)
+    a = rng.uniform(0, 1, (40, 6))
+    truth = np.array([0.5, 0.0, 2.0, 0.0, 1.0, 0.3])
+    x = nnls(a, a @ truth)
+    assert np.allclose(x, truth, atol=1e-8)
+    b = rng.normal(0, 1, 40)  # unconstrained fit has negative coefficients
+    x = nnls(a, b)
+    grad = a.T @ (b - a @ x)  # KKT: zero where x > 0, <= 0 where x == 0
+    assert (x >= 0).all() and (x == 0).any()
+    assert np.allclose(grad[x > 0], 0, atol=1e-8) and (grad[x == 0] <= 1e-8).all()
+
+
+def test_cost_model_keeps_attention_apart_from_tokens() -> None:
+    """Long contexts cost attention work, not extra tokens: a model fitted on prefill chunks
+    over long prompts still predicts a cheap decode step."""
+    model = StepCostModel()
+    for q in (1, 16, 64, 128):
+        for attention in (q * q, q * (2000 + q)):
+            model.observe_target(q, attention, q, 0.25 + 0.002 * q + 2e-7 * attention)
+    assert model.target_time(16, 16 * 2000) == pytest.approx(0.25 + 0.032 + 0.0064, rel=0.02)
+    assert model.target_time(128) == pytest.approx(0.25 + 0.256, rel=0.02)

@@ -164,10 +164,11 @@ class HingeCost:
 
     error_ema = 0.0
 
-    def target_time(self, tokens: int, requests: int, context: int) -> float:
+    def target_time(self, tokens: float, attention: float = 0.0, rows: float | None = None
+                    ) -> float:
         return 0.2 + 0.1 * max(0, tokens - 4)
 
-    def draft_time(self, tokens: int) -> float:
+    def draft_time(self, tokens: float, rows: float | None = None) -> float:
         return 0.001
 
     def observe_target(self, *args, **kwargs) -> None:
@@ -201,12 +202,34 @@ def test_goodput_switches_off_under_load_and_back_on_losslessly() -> None:
     reference, _ = drive(make_engine(max_num_batched_tokens=64))
     engine = spec_engine("draft_model", 3, policy="goodput", max_num_batched_tokens=64)
     engine.speculator.cost = HingeCost()
+    draft = engine.speculator.proposer
+    forwards: list[int] = []  # query tokens of every draft forward
+    draft.on_forward = lambda tokens, rows, seconds: forwards.append(tokens)
+    lags: list[int] = []  # A's draft backlog after each step
+    step_forwards: list[list[int]] = []  # the draft forwards of each step
+    plain_step = engine.step
+
+    def step():
+        before = len(forwards)
+        out = plain_step()
+        if "A" in engine.requests:
+            lags.append(draft.lag(engine.requests["A"]))
+            step_forwards.append(forwards[before:])
+        return out
+
+    engine.step = step
     outputs, history = drive(engine)
     assert outputs == reference
     first_off = history.index(0)
+    back_on = first_off + next(i for i, k in enumerate(history[first_off:]) if k)
     assert max(history[:first_off]) > 0, history  # on while alone
-    assert any(history[first_off:]), history  # back on once the others finished
+    assert back_on > first_off, history  # back on once the others finished
     assert engine.speculator.chosen_k[0] > 0 and engine.speculator.chosen_k[3] > 0
+    # While off, the draft is left behind (no forwards for A's tokens): its backlog grows,
+    # and turning back on first catches up all of it, so the drafts are never stale.
+    assert lags[back_on - 1] > lags[first_off] >= 1
+    assert step_forwards[back_on][0] >= lags[back_on - 1]
+    assert lags[back_on] == 1  # only the token sampled next step is new to the draft
 
 
 def test_itl_target_caps_prefill_chunks_losslessly(reference) -> None:
