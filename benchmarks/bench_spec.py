@@ -44,12 +44,14 @@ def spec_config(mode: str) -> dict[str, Any] | None:
     raise SystemExit(f"unknown mode {mode!r}")
 
 
-def prompts_for(workload: str, num: int, tokenizer: Any, max_tokens: int) -> list[list[int]]:
+def prompts_for(workload: str, num: int, tokenizer: Any, max_prompt_len: int = 1024
+                ) -> list[list[int]]:
     items: list[BenchPrompt]
     if workload == "humaneval":
         items = humaneval(num)
         return [tokenizer.encode(p.prompt, add_special_tokens=False) for p in items]
-    items = edit_prompts(num) if workload == "edit" else sharegpt(num, tokenizer=tokenizer)
+    items = (edit_prompts(num) if workload == "edit"
+             else sharegpt(num, tokenizer=tokenizer, max_prompt_len=max_prompt_len))
     return [tokenizer.encode(tokenizer.apply_chat_template(
         [{"role": r, "content": c} for r, c in p.messages]), add_special_tokens=False)
         for p in items]
@@ -89,6 +91,8 @@ def main() -> None:
     parser.add_argument("--prompts-per-slot", type=int, default=0,
                         help="at least this many prompts per concurrent request")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-prompt-len", type=int, default=1024,
+                        help="ShareGPT: skip longer prompts (tokens)")
     parser.add_argument("--concurrency", default="1", help="comma-separated list")
     parser.add_argument("--modes", default="none,ngram4,draft1,draft3,draft5,goodput")
     parser.add_argument("--max-num-batched-tokens", type=int, default=128)
@@ -102,13 +106,15 @@ def main() -> None:
                                                for m in modes) else None
     levels = [int(c) for c in args.concurrency.split(",")]
     counts = {c: max(args.num_prompts, args.prompts_per_slot * c) for c in levels}
-    prompts = prompts_for(args.workload, max(counts.values()), target[1], args.max_tokens)
+    prompts = prompts_for(args.workload, max(counts.values()), target[1], args.max_prompt_len)
     print(f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads;"
           f" {args.workload}: {counts} prompts per concurrency, {args.max_tokens} new tokens,"
           " greedy")
     results: list[dict[str, Any]] = []
-    for mode in modes:
-        for c in levels:
+    # Load level outside, mode inside: the modes compared at one level run back to back, so
+    # a drift in machine speed over the run does not masquerade as a difference between them.
+    for c in levels:
+        for mode in modes:
             engine = LLMEngine(
                 EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                              max_num_seqs=max(levels), kv_cache_gib=1.0, log_stats_interval=0,
@@ -122,7 +128,7 @@ def main() -> None:
                  **run_mode(engine, prompts[:counts[c]], c, args.max_tokens)}
             results.append(r)
             print_row(r, results)
-    save(results, args)
+            save(results, args)  # after every row: a long run that stops keeps what it did
 
 
 def print_row(r: dict[str, Any], results: list[dict[str, Any]]) -> None:
@@ -150,18 +156,26 @@ def save(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, rel) = plt.subplots(1, 2, figsize=(12, 4))
+    base = {r["concurrency"]: r["tok_per_s"] for r in results if r["mode"] == "none"}
     for mode in dict.fromkeys(r["mode"] for r in results):
         rows = [r for r in results if r["mode"] == mode]
         ax.plot([r["concurrency"] for r in rows], [r["tok_per_s"] for r in rows], marker="o",
                 label=mode)
-    ax.set(xscale="log", xlabel="concurrent requests", ylabel="output tokens/s",
-           title=f"braid speculation modes, {args.workload}")
-    ax.set_xticks(levels, [str(c) for c in levels])
-    ax.minorticks_off()
+        rows = [r for r in rows if r["concurrency"] in base]
+        rel.plot([r["concurrency"] for r in rows],
+                 [r["tok_per_s"] / base[r["concurrency"]] for r in rows], marker="o", label=mode)
+    ax.set(ylabel="output tokens/s", title=f"braid speculation modes, {args.workload}")
+    rel.set(ylabel="throughput / no speculation", title="relative to no speculation")
+    for a in (ax, rel):
+        a.set(xscale="log", xlabel="concurrent requests")
+        a.set_xticks(levels, [str(c) for c in levels])
+        a.minorticks_off()
+    rel.axhline(1.0, color="gray", linewidth=0.8)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / f"{stem}.png", dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -107,7 +107,8 @@ class ServerMetrics:
         self.step_time = self._gauge("braid:step_time_seconds", "Last measured step time")
         self.predicted_step_time = self._gauge(
             "braid:spec_decode_predicted_step_time_seconds",
-            "Target step time the speculation policy predicted for its last decision")
+            "Step time (target forward and drafting) the speculation policy predicted for its "
+            "last decision")
         self.cost_model_error = self._gauge(
             "braid:spec_decode_cost_model_relative_error",
             "Moving average of |predicted - measured| / measured target step time")

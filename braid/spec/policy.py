@@ -30,8 +30,8 @@ class AcceptanceEstimator:
     request starts from what the proposer achieves on average."""
 
     prior: float = 0.5  # global alpha before any verification
-    decay: float = 0.8  # per window: an estimate follows roughly the last 5 windows
-    prior_weight: float = 2.0  # pseudo-trials of the global estimate in each request's
+    decay: float = 0.9  # per window: an estimate follows roughly the last 10 windows
+    prior_weight: float = 4.0  # pseudo-trials of the global estimate in each request's
     _global: list[float] = field(default_factory=lambda: [0.0, 0.0])  # accepted, trials
     _requests: dict[str, list[float]] = field(default_factory=dict)
 
@@ -65,7 +65,8 @@ class StepPlan:
     num_decodes: int  # requests past their prompt: 1 query token each
     num_prefill_tokens: int  # prefill chunk tokens the scheduler will run
     budget: int  # max_num_batched_tokens
-    base_attention: float = 0.0  # attention work of the step without drafts
+    base_attention: float = 0.0  # attention work of the decodes without drafts
+    prefill_attention: float = 0.0  # attention work of the prefill chunks
     # Per request (the order of the alphas): cached tokens its decode window follows, and the
     # draft tokens it adds to the first draft forward if it drafts (catching the draft up).
     contexts: list[int] = field(default_factory=list)
@@ -82,7 +83,11 @@ def choose_ks(
     Drafting K tokens for anyone costs K draft forwards for the batch, so for each K (the
     largest k) the k_i are allocated greedily by marginal gain per marginal cost (E is
     concave in k; a request's first draft also pays for catching the draft up), and the
-    best K wins."""
+    best K wins.
+
+    The seconds the step's prefill chunk adds are left out of the ratio: they are spent
+    whatever k is, and counting them would make drafts look cheap in prefill-heavy steps
+    (the emitted tokens grow while the long step barely does)."""
     room = max(0, plan.budget - plan.num_decodes - plan.num_prefill_tokens)
     best_ks, best = [0] * len(alphas), goodput_of(alphas, [0] * len(alphas), plan, cost)
     for top in range(1, max(max_ks, default=0) + 1):
@@ -112,7 +117,8 @@ def _greedy(alphas: list[float], caps: list[int], room: int, plan: StepPlan,
     n = len(alphas)
     contexts = plan.contexts or [0] * n
     catch_up = plan.catch_up or [1.0] * n
-    step = _Step(float(n), plan.num_decodes + plan.num_prefill_tokens, plan.base_attention)
+    step = _Step(float(n), plan.num_decodes + plan.num_prefill_tokens,
+                 plan.base_attention + plan.prefill_attention)
     # Marginal prices, from the cost model around the step without drafts.
     base = step.tokens
     t_token = max((cost.target_time(base + 16) - cost.target_time(base)) / 16, 1e-6)
@@ -129,7 +135,8 @@ def _greedy(alphas: list[float], caps: list[int], room: int, plan: StepPlan,
     ks = [0] * n
     heap = [(key(i, 0), i) for i in range(n) if caps[i] > 0]
     heapq.heapify(heap)
-    best, best_ks = _ratio(step, plan, cost), list(ks)
+    prefill = prefill_seconds(plan, cost)
+    best, best_ks = _ratio(step, plan, cost, prefill), list(ks)
     total = 0
     while heap and total < room:
         _, i = heapq.heappop(heap)
@@ -144,7 +151,7 @@ def _greedy(alphas: list[float], caps: list[int], room: int, plan: StepPlan,
         ks[i] = k + 1
         step.top = max(step.top, k + 1)
         total += 1
-        value = _ratio(step, plan, cost)
+        value = _ratio(step, plan, cost, prefill)
         if value > best * (1 + 1e-9):
             best, best_ks = value, list(ks)
         if ks[i] < caps[i]:
@@ -152,10 +159,20 @@ def _greedy(alphas: list[float], caps: list[int], room: int, plan: StepPlan,
     return best_ks
 
 
-def _ratio(step: _Step, plan: StepPlan, cost: StepCostModel) -> float:
-    """Expected emitted tokens per second of a step: the target forward, plus (when anyone
-    drafts) one draft forward that catches the drafting requests up and yields their first
-    draft, and top - 1 more over the drafting requests."""
+def prefill_seconds(plan: StepPlan, cost: StepCostModel) -> float:
+    """What the prefill chunk adds to the target forward."""
+    if not plan.num_prefill_tokens:
+        return 0.0
+    decodes = plan.num_decodes
+    return max(0.0, cost.target_time(decodes + plan.num_prefill_tokens,
+                                     plan.base_attention + plan.prefill_attention, decodes)
+               - cost.target_time(decodes, plan.base_attention, decodes))
+
+
+def _ratio(step: _Step, plan: StepPlan, cost: StepCostModel, prefill: float) -> float:
+    """Expected emitted tokens per second of a step (less its prefill chunk's seconds): the
+    target forward, plus (when anyone drafts) one draft forward that catches the drafting
+    requests up and yields their first draft, and top - 1 more over the drafting requests."""
     seconds = cost.target_time(step.tokens, step.attention,
                                step.tokens - plan.num_prefill_tokens)
     if step.top:
@@ -163,6 +180,7 @@ def _ratio(step: _Step, plan: StepPlan, cost: StepCostModel) -> float:
                     + cost.draft_time(step.drafting) * (step.top - 1))
     if seconds > plan.max_seconds:
         return -math.inf
+    seconds -= prefill
     return step.emitted / seconds if seconds > 0 else math.inf
 
 
@@ -175,12 +193,12 @@ def goodput_of(alphas: list[float], ks: list[int], plan: StepPlan, cost: StepCos
     step = _Step(
         emitted=sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True)),
         tokens=plan.num_decodes + plan.num_prefill_tokens + sum(ks),
-        attention=plan.base_attention + sum(
+        attention=plan.base_attention + plan.prefill_attention + sum(
             attention_work(1 + k, c) - attention_work(1, c)
             for k, c in zip(ks, contexts, strict=True) if k),
         first_draft=sum(c for k, c in zip(ks, catch_up, strict=True) if k),
         drafting=sum(1 for k in ks if k), top=max(ks, default=0))
-    return _ratio(step, plan, cost)
+    return _ratio(step, plan, cost, prefill_seconds(plan, cost))
 
 
 def prefill_under_target(demand: int, plan: StepPlan, cost: StepCostModel,

@@ -19,6 +19,7 @@ from braid.spec.policy import (
     choose_ks,
     expected_tokens,
     goodput_of,
+    prefill_seconds,
     prefill_under_target,
 )
 from braid.spec.proposer import Proposer
@@ -86,9 +87,10 @@ class Speculator:
         return ks
 
     def _predicted_seconds(self, alphas: list[float], ks: list[int], plan: StepPlan) -> float:
+        """Target forward and drafting of the step the policy chose."""
         value = goodput_of(alphas, ks, plan, self.cost)
         emitted = sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True))
-        return emitted / value if value > 0 else 0.0
+        return (emitted / value if value > 0 else 0.0) + prefill_seconds(plan, self.cost)
 
     def _plan(self, running: Sequence[Request], waiting: Sequence[Request],
               alphas: list[float]) -> StepPlan:
@@ -116,7 +118,7 @@ class Speculator:
             plan.num_prefill_tokens = prefill_under_target(demand, plan, self.cost,
                                                            chunk_context)
         self.prefill_cap = plan.num_prefill_tokens if self.target_itl is not None else None
-        plan.base_attention += attention_work(plan.num_prefill_tokens, chunk_context)
+        plan.prefill_attention = attention_work(plan.num_prefill_tokens, chunk_context)
         return plan
 
     def _catch_up_cost(self, req: Request, alpha: float) -> float:

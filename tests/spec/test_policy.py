@@ -169,3 +169,16 @@ def test_cost_model_keeps_attention_apart_from_tokens() -> None:
             model.observe_target(q, attention, q, 0.25 + 0.002 * q + 2e-7 * attention)
     assert model.target_time(16, 16 * 2000) == pytest.approx(0.25 + 0.032 + 0.0064, rel=0.02)
     assert model.target_time(128) == pytest.approx(0.25 + 0.256, rel=0.02)
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.7, 0.8])
+def test_a_prefill_chunk_does_not_make_drafts_look_cheap(alpha: float) -> None:
+    """Past the knee drafts do not pay for themselves; a long prefill chunk in the same step
+    costs the same whatever k is, so it must not tip the decision (it would if the chunk's
+    seconds counted in the ratio: more emitted tokens over a barely longer step)."""
+    cost = cost_model(per_token=0.01, knee=8, fixed=0.1)
+    decode_only = plan(8, budget=256)
+    with_prefill = plan(8, prefill=100, budget=256)
+    with_prefill.prefill_attention = 100 * 100
+    assert choose_ks([alpha] * 8, [5] * 8, decode_only, cost) == [0] * 8
+    assert choose_ks([alpha] * 8, [5] * 8, with_prefill, cost) == [0] * 8
