@@ -115,7 +115,7 @@ class LLMEngine:
         speculator = Speculator(
             spec, proposer, cfg.max_num_batched_tokens, cfg.max_model_len,
             cfg.enable_chunked_prefill,
-            None if cfg.target_itl_ms is None else cfg.target_itl_ms / 1e3)
+            None if cfg.target_itl_ms is None else cfg.target_itl_ms / 1e3, cfg.max_num_seqs)
         if isinstance(proposer, DraftModelProposer):
             proposer.on_forward = speculator.observe_draft
         speculator.warm_up(self.runner, getattr(proposer, "runner", None), self.blocks)

@@ -49,9 +49,20 @@ class AcceptanceEstimator:
         accepted, trials = self._global
         return (accepted + self.prior * 4) / (trials + 4)
 
+    def _global_optimistic(self) -> float:
+        """The global estimate plus one standard error. A policy that never drafts never
+        learns what drafting would accept: while there is little evidence (a new server, a
+        prior that undersells the draft) the doubt leans toward trying, and a few measured
+        windows then decide. With evidence the bonus vanishes (~0.015 after 400 trials)."""
+        n = self._global[1] + 4
+        mean = self.global_alpha
+        return mean + math.sqrt(mean * (1.0 - mean) / n)
+
     def alpha(self, request_id: str) -> float:
+        """What the policy plans with: the request's own evidence, pulled toward the
+        (optimistic) global estimate."""
         accepted, trials = self._requests.get(request_id, (0.0, 0.0))
-        g = self.global_alpha
+        g = self._global_optimistic()
         return min((accepted + g * self.prior_weight) / (trials + self.prior_weight), 0.999)
 
     def forget(self, request_id: str) -> None:
@@ -67,6 +78,9 @@ class StepPlan:
     budget: int  # max_num_batched_tokens
     base_attention: float = 0.0  # attention work of the decodes without drafts
     prefill_attention: float = 0.0  # attention work of the prefill chunks
+    # Requests prefilling or waiting to start: they will decode beside these in the coming
+    # steps, so drafts must pay for themselves in a batch that includes them.
+    num_pending: int = 0
     # Per request (the order of the alphas): cached tokens its decode window follows, and the
     # draft tokens it adds to the first draft forward if it drafts (catching the draft up).
     contexts: list[int] = field(default_factory=list)
@@ -85,9 +99,13 @@ def choose_ks(
     concave in k; a request's first draft also pays for catching the draft up), and the
     best K wins.
 
-    The seconds the step's prefill chunk adds are left out of the ratio: they are spent
-    whatever k is, and counting them would make drafts look cheap in prefill-heavy steps
-    (the emitted tokens grow while the long step barely does)."""
+    Goodput is judged on the decode batch: the step's decodes, its drafts, and the requests
+    still prefilling or waiting (they will decode beside these within a few steps). The
+    prefill chunk's seconds are spent whatever k is and are left out; counting them made
+    drafts look cheap in prefill-heavy steps (the emitted tokens grew while the long step
+    barely did), and judging drafts against a batch of the few requests already decoding
+    made them look cheap while the rest of the batch was still prefilling.
+    """
     room = max(0, plan.budget - plan.num_decodes - plan.num_prefill_tokens)
     best_ks, best = [0] * len(alphas), goodput_of(alphas, [0] * len(alphas), plan, cost)
     for top in range(1, max(max_ks, default=0) + 1):
@@ -102,9 +120,9 @@ def choose_ks(
 class _Step:
     """Running sums of a candidate step, so goodput is evaluated in O(1) per draft token."""
 
-    emitted: float
-    tokens: int
-    attention: float
+    emitted: float  # expected tokens of the requests in the plan's alphas
+    drafts: int = 0  # sum of k
+    draft_attention: float = 0.0  # attention work the drafts add to the target forward
     first_draft: float = 0.0  # query tokens of the first draft forward
     drafting: int = 0  # requests that draft
     top: int = 0  # largest k: number of draft forwards
@@ -117,10 +135,9 @@ def _greedy(alphas: list[float], caps: list[int], room: int, plan: StepPlan,
     n = len(alphas)
     contexts = plan.contexts or [0] * n
     catch_up = plan.catch_up or [1.0] * n
-    step = _Step(float(n), plan.num_decodes + plan.num_prefill_tokens,
-                 plan.base_attention + plan.prefill_attention)
-    # Marginal prices, from the cost model around the step without drafts.
-    base = step.tokens
+    step = _Step(float(n))
+    # Marginal prices, from the cost model around the batch without drafts.
+    base = plan.num_decodes + plan.num_pending
     t_token = max((cost.target_time(base + 16) - cost.target_time(base)) / 16, 1e-6)
     t_attention = max(cost.target_time(base, 1e6) - cost.target_time(base), 0.0) / 1e6
     d_token = max((cost.draft_time(65, 1) - cost.draft_time(1, 1)) / 64, 0.0)
@@ -135,23 +152,20 @@ def _greedy(alphas: list[float], caps: list[int], room: int, plan: StepPlan,
     ks = [0] * n
     heap = [(key(i, 0), i) for i in range(n) if caps[i] > 0]
     heapq.heapify(heap)
-    prefill = prefill_seconds(plan, cost)
-    best, best_ks = _ratio(step, plan, cost, prefill), list(ks)
-    total = 0
-    while heap and total < room:
+    best, best_ks = _ratio(step, n, plan, cost), list(ks)
+    while heap and step.drafts < room:
         _, i = heapq.heappop(heap)
         k = ks[i]
         step.emitted += expected_tokens(alphas[i], k + 1) - expected_tokens(alphas[i], k)
-        step.tokens += 1
-        step.attention += (attention_work(k + 2, contexts[i])
-                           - attention_work(k + 1, contexts[i]))
+        step.drafts += 1
+        step.draft_attention += (attention_work(k + 2, contexts[i])
+                                 - attention_work(k + 1, contexts[i]))
         if k == 0:
             step.drafting += 1
             step.first_draft += catch_up[i]
         ks[i] = k + 1
         step.top = max(step.top, k + 1)
-        total += 1
-        value = _ratio(step, plan, cost, prefill)
+        value = _ratio(step, n, plan, cost)
         if value > best * (1 + 1e-9):
             best, best_ks = value, list(ks)
         if ks[i] < caps[i]:
@@ -159,46 +173,58 @@ def _greedy(alphas: list[float], caps: list[int], room: int, plan: StepPlan,
     return best_ks
 
 
-def prefill_seconds(plan: StepPlan, cost: StepCostModel) -> float:
-    """What the prefill chunk adds to the target forward."""
-    if not plan.num_prefill_tokens:
-        return 0.0
-    decodes = plan.num_decodes
-    return max(0.0, cost.target_time(decodes + plan.num_prefill_tokens,
-                                     plan.base_attention + plan.prefill_attention, decodes)
-               - cost.target_time(decodes, plan.base_attention, decodes))
-
-
-def _ratio(step: _Step, plan: StepPlan, cost: StepCostModel, prefill: float) -> float:
-    """Expected emitted tokens per second of a step (less its prefill chunk's seconds): the
-    target forward, plus (when anyone drafts) one draft forward that catches the drafting
-    requests up and yields their first draft, and top - 1 more over the drafting requests."""
-    seconds = cost.target_time(step.tokens, step.attention,
-                               step.tokens - plan.num_prefill_tokens)
+def _seconds(step: _Step, plan: StepPlan, cost: StepCostModel, batch: bool) -> float:
+    """Predicted seconds of the target forward and the drafting. batch=False: the step as
+    scheduled (decodes, drafts, prefill chunk); batch=True: the decode batch the policy
+    judges drafts in (decodes and pending requests, drafts, no prefill chunk)."""
+    if batch:
+        tokens = plan.num_decodes + plan.num_pending + step.drafts
+        seconds = cost.target_time(tokens, plan.base_attention + step.draft_attention, tokens)
+    else:
+        rows = plan.num_decodes + step.drafts
+        seconds = cost.target_time(rows + plan.num_prefill_tokens, plan.base_attention
+                                   + plan.prefill_attention + step.draft_attention, rows)
     if step.top:
         seconds += (cost.draft_time(step.first_draft, step.drafting)
                     + cost.draft_time(step.drafting) * (step.top - 1))
-    if seconds > plan.max_seconds:
+    return seconds
+
+
+def _ratio(step: _Step, num_requests: int, plan: StepPlan, cost: StepCostModel) -> float:
+    """Expected emitted tokens per second of the decode batch (see choose_ks): the target
+    forward, plus (when anyone drafts) one draft forward that catches the drafting requests
+    up and yields their first draft, and top - 1 more over the drafting requests."""
+    if plan.max_seconds < math.inf and _seconds(step, plan, cost, False) > plan.max_seconds:
         return -math.inf
-    seconds -= prefill
-    return step.emitted / seconds if seconds > 0 else math.inf
+    # The alphas cover decodes and requests still prefilling (which emit nothing extra).
+    emitted = step.emitted - (num_requests - plan.num_decodes) + plan.num_pending
+    seconds = _seconds(step, plan, cost, True)
+    return emitted / seconds if seconds > 0 else math.inf
+
+
+def _step_of(alphas: list[float], ks: list[int], plan: StepPlan) -> _Step:
+    n = len(alphas)
+    contexts = plan.contexts or [0] * n
+    catch_up = plan.catch_up or [1.0] * n
+    return _Step(
+        emitted=sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True)),
+        drafts=sum(ks),
+        draft_attention=sum(attention_work(1 + k, c) - attention_work(1, c)
+                            for k, c in zip(ks, contexts, strict=True) if k),
+        first_draft=sum(c for k, c in zip(ks, catch_up, strict=True) if k),
+        drafting=sum(1 for k in ks if k), top=max(ks, default=0))
 
 
 def goodput_of(alphas: list[float], ks: list[int], plan: StepPlan, cost: StepCostModel
                ) -> float:
-    """Expected emitted tokens per second of the next step with drafts `ks`."""
-    n = len(alphas)
-    contexts = plan.contexts or [0] * n
-    catch_up = plan.catch_up or [1.0] * n
-    step = _Step(
-        emitted=sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True)),
-        tokens=plan.num_decodes + plan.num_prefill_tokens + sum(ks),
-        attention=plan.base_attention + plan.prefill_attention + sum(
-            attention_work(1 + k, c) - attention_work(1, c)
-            for k, c in zip(ks, contexts, strict=True) if k),
-        first_draft=sum(c for k, c in zip(ks, catch_up, strict=True) if k),
-        drafting=sum(1 for k in ks if k), top=max(ks, default=0))
-    return _ratio(step, plan, cost, prefill_seconds(plan, cost))
+    """Expected emitted tokens per second of the decode batch with drafts `ks`."""
+    return _ratio(_step_of(alphas, ks, plan), len(alphas), plan, cost)
+
+
+def step_seconds(alphas: list[float], ks: list[int], plan: StepPlan, cost: StepCostModel
+                 ) -> float:
+    """Predicted seconds of the next step as scheduled, with drafts `ks`."""
+    return _seconds(_step_of(alphas, ks, plan), plan, cost, False)
 
 
 def prefill_under_target(demand: int, plan: StepPlan, cost: StepCostModel,

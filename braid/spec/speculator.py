@@ -18,9 +18,8 @@ from braid.spec.policy import (
     StepPlan,
     choose_ks,
     expected_tokens,
-    goodput_of,
-    prefill_seconds,
     prefill_under_target,
+    step_seconds,
 )
 from braid.spec.proposer import Proposer
 
@@ -40,10 +39,12 @@ CATCH_UP_HORIZON = 256
 
 class Speculator:
     def __init__(self, spec: SpecConfig, proposer: Proposer, budget: int, max_model_len: int,
-                 chunked_prefill: bool, target_itl: float | None = None) -> None:
+                 chunked_prefill: bool, target_itl: float | None = None,
+                 max_num_seqs: int = 256) -> None:
         self.spec = spec
         self.proposer = proposer
         self.budget = budget
+        self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.chunked_prefill = chunked_prefill
         self.target_itl = target_itl  # seconds; the next step's prefill cap follows from it
@@ -83,14 +84,8 @@ class Speculator:
         if not any(caps):
             return caps
         ks = choose_ks(alphas, caps, plan, self.cost)
-        self.predicted_step_time = self._predicted_seconds(alphas, ks, plan)
+        self.predicted_step_time = step_seconds(alphas, ks, plan, self.cost)
         return ks
-
-    def _predicted_seconds(self, alphas: list[float], ks: list[int], plan: StepPlan) -> float:
-        """Target forward and drafting of the step the policy chose."""
-        value = goodput_of(alphas, ks, plan, self.cost)
-        emitted = sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True))
-        return (emitted / value if value > 0 else 0.0) + prefill_seconds(plan, self.cost)
 
     def _plan(self, running: Sequence[Request], waiting: Sequence[Request],
               alphas: list[float]) -> StepPlan:
@@ -104,9 +99,11 @@ class Speculator:
         else:
             demand = 0  # prompts run in steps of their own
         demand = min(demand, max(0, self.budget - len(decoding)))
+        pending = min(len(prefilling) + len(waiting), self.max_num_seqs - len(decoding))
         contexts = [r.num_computed_tokens for r in running]
         plan = StepPlan(
             num_decodes=len(decoding), num_prefill_tokens=demand, budget=self.budget,
+            num_pending=max(0, pending),
             base_attention=sum(attention_work(1, r.num_computed_tokens) for r in decoding),
             contexts=contexts,
             catch_up=[self._catch_up_cost(r, a) for r, a in zip(running, alphas, strict=True)])
