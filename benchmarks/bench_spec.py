@@ -129,6 +129,30 @@ def main() -> None:
             results.append(r)
             print_row(r, results)
             save(results, args)  # after every row: a long run that stops keeps what it did
+    print(markdown_table(results))
+
+
+def markdown_table(results: list[dict[str, Any]]) -> str:
+    """tok/s and the ratio to no speculation, one row per mode, one column per load; the
+    best fixed k at each load in bold."""
+    levels = sorted({r["concurrency"] for r in results})
+    modes = list(dict.fromkeys(r["mode"] for r in results))
+    at = {(r["mode"], r["concurrency"]): r["tok_per_s"] for r in results}
+    best = {c: max((v for (m, cc), v in at.items() if cc == c and m.startswith(("draft", "ngram"))),
+                   default=None) for c in levels}
+    lines = ["| mode | " + " | ".join(f"c={c}" for c in levels) + " |",
+             "|---|" + "---|" * len(levels)]
+    for mode in modes:
+        cells = []
+        for c in levels:
+            v, base = at.get((mode, c)), at.get(("none", c))
+            if v is None:
+                cells.append("-")
+                continue
+            cell = f"{v:.2f} ({v / base:.2f}x)" if base else f"{v:.2f}"
+            cells.append(f"**{cell}**" if v == best[c] else cell)
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def print_row(r: dict[str, Any], results: list[dict[str, Any]]) -> None:
