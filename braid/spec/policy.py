@@ -133,9 +133,8 @@ def _greedy(alphas: list[float], caps: list[int], room: int, plan: StepPlan,
     """Add draft tokens one at a time, each where it adds the most expected tokens per
     second it costs; return the best prefix of that path."""
     n = len(alphas)
-    contexts = plan.contexts or [0] * n
-    catch_up = plan.catch_up or [1.0] * n
-    step = _Step(float(n))
+    contexts, catch_up = _per_request(plan, n)
+    step = _step_of(alphas, [0] * n, plan)
     # Marginal prices, from the cost model around the batch without drafts.
     base = plan.num_decodes + plan.num_pending
     t_token = max((cost.target_time(base + 16) - cost.target_time(base)) / 16, 1e-6)
@@ -202,10 +201,13 @@ def _ratio(step: _Step, num_requests: int, plan: StepPlan, cost: StepCostModel) 
     return emitted / seconds if seconds > 0 else math.inf
 
 
+def _per_request(plan: StepPlan, n: int) -> tuple[list[int], list[float]]:
+    """The plan's contexts and catch-up costs (defaults: no context, one token each)."""
+    return plan.contexts or [0] * n, plan.catch_up or [1.0] * n
+
+
 def _step_of(alphas: list[float], ks: list[int], plan: StepPlan) -> _Step:
-    n = len(alphas)
-    contexts = plan.contexts or [0] * n
-    catch_up = plan.catch_up or [1.0] * n
+    contexts, catch_up = _per_request(plan, len(alphas))
     return _Step(
         emitted=sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True)),
         drafts=sum(ks),

@@ -106,7 +106,8 @@ class Speculator:
             num_pending=max(0, pending),
             base_attention=sum(attention_work(1, r.num_computed_tokens) for r in decoding),
             contexts=contexts,
-            catch_up=[self._catch_up_cost(r, a) for r, a in zip(running, alphas, strict=True)])
+            catch_up=[0.0 if r.is_prefilling else self._catch_up_cost(r, a)  # never drafts
+                      for r, a in zip(running, alphas, strict=True)])
         chunk_context = prefilling[0].num_computed_tokens if prefilling else 0
         if self.target_itl is not None and decoding:
             # ITL target: the biggest prefill chunk that keeps the step under it, then drafts
