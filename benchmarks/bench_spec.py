@@ -23,7 +23,13 @@ import torch
 from tqdm.auto import tqdm
 
 from braid.bench.datasets import BenchPrompt, edit_prompts, humaneval, sharegpt
-from braid.config import DEFAULT_DRAFT, DEFAULT_TARGET, EngineConfig
+from braid.config import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    EngineConfig,
+    SpecConfig,
+    resolve_draft_dtype,
+)
 from braid.engine.engine import LLMEngine
 from braid.engine.stats import SpecStats
 from braid.models.build import load_model
@@ -96,18 +102,22 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1", help="comma-separated list")
     parser.add_argument("--modes", default="none,ngram4,draft1,draft3,draft5,goodput")
     parser.add_argument("--max-num-batched-tokens", type=int, default=128)
+    parser.add_argument("--draft-dtype", default="auto", choices=SpecConfig.DTYPES,
+                        help="as speculative_config's draft_dtype")
     parser.add_argument("--out", default="docs/benchmarks")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     target = load_model(DEFAULT_TARGET)
     modes = args.modes.split(",")
-    draft = load_model(DEFAULT_DRAFT)[0] if any("draft" in m or m == "goodput"
-                                               for m in modes) else None
+    draft_dtype = resolve_draft_dtype(args.draft_dtype, torch.float32)
+    draft = load_model(DEFAULT_DRAFT, draft_dtype)[0] if any("draft" in m or m == "goodput"
+                                                            for m in modes) else None
     levels = [int(c) for c in args.concurrency.split(",")]
     counts = {c: max(args.num_prompts, args.prompts_per_slot * c) for c in levels}
     prompts = prompts_for(args.workload, max(counts.values()), target[1], args.max_prompt_len)
     print(f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads;"
+          f" draft in {str(draft_dtype).removeprefix('torch.')};"
           f" {args.workload}: {counts} prompts per concurrency, {args.max_tokens} new tokens,"
           " greedy")
     results: list[dict[str, Any]] = []

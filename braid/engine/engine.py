@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from braid.config import ConfigError, EngineConfig
+from braid.config import ConfigError, EngineConfig, resolve_draft_dtype
 from braid.engine.block_manager import BlockManager
 from braid.engine.output import OutputProcessor
 from braid.engine.request import Request
@@ -104,7 +104,8 @@ class LLMEngine:
                 from braid.models.build import load_model
 
                 assert spec.model is not None
-                draft, _ = load_model(spec.model, cfg.torch_dtype, cfg.device)
+                dtype = resolve_draft_dtype(spec.draft_dtype, cfg.torch_dtype, cfg.device)
+                draft, _ = load_model(spec.model, dtype, cfg.device)
             if draft.config.vocab_size != target.config.vocab_size:
                 raise ConfigError(
                     f"--speculative-config: the draft model's vocabulary ("

@@ -49,9 +49,17 @@ class Linear(nn.Linear):
                                                   "")[:rows]
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX); without it
+    oneDNN emulates bf16 and a bf16 matmul is several times slower than fp32."""
+    cpu = torch.cpu
+    return any(getattr(cpu, f, lambda: False)()
+               for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
 def can_pack(device: torch.device | str, dtype: torch.dtype) -> bool:
-    return (torch.device(device).type == "cpu" and dtype == torch.float32
-            and torch.backends.mkldnn.is_available())
+    return (torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+            and (dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16())))
 
 
 class RMSNorm(nn.Module):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from braid.config import ConfigError
+from braid.config import ConfigError, EngineConfig, resolve_draft_dtype
+from braid.models.qwen2 import can_pack, native_bf16
 from braid.sampling_params import SamplingParams
 from tests.engine.test_engine import CFG, STAGGERED, WEIGHTS, make_engine, prompts, run
 from tests.tiny import braid_model, random_weights, tiny_config
@@ -92,6 +93,31 @@ def test_vocabulary_mismatch_is_a_config_error() -> None:
     other = tiny_config("qwen2", vocab_size=300)
     with pytest.raises(ConfigError, match="vocabulary"):
         spec_engine("draft_model", 3, draft_weights=random_weights(other), draft_cfg=other)
+
+
+def test_bfloat16_draft_is_lossless(reference) -> None:
+    """The target's own weights as a bf16 draft (packed where the CPU runs bf16 natively, as
+    draft_dtype "auto" loads it): rounding costs a little acceptance, never an output token."""
+    draft = braid_model(CFG, WEIGHTS).to(torch.bfloat16)
+    if can_pack("cpu", torch.bfloat16):
+        draft.pack_linear_weights()
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "policy": "fixed",
+            "model": "tiny-draft", "draft_dtype": "bfloat16"}
+    engine = make_engine(speculative_config=spec, draft_model=draft,
+                         max_num_batched_tokens=32)
+    assert run(engine, STAGGERED, GREEDY) == reference
+    assert engine.stats.spec.num_drafts > 0 and engine.stats.spec.acceptance_rate > 0.8
+
+
+def test_draft_dtype_resolution_and_errors() -> None:
+    assert resolve_draft_dtype("float32", torch.float32) == torch.float32
+    assert resolve_draft_dtype("bfloat16", torch.float32) == torch.bfloat16
+    assert resolve_draft_dtype("auto", torch.float16) == torch.float16  # follows the target
+    assert resolve_draft_dtype("auto", torch.float32) == (
+        torch.bfloat16 if native_bf16() else torch.float32)
+    with pytest.raises(ConfigError, match="draft_dtype must be one of"):
+        EngineConfig(model="tiny", speculative_config={
+            "method": "draft_model", "num_speculative_tokens": 3, "draft_dtype": "int8"})
 
 
 def test_per_request_figures_in_output() -> None:
