@@ -42,7 +42,7 @@ class ForwardCost:
     anchors: list[tuple[np.ndarray, float]] = field(default_factory=list)
     recent: deque[tuple[np.ndarray, float]] = field(default_factory=deque)
     error_ema: float = 0.0  # relative |predicted - measured| / measured, online samples
-    _coef: np.ndarray | None = None
+    _coef: list[float] | None = None
     _num_observed: int = 0
 
     @staticmethod
@@ -66,17 +66,28 @@ class ForwardCost:
 
     def __call__(self, tokens: float, attention: float = 0.0, rows: float | None = None
                  ) -> float:
-        """Predicted seconds; `rows` defaults to every token (decode and verification)."""
-        return self._predict(self.features(tokens, attention, tokens if rows is None else rows))
+        """Predicted seconds; `rows` defaults to every token (decode and verification).
+        Plain Python (the policy asks hundreds of times per step; numpy's per-call overhead
+        was most of its cost)."""
+        c = self._coefficients()
+        seconds = c[0] + c[1] * tokens + c[-2] * attention / ATTENTION_UNIT
+        seconds += c[-1] * (tokens if rows is None else rows)
+        for j, knee in enumerate(KNEES):
+            if tokens <= knee:
+                break
+            seconds += c[2 + j] * (tokens - knee)
+        return seconds
 
-    def _predict(self, x: np.ndarray) -> float:
+    def _coefficients(self) -> list[float]:
         if self._coef is None:
             samples = self.anchors + list(self.recent)
-            if not samples:
-                return 0.0
-            self._coef = nnls(np.array([s[0] for s in samples]),
-                              np.array([s[1] for s in samples]))
-        return float(self._coef @ x)
+            self._coef = (nnls(np.array([s[0] for s in samples]),
+                               np.array([s[1] for s in samples])).tolist() if samples
+                          else [0.0] * (len(KNEES) + 4))
+        return self._coef
+
+    def _predict(self, x: np.ndarray) -> float:
+        return float(np.dot(self._coefficients(), x))
 
 
 def nnls(a: np.ndarray, b: np.ndarray, tol: float = 1e-12) -> np.ndarray:
