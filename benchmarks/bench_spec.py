@@ -81,8 +81,8 @@ def run_mode(engine: LLMEngine, prompts: list[list[int]], concurrency: int,
                     bar.update(1)
     seconds = time.perf_counter() - start
     spec = engine.stats.spec
-    result = {"tokens": generated, "seconds": seconds, "tok_per_s": generated / seconds,
-              **spec.as_dict()}
+    result: dict[str, Any] = {"tokens": generated, "seconds": seconds,
+                              "tok_per_s": generated / seconds, **spec.as_dict()}
     if engine.speculator is not None and engine.speculator.chosen_k:
         result["chosen_k"] = dict(sorted(engine.speculator.chosen_k.items()))
         result["cost_model_error"] = round(engine.speculator.cost.error_ema, 3)
@@ -104,6 +104,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=128)
     parser.add_argument("--draft-dtype", default="auto", choices=SpecConfig.DTYPES,
                         help="as speculative_config's draft_dtype")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of every mode per load, in alternating order (mean tok/s)")
     parser.add_argument("--out", default="docs/benchmarks")
     args = parser.parse_args()
 
@@ -124,22 +126,40 @@ def main() -> None:
     # Load level outside, mode inside: the modes compared at one level run back to back, so
     # a drift in machine speed over the run does not masquerade as a difference between them.
     for c in levels:
-        for mode in modes:
-            engine = LLMEngine(
-                EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                             max_num_seqs=max(levels), kv_cache_gib=1.0, log_stats_interval=0,
-                             speculative_config=spec_config(mode)),
-                model=target[0], tokenizer=target[1], draft_model=draft)
-            run_mode(engine, prompts[:1], 1, 8)  # warm-up
-            engine.stats.spec = SpecStats()
-            if engine.speculator is not None:
-                engine.speculator.chosen_k.clear()
-            r = {"mode": mode, "concurrency": c, "prompts": counts[c],
-                 **run_mode(engine, prompts[:counts[c]], c, args.max_tokens)}
-            results.append(r)
-            print_row(r, results)
-            save(results, args)  # after every row: a long run that stops keeps what it did
+        for rep in range(args.repeats):
+            for mode in modes if rep % 2 == 0 else modes[::-1]:
+                record(results, measure(mode, c, counts[c], prompts, target, draft, levels,
+                                        args))
+                save(results, args)  # after every run: a long run that stops keeps its rows
     print(markdown_table(results))
+
+
+def measure(mode: str, c: int, count: int, prompts: list[list[int]], target: Any, draft: Any,
+            levels: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    """One run of `mode` at concurrency c on a fresh engine (after a short warm-up)."""
+    engine = LLMEngine(
+        EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                     max_num_seqs=max(levels), kv_cache_gib=1.0, log_stats_interval=0,
+                     speculative_config=spec_config(mode)),
+        model=target[0], tokenizer=target[1], draft_model=draft)
+    run_mode(engine, prompts[:1], 1, 8)  # warm-up
+    engine.stats.spec = SpecStats()
+    if engine.speculator is not None:
+        engine.speculator.chosen_k.clear()
+    return {"mode": mode, "concurrency": c, "prompts": count,
+            **run_mode(engine, prompts[:count], c, args.max_tokens)}
+
+
+def record(results: list[dict[str, Any]], run: dict[str, Any]) -> None:
+    """One row per mode and load: a repeated run adds its tok/s to the row's runs, and the
+    row's tok/s is their mean (with the order reversed on every other repeat, a steady drift
+    in machine speed cancels out of the mean); the other figures are the last run's."""
+    at = next((i for i, r in enumerate(results) if (r["mode"], r["concurrency"])
+               == (run["mode"], run["concurrency"])), len(results))
+    runs = [*(results[at]["tok_per_s_runs"] if at < len(results) else []), run["tok_per_s"]]
+    row = {**run, "tok_per_s": sum(runs) / len(runs), "tok_per_s_runs": runs}
+    results[at:at + 1] = [row]
+    print_row(row, results)
 
 
 def markdown_table(results: list[dict[str, Any]]) -> str:
@@ -172,8 +192,10 @@ def print_row(r: dict[str, Any], results: list[dict[str, Any]]) -> None:
     spec = (f"acceptance {r['acceptance_rate']:.2f}, mean length "
             f"{r['mean_acceptance_length']:.2f}" if r["num_drafts"] else "")
     ks = f", k chosen {r['chosen_k']}" if "chosen_k" in r else ""
+    runs = (f" (runs {', '.join(f'{v:.2f}' for v in r['tok_per_s_runs'])})"
+            if len(r["tok_per_s_runs"]) > 1 else "")
     print(f"{r['mode']:>9} c={r['concurrency']:<3} {r['tok_per_s']:7.2f} tok/s {speedup:>6}  "
-          f"{spec}{ks}", flush=True)
+          f"{spec}{ks}{runs}", flush=True)
 
 
 def save(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
