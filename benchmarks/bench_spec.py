@@ -23,13 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from braid.bench.datasets import BenchPrompt, edit_prompts, humaneval, sharegpt
-from braid.config import (
-    DEFAULT_DRAFT,
-    DEFAULT_TARGET,
-    EngineConfig,
-    SpecConfig,
-    resolve_draft_dtype,
-)
+from braid.config import DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES, EngineConfig, resolve_draft_dtype
 from braid.engine.engine import LLMEngine
 from braid.engine.stats import SpecStats
 from braid.models.build import load_model
@@ -102,7 +96,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1", help="comma-separated list")
     parser.add_argument("--modes", default="none,ngram4,draft1,draft3,draft5,goodput")
     parser.add_argument("--max-num-batched-tokens", type=int, default=128)
-    parser.add_argument("--draft-dtype", default="auto", choices=SpecConfig.DTYPES,
+    parser.add_argument("--draft-dtype", default="auto", choices=DTYPES,
                         help="as speculative_config's draft_dtype")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of every mode per load, in alternating order (mean tok/s)")
@@ -128,18 +122,18 @@ def main() -> None:
     for c in levels:
         for rep in range(args.repeats):
             for mode in modes if rep % 2 == 0 else modes[::-1]:
-                record(results, measure(mode, c, counts[c], prompts, target, draft, levels,
-                                        args))
+                record(results, measure(mode, c, counts[c], prompts, target, draft,
+                                        max(levels), args))
                 save(results, args)  # after every run: a long run that stops keeps its rows
     print(markdown_table(results))
 
 
 def measure(mode: str, c: int, count: int, prompts: list[list[int]], target: Any, draft: Any,
-            levels: list[int], args: argparse.Namespace) -> dict[str, Any]:
+            max_num_seqs: int, args: argparse.Namespace) -> dict[str, Any]:
     """One run of `mode` at concurrency c on a fresh engine (after a short warm-up)."""
     engine = LLMEngine(
         EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                     max_num_seqs=max(levels), kv_cache_gib=1.0, log_stats_interval=0,
+                     max_num_seqs=max_num_seqs, kv_cache_gib=1.0, log_stats_interval=0,
                      speculative_config=spec_config(mode)),
         model=target[0], tokenizer=target[1], draft_model=draft)
     run_mode(engine, prompts[:1], 1, 8)  # warm-up

@@ -12,6 +12,9 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype and the draft's draft_dtype
+
+
 class ConfigError(ValueError):
     """A user-facing configuration error; the message names the option (flag)."""
 
@@ -34,7 +37,6 @@ class SpecConfig:
     MAX_TOKENS = 16
     METHODS = ("ngram", "draft_model")
     POLICIES = ("fixed", "goodput")
-    DTYPES = ("auto", "float32", "bfloat16", "float16")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpecConfig:
@@ -64,8 +66,8 @@ class SpecConfig:
         if self.policy not in self.POLICIES:
             raise ConfigError(f"{where}: policy must be one of {', '.join(self.POLICIES)}, "
                               f"got {self.policy!r}")
-        if self.draft_dtype not in self.DTYPES:
-            raise ConfigError(f"{where}: draft_dtype must be one of {', '.join(self.DTYPES)}, "
+        if self.draft_dtype not in DTYPES:
+            raise ConfigError(f"{where}: draft_dtype must be one of {', '.join(DTYPES)}, "
                               f"got {self.draft_dtype!r}")
         if self.method == "draft_model" and self.model is None:
             self.model = DEFAULT_DRAFT
@@ -123,7 +125,7 @@ class EngineConfig:
         self._check_positive("max_num_seqs", "block_size", "kv_cache_gib")
         self._check_positive_or_none("max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                                      "num_threads")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise ConfigError(
                 f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.log_stats_interval < 0:

@@ -54,7 +54,7 @@ class ForwardCost:
                 anchor: bool = False) -> None:
         x = self.features(tokens, attention, rows)
         if not anchor and self._num_observed + len(self.anchors) >= 2:
-            error = abs(self._predict(x) - seconds) / max(seconds, 1e-9)
+            error = abs(self(tokens, attention, rows) - seconds) / max(seconds, 1e-9)
             self.error_ema = (error if self._num_observed == 0
                               else 0.9 * self.error_ema + 0.1 * error)
         if not anchor:
@@ -85,9 +85,6 @@ class ForwardCost:
                                np.array([s[1] for s in samples])).tolist() if samples
                           else [0.0] * (len(KNEES) + 4))
         return self._coef
-
-    def _predict(self, x: np.ndarray) -> float:
-        return float(np.dot(self._coefficients(), x))
 
 
 def nnls(a: np.ndarray, b: np.ndarray, tol: float = 1e-12) -> np.ndarray:

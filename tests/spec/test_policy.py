@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from braid.spec.cost_model import StepCostModel, nnls
+from braid.spec.cost_model import ForwardCost, StepCostModel, nnls
 from braid.spec.policy import (
     AcceptanceEstimator,
     StepPlan,
@@ -202,3 +202,17 @@ def test_drafts_pay_for_themselves_in_the_batch_pending_requests_join() -> None:
     assert choose_ks([0.9], [5], alone, cost) != [0]
     alone.num_pending = 15
     assert choose_ks([0.9], [5], alone, cost) == [0]
+
+
+def test_prediction_is_the_fit_applied_to_the_features() -> None:
+    """ForwardCost predicts in plain Python; it must be the fitted coefficients times the
+    features the fit was made on, at every hinge segment."""
+    rng = random.Random(1)
+    model = ForwardCost()
+    for _ in range(60):
+        model.observe(rng.randint(1, 300), rng.random() * 1e6, rng.randint(1, 50), rng.random())
+    coef = np.array(model._coefficients())
+    for tokens in (0, 1, 4, 5, 31, 64, 200, 257, 400):
+        for attention, rows in ((0.0, None), (3e5, 7)):
+            x = ForwardCost.features(tokens, attention, tokens if rows is None else rows)
+            assert model(tokens, attention, rows) == pytest.approx(float(coef @ x), abs=1e-12)
