@@ -86,6 +86,11 @@ class StepPlan:
     contexts: list[int] = field(default_factory=list)
     catch_up: list[float] = field(default_factory=list)
     max_seconds: float = math.inf  # predicted step time (target + drafting) must stay under
+    # Per request: True if drafting now means catching the draft up on a backlog (its prompt,
+    # or tokens emitted at k = 0). Starting such a request needs a predicted gain of at least
+    # start_margin per starting request's share of the decode batch (see choose_ks).
+    starting: list[bool] = field(default_factory=list)
+    start_margin: float = 0.0
 
 
 def choose_ks(
@@ -105,7 +110,27 @@ def choose_ks(
     drafts look cheap in prefill-heavy steps (the emitted tokens grew while the long step
     barely did), and judging drafts against a batch of the few requests already decoding
     made them look cheap while the rest of the batch was still prefilling.
+
+    Hysteresis: starting a request costs its catch-up once, stopping it wastes that, and near
+    break-even the prediction's noise decides which side a step lands on. So a plan that
+    starts requests (plan.starting) must beat the best plan without them by start_margin
+    times their share of the batch (each starter must speed its own tokens up by about
+    start_margin); requests already drafting keep the plain rule.
     """
+    best_ks, best = _best(alphas, max_ks, plan, cost)
+    starters = sum(1 for k, s in zip(best_ks, plan.starting, strict=False) if k and s)
+    if not starters or plan.start_margin <= 0:
+        return best_ks
+    held = [0 if s else m for m, s in zip(max_ks, plan.starting, strict=True)]
+    kept_ks, kept = _best(alphas, held, plan, cost)
+    share = starters / max(1, plan.num_decodes + plan.num_pending)
+    return best_ks if best > kept * (1 + plan.start_margin * share) else kept_ks
+
+
+def _best(alphas: list[float], max_ks: list[int], plan: StepPlan, cost: StepCostModel
+          ) -> tuple[list[int], float]:
+    """The greedy allocation for every largest k, and no drafts at all: the best, with its
+    goodput."""
     room = max(0, plan.budget - plan.num_decodes - plan.num_prefill_tokens)
     best_ks, best = [0] * len(alphas), goodput_of(alphas, [0] * len(alphas), plan, cost)
     for top in range(1, max(max_ks, default=0) + 1):
@@ -113,7 +138,7 @@ def choose_ks(
         value = goodput_of(alphas, ks, plan, cost)
         if value > best * (1 + 1e-9):
             best_ks, best = ks, value
-    return best_ks
+    return best_ks, best
 
 
 @dataclass(slots=True)

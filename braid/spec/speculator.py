@@ -35,6 +35,9 @@ LOG_EVERY = 100  # steps between cost-model log lines
 # A draft backlog (a prompt the draft has not seen) is paid once; its cost is spread over at
 # most this many of the request's future tokens when deciding whether to start drafting.
 CATCH_UP_HORIZON = 256
+# A request that would start drafting (catching the draft up on a backlog) must be predicted
+# to speed its own tokens up by at least this much; see choose_ks.
+START_MARGIN = 0.05
 
 
 class Speculator:
@@ -101,13 +104,16 @@ class Speculator:
         demand = min(demand, max(0, self.budget - len(decoding)))
         pending = min(len(prefilling) + len(waiting), self.max_num_seqs - len(decoding))
         contexts = [r.num_computed_tokens for r in running]
+        lags = [self.proposer.lag(r) for r in running]
         plan = StepPlan(
             num_decodes=len(decoding), num_prefill_tokens=demand, budget=self.budget,
             num_pending=max(0, pending),
             base_attention=sum(attention_work(1, r.num_computed_tokens) for r in decoding),
             contexts=contexts,
-            catch_up=[0.0 if r.is_prefilling else self._catch_up_cost(r, a)  # never drafts
-                      for r, a in zip(running, alphas, strict=True)])
+            catch_up=[0.0 if r.is_prefilling else self._catch_up_cost(r, a, lag)  # never drafts
+                      for r, a, lag in zip(running, alphas, lags, strict=True)],
+            starting=[lag > self.spec.num_speculative_tokens + 1 for lag in lags],
+            start_margin=START_MARGIN)
         chunk_context = prefilling[0].num_computed_tokens if prefilling else 0
         if self.target_itl is not None and decoding:
             # ITL target: the biggest prefill chunk that keeps the step under it, then drafts
@@ -119,12 +125,12 @@ class Speculator:
         plan.prefill_attention = attention_work(plan.num_prefill_tokens, chunk_context)
         return plan
 
-    def _catch_up_cost(self, req: Request, alpha: float) -> float:
-        """Draft tokens request `req` adds to the first draft forward if it drafts now. What
+    def _catch_up_cost(self, req: Request, alpha: float, lag: int) -> float:
+        """Draft tokens request `req` (`lag` tokens behind the draft) adds to the first draft
+        forward if it drafts now. What
         a window normally leaves behind (the accepted drafts and the bonus token) recurs every
         step and is charged in full; a longer backlog (the prompt, or tokens emitted while
         its k was 0) is paid once and is spread over the steps the request has left."""
-        lag = self.proposer.lag(req)
         usual = self.spec.num_speculative_tokens + 1
         if lag <= usual:
             return float(max(lag, 1))

@@ -216,3 +216,42 @@ def test_prediction_is_the_fit_applied_to_the_features() -> None:
         for attention, rows in ((0.0, None), (3e5, 7)):
             x = ForwardCost.features(tokens, attention, tokens if rows is None else rows)
             assert model(tokens, attention, rows) == pytest.approx(float(coef @ x), abs=1e-12)
+
+
+def test_starting_to_draft_needs_a_margin_and_drafting_requests_keep_the_plain_rule() -> None:
+    """Near break-even, noise decides whether a step drafts; a request the draft must catch
+    up on starts only for a predicted gain above start_margin, while one already drafting
+    goes on at any predicted gain (hysteresis)."""
+    cost = cost_model(per_token=0.004, knee=4, fixed=0.1, draft=0.03)
+    gains = []
+    for alpha in np.linspace(0.05, 0.95, 91):
+        p = plan(1)
+        plain = choose_ks([alpha], [5], p, cost)
+        gain = goodput_of([alpha], plain, p, cost) / goodput_of([alpha], [0], p, cost)
+        p.start_margin = 0.05
+        p.starting = [False]
+        assert choose_ks([alpha], [5], p, cost) == plain
+        p.starting = [True]
+        assert choose_ks([alpha], [5], p, cost) == (plain if gain > 1.05 else [0])
+        gains.append(gain)
+    assert any(1.0 < g < 1.05 for g in gains) and any(g > 1.05 for g in gains)  # both sides
+
+
+def test_the_start_margin_is_per_starting_request() -> None:
+    """A new request joining three drafting ones needs its own speedup, not the batch's, to
+    beat the margin: a batch gain of a quarter of start_margin is enough for it."""
+    cost = cost_model(per_token=0.004, knee=4, fixed=0.1, draft=0.03)
+    seen = set()
+    for alpha in np.linspace(0.05, 0.95, 91):
+        alphas = [0.8, 0.8, 0.8, float(alpha)]
+        p = plan(4)
+        plain = choose_ks(alphas, [5] * 4, p, cost)
+        held = choose_ks(alphas, [5, 5, 5, 0], p, cost)
+        assert any(held)  # the three go on drafting
+        gain = goodput_of(alphas, plain, p, cost) / goodput_of(alphas, held, p, cost)
+        p.start_margin, p.starting = 0.05, [False, False, False, True]
+        starts = plain[3] > 0 and gain > 1 + 0.05 / 4
+        assert choose_ks(alphas, [5] * 4, p, cost) == (plain if starts else held)
+        if starts:
+            seen.add(gain > 1.05)
+    assert seen == {False, True}  # some starts gained less than the margin for the batch
