@@ -15,15 +15,24 @@ proportional to the number of requests, and a fit free to split the cost between
 extrapolate the cost of k = 0 from the cost of the k it happened to run (drafts look free).
 Warm-up measurements stay in the fit as anchors, so a window of identical steady-state steps
 cannot make the model blind to other sizes.
+
+Small forwards are not smooth in q: on a CPU the matmul library switches kernels with the
+number of rows (here a 6-token target forward costs what a 1-token one does, a 7-token one
+15% more). Those few-token steps are where the policy decides between k = 1 and k = 2, so
+the fit is corrected at q <= EXACT_UP_TO by the median residual of the forwards measured at
+each size (interpolated between measured sizes). The fit minimizes relative error: in
+absolute seconds the long prefill steps would outweigh the decode steps the policy compares.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
+EXACT_UP_TO = 64  # query tokens up to which measured sizes correct the fit
 KNEES = (4, 8, 16, 32, 64, 128, 256)
 ATTENTION_UNIT = 1e6  # attention work is fitted per million query-key pairs
 
@@ -43,6 +52,8 @@ class ForwardCost:
     recent: deque[tuple[np.ndarray, float]] = field(default_factory=deque)
     error_ema: float = 0.0  # relative |predicted - measured| / measured, online samples
     _coef: list[float] | None = None
+    _sizes: list[int] = field(default_factory=list)  # measured sizes <= EXACT_UP_TO, sorted
+    _residuals: list[float] = field(default_factory=list)  # median residual at each size
     _num_observed: int = 0
 
     @staticmethod
@@ -76,15 +87,42 @@ class ForwardCost:
             if tokens <= knee:
                 break
             seconds += c[2 + j] * (tokens - knee)
-        return seconds
+        return seconds + self.correction(tokens)
+
+    def correction(self, tokens: float) -> float:
+        """What forwards measured at (or around) this size took beyond the fit."""
+        sizes, residuals = self._sizes, self._residuals
+        if not sizes or tokens > sizes[-1]:
+            return 0.0
+        j = bisect.bisect_left(sizes, tokens)
+        if sizes[j] == tokens or j == 0:
+            return residuals[j]
+        w = (tokens - sizes[j - 1]) / (sizes[j] - sizes[j - 1])
+        return (1 - w) * residuals[j - 1] + w * residuals[j]
 
     def _coefficients(self) -> list[float]:
         if self._coef is None:
-            samples = self.anchors + list(self.recent)
-            self._coef = (nnls(np.array([s[0] for s in samples]),
-                               np.array([s[1] for s in samples])).tolist() if samples
-                          else [0.0] * (len(KNEES) + 4))
+            self._fit()
+        assert self._coef is not None
         return self._coef
+
+    def _fit(self) -> None:
+        samples = self.anchors + list(self.recent)
+        self._sizes, self._residuals = [], []
+        if not samples:
+            self._coef = [0.0] * (len(KNEES) + 4)
+            return
+        x = np.array([s[0] for s in samples])
+        y = np.array([s[1] for s in samples])
+        weight = 1.0 / np.maximum(y, 1e-6)  # relative error
+        coef = nnls(x * weight[:, None], y * weight)
+        self._coef = coef.tolist()
+        by_size: dict[int, list[float]] = {}
+        for tokens, residual in zip(x[:, 1], y - x @ coef, strict=True):
+            if tokens <= EXACT_UP_TO:
+                by_size.setdefault(int(tokens), []).append(float(residual))
+        self._sizes = sorted(by_size)
+        self._residuals = [float(np.median(by_size[q])) for q in self._sizes]
 
 
 def nnls(a: np.ndarray, b: np.ndarray, tol: float = 1e-12) -> np.ndarray:

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from braid.spec.cost_model import ForwardCost, StepCostModel, nnls
+from braid.spec.cost_model import EXACT_UP_TO, ForwardCost, StepCostModel, nnls
 from braid.spec.policy import (
     AcceptanceEstimator,
     StepPlan,
@@ -206,7 +206,8 @@ def test_drafts_pay_for_themselves_in_the_batch_pending_requests_join() -> None:
 
 def test_prediction_is_the_fit_applied_to_the_features() -> None:
     """ForwardCost predicts in plain Python; it must be the fitted coefficients times the
-    features the fit was made on, at every hinge segment."""
+    features the fit was made on, at every hinge segment, plus the correction at measured
+    sizes (none past EXACT_UP_TO)."""
     rng = random.Random(1)
     model = ForwardCost()
     for _ in range(60):
@@ -215,7 +216,45 @@ def test_prediction_is_the_fit_applied_to_the_features() -> None:
     for tokens in (0, 1, 4, 5, 31, 64, 200, 257, 400):
         for attention, rows in ((0.0, None), (3e5, 7)):
             x = ForwardCost.features(tokens, attention, tokens if rows is None else rows)
-            assert model(tokens, attention, rows) == pytest.approx(float(coef @ x), abs=1e-12)
+            assert model(tokens, attention, rows) == pytest.approx(
+                float(coef @ x) + model.correction(tokens), abs=1e-12)
+    assert model.correction(EXACT_UP_TO + 1) == 0.0
+
+
+def step_at_seven(q: float) -> float:
+    """A CPU-like small-forward curve: flat to 6 tokens, 15% more from 7, linear from 12."""
+    return 0.2 + (0.03 if q >= 7 else 0.0) + 0.015 * max(0.0, q - 11)
+
+
+def test_measured_sizes_correct_a_curve_the_fit_cannot_bend_to() -> None:
+    """The hinge fit is convex and cannot step up between 6 and 7 tokens; the correction by
+    measured sizes (every size, as the warm-up measures them) predicts each within 2%, and
+    sizes between measured ones are interpolated."""
+    model = StepCostModel()
+    for q in [*range(1, 13), 16, 24, 32, 64]:
+        model.observe_target(q, 0, q, step_at_seven(q), anchor=True)
+    for q in [*range(1, 13), 16, 24, 32]:
+        assert model.target_time(q) == pytest.approx(step_at_seven(q), rel=0.02)
+    assert model.target_time(20) == pytest.approx(
+        (step_at_seven(16) + step_at_seven(24)) / 2, rel=0.02)
+    # Steady-state steps at one size move its prediction to what they measure.
+    for _ in range(20):
+        model.observe_target(9, 0, 9, 0.26)
+    assert model.target_time(9) == pytest.approx(0.26, rel=0.02)
+    assert model.target_time(6) == pytest.approx(step_at_seven(6), rel=0.03)
+
+
+def test_the_policy_sees_the_step_between_k1_and_k2() -> None:
+    """Three requests at acceptance 0.65 (a chat workload, as measured on ShareGPT): 6 tokens
+    (k = 1) cost what a plain decode does and 9 (k = 2) cost 15% more, so k = 1 wins."""
+    model = StepCostModel()
+    for q in [*range(1, 13), 16, 24, 32, 64]:
+        model.observe_target(q, 0, q, step_at_seven(q), anchor=True)
+    for q in range(1, 17):
+        model.observe_draft(q, q, 0.05 + 0.001 * q, anchor=True)
+    p = plan(3)
+    p.base_attention, p.contexts = 0.0, [0, 0, 0]
+    assert choose_ks([0.65] * 3, [5] * 3, p, model) == [1, 1, 1]
 
 
 def test_starting_to_draft_needs_a_margin_and_drafting_requests_keep_the_plain_rule() -> None:
