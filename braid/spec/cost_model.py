@@ -20,8 +20,9 @@ Small forwards are not smooth in q: on a CPU the matmul library switches kernels
 number of rows (here a 6-token target forward costs what a 1-token one does, a 7-token one
 15% more). Those few-token steps are where the policy decides between k = 1 and k = 2, so
 the fit is corrected at q <= EXACT_UP_TO by the median residual of the forwards measured at
-each size (interpolated between measured sizes). The fit minimizes relative error: in
-absolute seconds the long prefill steps would outweigh the decode steps the policy compares.
+each size (interpolated between measured sizes; where a smaller size looks dearer than a
+larger one, the older measurement gives way). The fit minimizes relative error: in absolute
+seconds the long prefill steps would outweigh the decode steps the policy compares.
 """
 
 from __future__ import annotations
@@ -118,11 +119,27 @@ class ForwardCost:
         coef = nnls(x * weight[:, None], y * weight)
         self._coef = coef.tolist()
         by_size: dict[int, list[float]] = {}
-        for tokens, residual in zip(x[:, 1], y - x @ coef, strict=True):
+        latest: dict[int, int] = {}  # index of the newest forward at each size (-1: anchors)
+        for i, (tokens, residual) in enumerate(zip(x[:, 1], y - x @ coef, strict=True)):
             if tokens <= EXACT_UP_TO:
                 by_size.setdefault(int(tokens), []).append(float(residual))
+                latest[int(tokens)] = i - len(self.anchors) if i >= len(self.anchors) else -1
         self._sizes = sorted(by_size)
-        self._residuals = [float(np.median(by_size[q])) for q in self._sizes]
+        fitted = [float(self.features(q, 0.0, q) @ coef) for q in self._sizes]
+        times = [f + float(np.median(by_size[q])) for q, f in zip(self._sizes, fitted,
+                                                                   strict=True)]
+        # More query tokens never make a forward cheaper. Where two neighbouring sizes say
+        # otherwise, the older evidence gives way: a size measured while the machine was
+        # slower and not visited since (the policy avoids what looks slow) would otherwise
+        # stay dear and push the policy to a larger size that is truly dearer.
+        age = [latest[q] for q in self._sizes]
+        for j in reversed(range(len(times) - 1)):
+            if times[j] > times[j + 1] and age[j] < age[j + 1]:
+                times[j] = times[j + 1]
+        for j in range(1, len(times)):
+            if times[j] < times[j - 1] and age[j] < age[j - 1]:
+                times[j] = times[j - 1]
+        self._residuals = [t - f for t, f in zip(times, fitted, strict=True)]
 
 
 def nnls(a: np.ndarray, b: np.ndarray, tol: float = 1e-12) -> np.ndarray:

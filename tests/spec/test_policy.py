@@ -244,6 +244,20 @@ def test_measured_sizes_correct_a_curve_the_fit_cannot_bend_to() -> None:
     assert model.target_time(6) == pytest.approx(step_at_seven(6), rel=0.03)
 
 
+def test_a_size_measured_while_the_machine_was_slow_does_not_stay_dear() -> None:
+    """Steps at 4 tokens ran during a slow spell; the policy then moved to 5 tokens, which
+    now measure fast. The 4-token size must not be predicted dearer than the 5-token one (it
+    would push the policy to the larger k for good: it never revisits 4)."""
+    model = StepCostModel()
+    for q in [*range(1, 13), 16, 32, 64]:
+        model.observe_target(q, 0, q, 0.19 + 0.001 * q, anchor=True)
+    for _ in range(30):
+        model.observe_target(4, 0, 4, 0.26)
+    for _ in range(40):
+        model.observe_target(5, 0, 5, 0.19)
+    assert model.target_time(4) <= model.target_time(5) == pytest.approx(0.19, rel=0.02)
+
+
 def test_the_policy_sees_the_step_between_k1_and_k2() -> None:
     """Three requests at acceptance 0.65 (a chat workload, as measured on ShareGPT): 6 tokens
     (k = 1) cost what a plain decode does and 9 (k = 2) cost 15% more, so k = 1 wins."""
