@@ -123,7 +123,7 @@ class ForwardCost:
         for i, (tokens, residual) in enumerate(zip(x[:, 1], y - x @ coef, strict=True)):
             if tokens <= EXACT_UP_TO:
                 by_size.setdefault(int(tokens), []).append(float(residual))
-                latest[int(tokens)] = i - len(self.anchors) if i >= len(self.anchors) else -1
+                latest[int(tokens)] = max(i - len(self.anchors), -1)
         self._sizes = sorted(by_size)
         fitted = [float(self.features(q, 0.0, q) @ coef) for q in self._sizes]
         times = [f + float(np.median(by_size[q])) for q, f in zip(self._sizes, fitted,

@@ -116,7 +116,7 @@ class Speculator:
             contexts=contexts,
             catch_up=[0.0 if r.is_prefilling else self._catch_up_cost(r, a, lag)  # never drafts
                       for r, a, lag in zip(running, alphas, lags, strict=True)],
-            starting=[lag > self.spec.num_speculative_tokens + 1 for lag in lags],
+            starting=[lag > self._usual_lag for lag in lags],
             start_margin=START_MARGIN)
         chunk_context = prefilling[0].num_computed_tokens if prefilling else 0
         if self.target_itl is not None and decoding:
@@ -129,13 +129,18 @@ class Speculator:
         plan.prefill_attention = attention_work(plan.num_prefill_tokens, chunk_context)
         return plan
 
+    @property
+    def _usual_lag(self) -> int:
+        """What a drafting request's window leaves the draft behind by (the accepted drafts
+        and the bonus token); a longer lag is a backlog that starting to draft must pay."""
+        return self.spec.num_speculative_tokens + 1
+
     def _catch_up_cost(self, req: Request, alpha: float, lag: int) -> float:
         """Draft tokens request `req` (`lag` tokens behind the draft) adds to the first draft
-        forward if it drafts now. What
-        a window normally leaves behind (the accepted drafts and the bonus token) recurs every
-        step and is charged in full; a longer backlog (the prompt, or tokens emitted while
-        its k was 0) is paid once and is spread over the steps the request has left."""
-        usual = self.spec.num_speculative_tokens + 1
+        forward if it drafts now. The usual lag recurs every step and is charged in full; a
+        longer backlog (the prompt, or tokens emitted while its k was 0) is paid once and is
+        spread over the steps the request has left."""
+        usual = self._usual_lag
         if lag <= usual:
             return float(max(lag, 1))
         remaining = min(self.max_model_len - req.num_tokens, CATCH_UP_HORIZON)
