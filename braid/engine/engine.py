@@ -201,7 +201,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample, update; return outputs of requests that moved."""
         start = time.perf_counter()
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self._prefill_cap())
         if sched.is_empty:
             return []
         context = sum(s.request.num_computed_tokens for s in sched.scheduled)
@@ -219,6 +219,13 @@ class LLMEngine:
         self._propose(sched)
         self._record(sched, context, forward_time, time.perf_counter() - start)
         return outputs
+
+    def _prefill_cap(self) -> int | None:
+        """The ITL target's prefill cap, computed for the step about to be scheduled (from
+        the requests running and waiting now, so new arrivals always count)."""
+        if self.speculator is None:
+            return None
+        return self.speculator.prefill_cap(self.scheduler.running, self.scheduler.waiting)
 
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[_Sampled]:
         windows = [s for s in sched.scheduled if s.samples]
@@ -294,7 +301,6 @@ class LLMEngine:
         for rid in sched.preempted:
             self.speculator.forget(rid)
         self.speculator.propose(self.scheduler.running, self.scheduler.waiting)
-        self.scheduler.prefill_token_cap = self.speculator.prefill_cap
 
     def _update_guarded(self, result: _Sampled) -> RequestOutput | None:
         """Bookkeeping of one request; a failure there (detokenizer, stop check) fails that

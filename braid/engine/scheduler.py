@@ -67,8 +67,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last one is preempted first
         self.num_preemptions = 0
-        # Prefill tokens allowed in the next step (an ITL target's choice); None = budget.
-        self.prefill_token_cap: int | None = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -77,7 +75,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, prefill_cap: int | None = None) -> SchedulerOutput:
+        """This step's requests; `prefill_cap` (an ITL target's choice for this very step)
+        limits the prefill chunks and admissions that ride with the decodes."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         if not self.enable_chunked_prefill and self._can_admit_whole():
@@ -88,8 +88,8 @@ class Scheduler:
         prefilling = [r for r in self.running if r.is_prefilling]
         budget = self._schedule_running(out, decoding, budget)
         if self.enable_chunked_prefill:
-            if self.prefill_token_cap is not None:
-                budget = min(budget, self.prefill_token_cap)
+            if prefill_cap is not None:
+                budget = min(budget, prefill_cap)
             budget = self._schedule_running(out, prefilling, budget)
             if not out.preempted:
                 self._admit(out, budget)

@@ -54,8 +54,7 @@ class Speculator:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.chunked_prefill = chunked_prefill
-        self.target_itl = target_itl  # seconds; the next step's prefill cap follows from it
-        self.prefill_cap: int | None = None
+        self.target_itl = target_itl  # seconds; each step's prefill cap follows from it
         self.acceptance = AcceptanceEstimator(prior=PRIOR_ALPHA[spec.method])
         self.cost = StepCostModel()
         self.chosen_k: Counter[int] = Counter()  # how often each k was chosen for a request
@@ -87,7 +86,7 @@ class Speculator:
         if self.spec.policy == "fixed":
             return caps
         alphas = [self.acceptance.alpha(r.request_id) for r in running]
-        plan = self._plan(running, waiting, alphas)  # also sets the ITL target's prefill cap
+        plan = self._plan(running, waiting, alphas)
         if not any(caps):
             return caps
         ks = choose_ks(alphas, caps, plan, self.cost)
@@ -125,9 +124,16 @@ class Speculator:
             plan.max_seconds = self.target_itl
             plan.num_prefill_tokens = prefill_under_target(demand, plan, self.cost,
                                                            chunk_context)
-        self.prefill_cap = plan.num_prefill_tokens if self.target_itl is not None else None
         plan.prefill_attention = attention_work(plan.num_prefill_tokens, chunk_context)
         return plan
+
+    def prefill_cap(self, running: Sequence[Request], waiting: Sequence[Request]) -> int | None:
+        """Prefill tokens the ITL target allows in a step over these requests (None: no
+        target, or no decodes whose inter-token latency a chunk could stretch)."""
+        if self.target_itl is None or all(r.is_prefilling for r in running):
+            return None
+        alphas = [self.acceptance.alpha(r.request_id) for r in running]
+        return self._plan(running, waiting, alphas).num_prefill_tokens
 
     @property
     def _usual_lag(self) -> int:

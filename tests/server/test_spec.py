@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -56,3 +58,34 @@ def test_goodput_policy_observability(tiny_model_dir: Path,
     assert values["braid:step_time_seconds"] > 0
     assert 0 < values["braid:spec_decode_acceptance_estimate"] <= 1
     assert "braid:spec_decode_cost_model_relative_error" in values
+
+
+def test_itl_target_serves_requests_after_idle_and_bursts(
+        tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """--target-itl-ms once stopped scheduling for good after the engine went idle."""
+    spec = json.dumps({"method": "draft_model", "num_speculative_tokens": 3,
+                       "model": str(tiny_model_dir)})
+    server = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("itl"), *ENGINE_FLAGS,
+                           "--speculative-config", spec, "--target-itl-ms", "1000")
+
+    def complete(client: httpx.Client, prompt: str, tokens: int = 16) -> dict:
+        body = {"model": server.model, "prompt": prompt, "max_tokens": tokens,
+                "ignore_eos": True, "temperature": 0}
+        res = client.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert res.status_code == 200, res.text
+        return res.json()
+
+    try:
+        with httpx.Client() as client, ThreadPoolExecutor(8) as pool:
+            alone = complete(client, "hello there")["choices"][0]["text"]
+            time.sleep(0.5)  # idle
+            pair = list(pool.map(lambda p: complete(client, p), ["hello there", "abc " * 9]))
+            burst = list(pool.map(lambda i: complete(client, f"{i} " * (i + 1)), range(8)))
+            # New requests while a long one decodes.
+            long = pool.submit(complete, client, "the " * 5, 120)
+            joined = list(pool.map(lambda p: complete(client, p), ["x y", "hello there"]))
+            assert long.result()["usage"]["completion_tokens"] == 120
+    finally:
+        assert server.stop() == 0, server.log()
+    assert pair[0]["choices"][0]["text"] == alone == joined[1]["choices"][0]["text"]
+    assert all(r["usage"]["completion_tokens"] == 16 for r in burst + joined)

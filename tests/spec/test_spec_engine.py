@@ -271,6 +271,44 @@ def test_itl_target_caps_prefill_chunks_losslessly(reference) -> None:
     assert all(s.num_prefill_tokens <= 16 for s in mixed)
 
 
+def run_bounded(engine, arrivals: dict[int, list[int]], max_steps: int = 2000
+                ) -> dict[str, list[int]]:
+    """`run` that fails instead of hanging when the engine stops scheduling."""
+    ps, done, step = prompts(), {}, 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        assert step < max_steps, f"no progress: {engine.num_waiting} waiting, " \
+            f"{engine.num_running} running after {step} steps"
+        for i in arrivals.get(step, []):
+            engine.add_request(f"{i}-{step}", ps[i], GREEDY)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id.split("-")[0]] = out.outputs[0].token_ids
+        step += 1
+    return done
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_itl_target_serves_batches_after_idle_and_bursts(reference, method: str) -> None:
+    """The prefill cap belongs to the step being scheduled: requests that arrive after the
+    engine went idle, in a burst, or while others decode are all served, losslessly."""
+    engine = spec_engine(method, 3, policy="goodput", max_num_batched_tokens=64,
+                         target_itl_ms=800)
+    engine.speculator.cost = HingeCost()
+    first = run_bounded(engine, {0: [2]})  # one short batch, then idle
+    assert first == {"2": reference["2"]}
+    for _ in range(3):
+        assert engine.step() == []  # idle steps in between
+    second = run_bounded(engine, {0: [0, 1]})  # two requests after idle
+    assert second == {k: reference[k] for k in ("0", "1")}
+    burst = run_bounded(engine, {0: list(range(8))})  # a burst of all prompts
+    assert burst == reference
+    # Arrivals while another request decodes: the cap applies and they still finish.
+    joined = run_bounded(engine, {0: [5], 6: [3, 4], 30: [6, 7]})
+    assert joined == {k: reference[k] for k in ("5", "3", "4", "6", "7")}
+    mixed = [s for s in engine.stats.recent if s.num_decode_tokens and s.num_prefill_tokens]
+    assert mixed and all(s.num_prefill_tokens <= 16 for s in mixed)
+
+
 def test_itl_target_needs_goodput_speculation() -> None:
     with pytest.raises(ConfigError, match="--target-itl-ms"):
         make_engine(target_itl_ms=100)
