@@ -13,6 +13,7 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype and the draft's draft_dtype
+QUANTIZATIONS = ("auto", "none", "int8", "int4")  # --quantization and the draft's
 
 
 class ConfigError(ValueError):
@@ -33,6 +34,8 @@ class SpecConfig:
     # (the draft forward then takes ~half the time; outputs do not change, the target
     # verifies every draft), else the target's dtype.
     draft_dtype: str = "auto"
+    # The draft model's --quantization (None: the target's).
+    quantization: str | None = None
 
     MAX_TOKENS = 16
     METHODS = ("ngram", "draft_model")
@@ -69,6 +72,9 @@ class SpecConfig:
         if self.draft_dtype not in DTYPES:
             raise ConfigError(f"{where}: draft_dtype must be one of {', '.join(DTYPES)}, "
                               f"got {self.draft_dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"{where}: quantization must be one of "
+                              f"{', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.method == "draft_model" and self.model is None:
             self.model = DEFAULT_DRAFT
         if self.method == "ngram" and self.model is not None:
@@ -100,6 +106,10 @@ class EngineConfig:
     dtype: str = _opt("auto", "weights/activations dtype: auto (float32 on CPU), float32, "
                       "bfloat16, float16")
     device: str = _opt("cpu", "torch device")
+    quantization: str = _opt(
+        "auto", "weights: auto (a GGUF's quantized blocks run as they are on the CPU "
+        "kernels; float checkpoints stay float), none (dequantize to --dtype), int8 / int4 "
+        "(quantize a float checkpoint's weights at load)")
     max_num_batched_tokens: int | None = _opt(
         None, "token budget: query tokens in one forward (default 128 with chunked prefill, "
         "max_model_len without)")
@@ -128,6 +138,9 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(
                 f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                              f"got {self.quantization!r}")
         if self.log_stats_interval < 0:
             raise ConfigError("--log-stats-interval must be >= 0")
         self.spec = (None if self.speculative_config is None

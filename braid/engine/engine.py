@@ -55,7 +55,8 @@ class LLMEngine:
         if model is None:
             from braid.models.build import load_model
 
-            model, tokenizer = load_model(config.model, config.torch_dtype, config.device)
+            model, tokenizer = load_model(config.model, config.torch_dtype, config.device,
+                                          config.quantization)
         config.finalize(model.config.max_position_embeddings)
         self.config = config
         self.model_config = model.config
@@ -105,7 +106,8 @@ class LLMEngine:
 
                 assert spec.model is not None
                 dtype = resolve_draft_dtype(spec.draft_dtype, cfg.torch_dtype, cfg.device)
-                draft, _ = load_model(spec.model, dtype, cfg.device)
+                draft, _ = load_model(spec.model, dtype, cfg.device,
+                                      spec.quantization or cfg.quantization)
             if draft.config.vocab_size != target.config.vocab_size:
                 raise ConfigError(
                     f"--speculative-config: the draft model's vocabulary ("

@@ -46,7 +46,7 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = block_size
-        dtype = model.embed_tokens.weight.dtype
+        dtype = model.dtype
         self.kv_cache = torch.zeros(
             cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads,
             cfg.head_dim, dtype=dtype, device=device,

@@ -4,32 +4,80 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType
 
-from braid.models.loader import iter_weights, load_config, model_folder
+from braid.kernels import quant_ops
+from braid.models.config import ModelConfig
+from braid.models.gguf_loader import gguf_to_hf_folder, iter_gguf_weights, quantized_types
+from braid.models.loader import iter_weights, load_config, resolve_model_path
+from braid.models.quant import QuantWeight, float_quant_type
 from braid.models.qwen2 import Qwen2ForCausalLM, can_pack
 from braid.tokenizer import Tokenizer
 
 logger = logging.getLogger("braid")
 
+Weights = Iterator[tuple[str, torch.Tensor | QuantWeight]]
+
 
 def load_model(
-    name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    quantization: str = "auto",
 ) -> tuple[Qwen2ForCausalLM, Tokenizer | None]:
     """Model (weights copied tensor by tensor into uninitialized parameters, so the peak is
-    one model plus one tensor) and its tokenizer (None if the folder has none)."""
+    one model plus one tensor) and its tokenizer (None if the folder has none).
+
+    quantization: "auto" runs a GGUF's quantized blocks as they are (float checkpoints stay
+    float), "none" dequantizes everything to `dtype`, "int8" / "int4" quantize a float
+    checkpoint's weights to Q8_0 / Q4_0 blocks at load."""
     start = time.perf_counter()
-    folder = model_folder(name_or_path)
+    path = resolve_model_path(name_or_path)
+    folder = gguf_to_hf_folder(path) if path.is_file() else path
     cfg = load_config(folder)
+    quant_type, weights = _weights(path, cfg, quantization, device)
+    if quant_type is not None:
+        dtype = torch.float32  # the kernels take and give float32 activations
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(cfg).to(dtype)
+        model = Qwen2ForCausalLM(cfg, quant_type).to(dtype)
     model.to_empty(device=device)
     model.rotary.reset()
-    model.load_weights(iter_weights(folder))
-    if can_pack(device, dtype):
+    model.load_weights(weights)
+    if quant_type is None and can_pack(device, dtype):
         model.pack_linear_weights()
     tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
-    logger.info("loaded %s (%s, %.2f B params) in %.1f s", name_or_path, cfg.architecture,
-                sum(p.numel() for p in model.parameters()) / 1e9, time.perf_counter() - start)
+    logger.info("loaded %s (%s, %.2f B params, %s, %.2f GB of weights) in %.1f s",
+                name_or_path, cfg.architecture, cfg.num_parameters() / 1e9,
+                "float" if quant_type is None else "quantized", model.weight_bytes() / 1e9,
+                time.perf_counter() - start)
     return model.eval(), tokenizer
+
+
+def _weights(path: Path, cfg: ModelConfig, quantization: str, device: str | torch.device
+             ) -> tuple[GGMLQuantizationType | None, Weights]:
+    """The model's quantization (the block format float tensors get, None: float) and its
+    weights."""
+    if path.is_file():
+        quant_type = (GGMLQuantizationType.Q8_0
+                      if quantization != "none" and quantized_types(path) else None)
+        if quantization in ("int8", "int4"):
+            quant_type = float_quant_type(quantization)
+    else:
+        quant_type = float_quant_type(quantization)
+    if quant_type is not None and not _kernels_for(device):
+        quant_type = None
+    if path.is_file():
+        return quant_type, iter_gguf_weights(path, cfg, quantized=quant_type is not None)
+    return quant_type, iter_weights(path)
+
+
+def _kernels_for(device: str | torch.device) -> bool:
+    """Quantized weights run on the CPU kernels; without them (another device, no compiler)
+    the model loads in float instead."""
+    if torch.device(device).type != "cpu":
+        logger.warning("quantized kernels run on the CPU only: loading float weights on %s",
+                       device)
+        return False
+    return quant_ops() is not None

@@ -70,5 +70,14 @@ class ModelConfig:
         d["torch_dtype"] = "float32"
         return d
 
+    def num_parameters(self) -> int:
+        """Weights of the model (a tied LM head counted once)."""
+        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
+        q = self.num_attention_heads * self.head_dim
+        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv) * self.attention_bias
+        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_hidden_layers * layer + h + head
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

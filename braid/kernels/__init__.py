@@ -1,0 +1,54 @@
+"""Compiled CPU kernels: C++ built with torch.utils.cpp_extension on first use, cached per
+source, torch version and CPU kind; None (with one warning) where no compiler works, and
+the callers fall back to plain torch."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger("braid")
+
+SOURCE = Path(__file__).with_name("quant.cpp")
+
+
+def _build_dir(digest: str) -> Path:
+    from braid.models.gguf_loader import cache_root
+
+    return cache_root() / "kernels" / f"quant-{digest}"
+
+
+@functools.cache
+def quant_ops() -> ModuleType | None:
+    """The quantized-matmul extension (quant.cpp), or None if it cannot be built here.
+    BRAID_NO_KERNELS=1 turns it off (the plain-torch fallback)."""
+    if os.environ.get("BRAID_NO_KERNELS") == "1":
+        logger.info("quantized kernels off (BRAID_NO_KERNELS=1)")
+        return None
+    from torch.utils import cpp_extension
+
+    source = SOURCE.read_bytes()
+    key = source + torch.__version__.encode() + platform.machine().encode()
+    digest = hashlib.sha256(key).hexdigest()[:12]
+    build = _build_dir(digest)
+    build.mkdir(parents=True, exist_ok=True)
+    if not any(build.glob("*.so")):
+        logger.info("building the quantized CPU kernels (once, ~1 min) in %s", build)
+    try:
+        module = cpp_extension.load(
+            name=f"braid_quant_{digest}", sources=[str(SOURCE)], build_directory=str(build),
+            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"],
+            verbose=False)
+    except Exception as e:  # no compiler, no headers, a failed build: fall back, loudly
+        logger.warning("quantized CPU kernels unavailable (%s: %s); GGUF weights are "
+                       "dequantized to float instead", type(e).__name__, str(e)[:300])
+        return None
+    logger.info("quantized CPU kernels: %s, int8-quantized activations", module.isa())
+    return module

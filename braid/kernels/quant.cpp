@@ -1,0 +1,591 @@
+// Matrix products with GGUF-quantized weights on the CPU, as llama.cpp's ggml-cpu does them:
+// each activation row is quantized to int8 blocks (Q8_K: 256 values and one scale, for the
+// K-quants; Q8_0: 32 values and one scale, for Q4_0 / Q5_0 / Q8_0), and every output is an integer
+// dot product per block, scaled and summed in float.
+//
+// Batch invariance: output (m, n) is always computed by the same dot routine over row n of the
+// weight and row m of the quantized activations, whatever the number of rows, the tile or the
+// thread, so a request's logits do not depend on what else is in the batch.
+//
+// Two implementations of every routine: AVX2 (+FMA, F16C) and portable scalar code; the CPU's
+// flags pick one at load. Both give the same integer sums; the K-quants scale and sum them in
+// the same order (identical results), Q5_0 / Q8_0 sum 8 float lanes on AVX2.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define BRAID_X86 1
+#endif
+
+namespace {
+
+// ---- formats (ggml type ids and block layouts) ----------------------------------------------
+
+enum GgmlType : int64_t { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+
+constexpr int QK = 32;    // Q5_0 / Q8_0 block
+constexpr int QK_K = 256; // K-quant super-block
+
+struct BlockQ4_0 { uint16_t d; uint8_t qs[QK / 2]; };
+struct BlockQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[QK / 2]; };
+struct BlockQ8_0 { uint16_t d; int8_t qs[QK]; };
+struct BlockQ4_K { uint16_t d; uint16_t dmin; uint8_t scales[12]; uint8_t qs[QK_K / 2]; };
+struct BlockQ6_K { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; uint16_t d; };
+static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ5_0) == 22 && sizeof(BlockQ8_0) == 34, "ggml block size");
+static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210, "ggml block size");
+
+// Quantized activations.
+struct ActQ8_0 { float d; int32_t sum; int8_t qs[QK]; };                   // sum = sum(qs)
+struct ActQ8_K { float d; int16_t bsums[QK_K / 16]; int8_t qs[QK_K]; };    // bsums per 16
+static_assert(sizeof(ActQ8_0) == 40 && sizeof(ActQ8_K) == 292, "activation block size");
+
+bool is_k_quant(int64_t type) { return type == Q4_K || type == Q6_K; }
+
+int64_t block_elems(int64_t type) { return is_k_quant(type) ? QK_K : QK; }
+
+int64_t block_bytes(int64_t type) {
+  switch (type) {
+    case Q4_0: return sizeof(BlockQ4_0);
+    case Q5_0: return sizeof(BlockQ5_0);
+    case Q8_0: return sizeof(BlockQ8_0);
+    case Q4_K: return sizeof(BlockQ4_K);
+    case Q6_K: return sizeof(BlockQ6_K);
+  }
+  TORCH_CHECK(false, "unsupported GGML type ", type);
+}
+
+float fp16_to_fp32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalize
+      exp = 127 - 15 + 1;
+      while (!(mant & 0x400)) { mant <<= 1; --exp; }
+      bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000 | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Q4_K: eight 6-bit (scale, min) pairs packed into 12 bytes.
+void q4k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+// ---- activation quantization (identical results on both paths: round half to even) ---------
+
+void quantize_q8_0(const float* x, ActQ8_0* out, int64_t k) {
+  for (int64_t b = 0; b < k / QK; ++b, x += QK) {
+    float amax = 0.f;
+    for (int i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+    const float d = amax / 127.f, id = d > 0.f ? 127.f / amax : 0.f;
+    int32_t sum = 0;
+    for (int i = 0; i < QK; ++i) {
+      const int q = (int)std::nearbyint(x[i] * id);
+      out[b].qs[i] = (int8_t)q;
+      sum += q;
+    }
+    out[b].d = d;
+    out[b].sum = sum;
+  }
+}
+
+void quantize_q8_k(const float* x, ActQ8_K* out, int64_t k) {
+  for (int64_t b = 0; b < k / QK_K; ++b, x += QK_K) {
+    float amax = 0.f;
+    for (int i = 0; i < QK_K; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+    const float d = amax / 127.f, id = d > 0.f ? 127.f / amax : 0.f;
+    for (int g = 0; g < QK_K / 16; ++g) {
+      int sum = 0;
+      for (int i = g * 16; i < g * 16 + 16; ++i) {
+        const int q = (int)std::nearbyint(x[i] * id);
+        out[b].qs[i] = (int8_t)q;
+        sum += q;
+      }
+      out[b].bsums[g] = (int16_t)sum;
+    }
+    out[b].d = d;
+  }
+}
+
+// ---- scalar dot products: one weight row . one activation row ------------------------------
+
+float dot_q4_k_scalar(const void* wv, const void* xv, int64_t nb) {
+  const auto* w = static_cast<const BlockQ4_K*>(wv);
+  const auto* x = static_cast<const ActQ8_K*>(xv);
+  float acc = 0.f, acc_min = 0.f;
+  for (int64_t i = 0; i < nb; ++i) {
+    uint8_t sc[8], mn[8];
+    q4k_scales(w[i].scales, sc, mn);
+    int32_t sumi = 0, summ = 0;
+    for (int j = 0; j < 4; ++j) {  // 64 values: low nibbles, then high nibbles
+      const uint8_t* q = w[i].qs + 32 * j;
+      const int8_t* y = x[i].qs + 64 * j;
+      int32_t lo = 0, hi = 0;
+      for (int l = 0; l < 32; ++l) {
+        lo += (q[l] & 0xF) * y[l];
+        hi += (q[l] >> 4) * y[l + 32];
+      }
+      sumi += sc[2 * j] * lo + sc[2 * j + 1] * hi;
+    }
+    for (int j = 0; j < 8; ++j) summ += mn[j] * (x[i].bsums[2 * j] + x[i].bsums[2 * j + 1]);
+    acc += x[i].d * fp16_to_fp32(w[i].d) * (float)sumi;
+    acc_min += x[i].d * fp16_to_fp32(w[i].dmin) * (float)summ;
+  }
+  return acc - acc_min;
+}
+
+float dot_q6_k_scalar(const void* wv, const void* xv, int64_t nb) {
+  const auto* w = static_cast<const BlockQ6_K*>(wv);
+  const auto* x = static_cast<const ActQ8_K*>(xv);
+  float acc = 0.f;
+  for (int64_t i = 0; i < nb; ++i) {
+    int32_t sumi = 0;
+    for (int h = 0; h < 2; ++h) {  // two halves of 128 values
+      const uint8_t* ql = w[i].ql + 64 * h;
+      const uint8_t* qh = w[i].qh + 32 * h;
+      const int8_t* y = x[i].qs + 128 * h;
+      const int8_t* sc = w[i].scales + 8 * h;
+      for (int part = 0; part < 4; ++part) {  // 32 values each, two scales of 16
+        int32_t s[2] = {0, 0};
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t low = part & 1 ? ql[l + 32] : ql[l];
+          const int nib = part < 2 ? (low & 0xF) : (low >> 4);
+          const int q = nib | (((qh[l] >> (2 * part)) & 3) << 4);
+          s[l / 16] += q * y[32 * part + l];
+        }
+        sumi += sc[2 * part] * s[0] + sc[2 * part + 1] * s[1];
+      }
+    }
+    int32_t offset = 0;
+    for (int g = 0; g < 16; ++g) offset += w[i].scales[g] * x[i].bsums[g];
+    acc += x[i].d * fp16_to_fp32(w[i].d) * (float)(sumi - 32 * offset);
+  }
+  return acc;
+}
+
+float dot_q4_0_scalar(const void* wv, const void* xv, int64_t nb) {
+  const auto* w = static_cast<const BlockQ4_0*>(wv);
+  const auto* x = static_cast<const ActQ8_0*>(xv);
+  float acc = 0.f;
+  for (int64_t i = 0; i < nb; ++i) {
+    int32_t sumi = 0;
+    for (int j = 0; j < 16; ++j)
+      sumi += (w[i].qs[j] & 0xF) * x[i].qs[j] + (w[i].qs[j] >> 4) * x[i].qs[j + 16];
+    acc += fp16_to_fp32(w[i].d) * x[i].d * (float)(sumi - 8 * x[i].sum);
+  }
+  return acc;
+}
+
+float dot_q5_0_scalar(const void* wv, const void* xv, int64_t nb) {
+  const auto* w = static_cast<const BlockQ5_0*>(wv);
+  const auto* x = static_cast<const ActQ8_0*>(xv);
+  float acc = 0.f;
+  for (int64_t i = 0; i < nb; ++i) {
+    uint32_t qh;
+    std::memcpy(&qh, w[i].qh, 4);
+    int32_t sumi = 0;
+    for (int j = 0; j < 16; ++j) {
+      const int q0 = (w[i].qs[j] & 0xF) | (((qh >> j) & 1) << 4);
+      const int q1 = (w[i].qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+      sumi += q0 * x[i].qs[j] + q1 * x[i].qs[j + 16];
+    }
+    acc += fp16_to_fp32(w[i].d) * x[i].d * (float)(sumi - 16 * x[i].sum);
+  }
+  return acc;
+}
+
+float dot_q8_0_scalar(const void* wv, const void* xv, int64_t nb) {
+  const auto* w = static_cast<const BlockQ8_0*>(wv);
+  const auto* x = static_cast<const ActQ8_0*>(xv);
+  float acc = 0.f;
+  for (int64_t i = 0; i < nb; ++i) {
+    int32_t sumi = 0;
+    for (int j = 0; j < QK; ++j) sumi += w[i].qs[j] * x[i].qs[j];
+    acc += fp16_to_fp32(w[i].d) * x[i].d * (float)sumi;
+  }
+  return acc;
+}
+
+// ---- AVX2 dot products ----------------------------------------------------------------------
+
+#ifdef BRAID_X86
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+AVX2 inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+AVX2 inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+AVX2 inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+
+// 16 int16 lanes: the first 8 = a, the last 8 = b (maddubs keeps 128-bit halves apart).
+AVX2 inline __m256i scales_2x8(int a, int b) {
+  return _mm256_set_m128i(_mm_set1_epi16((int16_t)b), _mm_set1_epi16((int16_t)a));
+}
+
+AVX2 float dot_q4_k_avx2(const void* wv, const void* xv, int64_t nb) {
+  const auto* w = static_cast<const BlockQ4_K*>(wv);
+  const auto* x = static_cast<const ActQ8_K*>(xv);
+  const __m256i low4 = _mm256_set1_epi8(0xF);
+  float acc = 0.f, acc_min = 0.f;
+  for (int64_t i = 0; i < nb; ++i) {
+    uint8_t sc[8], mn[8];
+    q4k_scales(w[i].scales, sc, mn);
+    // Mins: sum over 8 groups of m * (sum of the group's 32 activations).
+    const __m256i bs = _mm256_loadu_si256((const __m256i*)x[i].bsums);
+    const __m256i pair_sums = _mm256_madd_epi16(bs, _mm256_set1_epi16(1));  // 8 groups of 32
+    const __m256i mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)mn));
+    const int32_t summ = hsum_i32(_mm256_mullo_epi32(pair_sums, mins));
+    __m256i sumi = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i q4 = _mm256_loadu_si256((const __m256i*)(w[i].qs + 32 * j));
+      const __m256i lo = _mm256_and_si256(q4, low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), low4);
+      const __m256i y0 = _mm256_loadu_si256((const __m256i*)(x[i].qs + 64 * j));
+      const __m256i y1 = _mm256_loadu_si256((const __m256i*)(x[i].qs + 64 * j + 32));
+      const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, y0),
+                                           _mm256_set1_epi16(sc[2 * j]));
+      const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, y1),
+                                           _mm256_set1_epi16(sc[2 * j + 1]));
+      sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
+    }
+    acc += x[i].d * h2f(w[i].d) * (float)hsum_i32(sumi);
+    acc_min += x[i].d * h2f(w[i].dmin) * (float)summ;
+  }
+  return acc - acc_min;
+}
+
+AVX2 float dot_q6_k_avx2(const void* wv, const void* xv, int64_t nb) {
+  const auto* w = static_cast<const BlockQ6_K*>(wv);
+  const auto* x = static_cast<const ActQ8_K*>(xv);
+  const __m256i low4 = _mm256_set1_epi8(0xF), two = _mm256_set1_epi8(3);
+  float acc = 0.f;
+  for (int64_t i = 0; i < nb; ++i) {
+    const __m256i bs = _mm256_loadu_si256((const __m256i*)x[i].bsums);
+    const __m256i scl = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)w[i].scales));
+    const int32_t offset = hsum_i32(_mm256_madd_epi16(bs, scl));
+    __m256i sumi = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = w[i].ql + 64 * h;
+      const int8_t* sc = w[i].scales + 8 * h;
+      const int8_t* y = x[i].qs + 128 * h;
+      const __m256i qh = _mm256_loadu_si256((const __m256i*)(w[i].qh + 32 * h));
+      const __m256i l0 = _mm256_loadu_si256((const __m256i*)ql);
+      const __m256i l1 = _mm256_loadu_si256((const __m256i*)(ql + 32));
+      const __m256i q[4] = {
+          _mm256_or_si256(_mm256_and_si256(l0, low4),
+                          _mm256_slli_epi16(_mm256_and_si256(qh, two), 4)),
+          _mm256_or_si256(_mm256_and_si256(l1, low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), two), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), two), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), two), 4)),
+      };
+      for (int part = 0; part < 4; ++part) {
+        const __m256i yv = _mm256_loadu_si256((const __m256i*)(y + 32 * part));
+        const __m256i p = _mm256_maddubs_epi16(q[part], yv);
+        sumi = _mm256_add_epi32(
+            sumi, _mm256_madd_epi16(p, scales_2x8(sc[2 * part], sc[2 * part + 1])));
+      }
+    }
+    acc += x[i].d * h2f(w[i].d) * (float)(hsum_i32(sumi) - 32 * offset);
+  }
+  return acc;
+}
+
+// Byte j of the result is 0xFF where bit j of `bits` is set.
+AVX2 inline __m256i bytes_from_bits(uint32_t bits) {
+  const __m256i shuffle = _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101,
+                                             0x0202020202020202, 0x0303030303030303);
+  const __m256i mask = _mm256_set1_epi64x((int64_t)0x8040201008040201ULL);
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int32_t)bits), shuffle);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(v, mask), mask);
+}
+
+AVX2 float dot_q5_0_avx2(const void* wv, const void* xv, int64_t nb) {
+  const auto* w = static_cast<const BlockQ5_0*>(wv);
+  const auto* x = static_cast<const ActQ8_0*>(xv);
+  const __m128i low4 = _mm_set1_epi8(0xF);
+  const __m256i ones = _mm256_set1_epi16(1), bit4 = _mm256_set1_epi8(0x10);
+  __m256 acc = _mm256_setzero_ps();
+  float acc_offset = 0.f;
+  for (int64_t i = 0; i < nb; ++i) {
+    const __m128i qs = _mm_loadu_si128((const __m128i*)w[i].qs);
+    uint32_t qh;
+    std::memcpy(&qh, w[i].qh, 4);
+    __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low4),
+                                 _mm_and_si128(qs, low4));
+    q = _mm256_or_si256(q, _mm256_and_si256(bytes_from_bits(qh), bit4));
+    const __m256i y = _mm256_loadu_si256((const __m256i*)x[i].qs);
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), ones);
+    const float d = h2f(w[i].d) * x[i].d;
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc);
+    acc_offset += d * (float)(16 * x[i].sum);
+  }
+  return hsum(acc) - acc_offset;
+}
+
+AVX2 float dot_q4_0_avx2(const void* wv, const void* xv, int64_t nb) {
+  const auto* w = static_cast<const BlockQ4_0*>(wv);
+  const auto* x = static_cast<const ActQ8_0*>(xv);
+  const __m128i low4 = _mm_set1_epi8(0xF);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc = _mm256_setzero_ps();
+  float acc_offset = 0.f;
+  for (int64_t i = 0; i < nb; ++i) {
+    const __m128i qs = _mm_loadu_si128((const __m128i*)w[i].qs);
+    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low4),
+                                       _mm_and_si128(qs, low4));
+    const __m256i y = _mm256_loadu_si256((const __m256i*)x[i].qs);
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), ones);
+    const float d = h2f(w[i].d) * x[i].d;
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc);
+    acc_offset += d * (float)(8 * x[i].sum);
+  }
+  return hsum(acc) - acc_offset;
+}
+
+AVX2 float dot_q8_0_avx2(const void* wv, const void* xv, int64_t nb) {
+  const auto* w = static_cast<const BlockQ8_0*>(wv);
+  const auto* x = static_cast<const ActQ8_0*>(xv);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const __m256i q = _mm256_loadu_si256((const __m256i*)w[i].qs);
+    const __m256i y = _mm256_loadu_si256((const __m256i*)x[i].qs);
+    // |q| * (y with q's sign): maddubs needs one unsigned operand.
+    const __m256i p = _mm256_madd_epi16(
+        _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(y, q)), ones);
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(w[i].d) * x[i].d), _mm256_cvtepi32_ps(p), acc);
+  }
+  return hsum(acc);
+}
+
+bool cpu_has_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+#else
+bool cpu_has_avx2() { return false; }
+#endif
+
+using DotFn = float (*)(const void*, const void*, int64_t);
+
+bool g_use_avx2 = cpu_has_avx2();
+
+DotFn dot_fn(int64_t type) {
+#ifdef BRAID_X86
+  if (g_use_avx2) {
+    switch (type) {
+      case Q4_K: return dot_q4_k_avx2;
+      case Q6_K: return dot_q6_k_avx2;
+      case Q4_0: return dot_q4_0_avx2;
+      case Q5_0: return dot_q5_0_avx2;
+      case Q8_0: return dot_q8_0_avx2;
+    }
+  }
+#endif
+  switch (type) {
+    case Q4_K: return dot_q4_k_scalar;
+    case Q6_K: return dot_q6_k_scalar;
+    case Q4_0: return dot_q4_0_scalar;
+    case Q5_0: return dot_q5_0_scalar;
+    case Q8_0: return dot_q8_0_scalar;
+  }
+  TORCH_CHECK(false, "unsupported GGML type ", type);
+}
+
+// ---- dequantization (embedding rows, reference) ---------------------------------------------
+
+void dequantize_row(const uint8_t* row, int64_t type, int64_t k, float* y) {
+  const int64_t nb = k / block_elems(type);
+  if (type == Q8_0) {
+    const auto* w = reinterpret_cast<const BlockQ8_0*>(row);
+    for (int64_t i = 0; i < nb; ++i, y += QK)
+      for (int j = 0; j < QK; ++j) y[j] = fp16_to_fp32(w[i].d) * w[i].qs[j];
+  } else if (type == Q4_0) {
+    const auto* w = reinterpret_cast<const BlockQ4_0*>(row);
+    for (int64_t i = 0; i < nb; ++i, y += QK) {
+      const float d = fp16_to_fp32(w[i].d);
+      for (int j = 0; j < 16; ++j) {
+        y[j] = d * ((int)(w[i].qs[j] & 0xF) - 8);
+        y[j + 16] = d * ((int)(w[i].qs[j] >> 4) - 8);
+      }
+    }
+  } else if (type == Q5_0) {
+    const auto* w = reinterpret_cast<const BlockQ5_0*>(row);
+    for (int64_t i = 0; i < nb; ++i, y += QK) {
+      uint32_t qh;
+      std::memcpy(&qh, w[i].qh, 4);
+      const float d = fp16_to_fp32(w[i].d);
+      for (int j = 0; j < 16; ++j) {
+        y[j] = d * ((int)((w[i].qs[j] & 0xF) | (((qh >> j) & 1) << 4)) - 16);
+        y[j + 16] = d * ((int)((w[i].qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+      }
+    }
+  } else if (type == Q4_K) {
+    const auto* w = reinterpret_cast<const BlockQ4_K*>(row);
+    for (int64_t i = 0; i < nb; ++i) {
+      uint8_t sc[8], mn[8];
+      q4k_scales(w[i].scales, sc, mn);
+      const float d = fp16_to_fp32(w[i].d), dmin = fp16_to_fp32(w[i].dmin);
+      for (int j = 0; j < 4; ++j, y += 64) {
+        const uint8_t* q = w[i].qs + 32 * j;
+        for (int l = 0; l < 32; ++l) {
+          y[l] = d * sc[2 * j] * (q[l] & 0xF) - dmin * mn[2 * j];
+          y[l + 32] = d * sc[2 * j + 1] * (q[l] >> 4) - dmin * mn[2 * j + 1];
+        }
+      }
+    }
+  } else if (type == Q6_K) {
+    const auto* w = reinterpret_cast<const BlockQ6_K*>(row);
+    for (int64_t i = 0; i < nb; ++i) {
+      const float d = fp16_to_fp32(w[i].d);
+      for (int h = 0; h < 2; ++h, y += 128) {
+        const uint8_t* ql = w[i].ql + 64 * h;
+        const uint8_t* qh = w[i].qh + 32 * h;
+        const int8_t* sc = w[i].scales + 8 * h;
+        for (int l = 0; l < 32; ++l) {
+          const int is = l / 16;
+          y[l] = d * sc[is] * ((int)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32);
+          y[l + 32] = d * sc[is + 2] * ((int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+          y[l + 64] = d * sc[is + 4] * ((int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+          y[l + 96] = d * sc[is + 6] * ((int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+        }
+      }
+    }
+  } else {
+    TORCH_CHECK(false, "unsupported GGML type ", type);
+  }
+}
+
+void check_weight(const torch::Tensor& w, int64_t type, int64_t k) {
+  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(),
+              "weight must be a contiguous uint8 [rows, bytes per row] tensor");
+  TORCH_CHECK(k % block_elems(type) == 0, "row length ", k, " is not a multiple of the block");
+  TORCH_CHECK(w.size(1) == k / block_elems(type) * block_bytes(type),
+              "weight rows hold ", w.size(1), " bytes, expected ",
+              k / block_elems(type) * block_bytes(type));
+}
+
+// ---- ops ------------------------------------------------------------------------------------
+
+// x [M, K] float32 -> quantized activations [M, bytes] for weights of `type`.
+torch::Tensor quantize_activations(const torch::Tensor& x_in, int64_t type) {
+  const auto x = x_in.contiguous();
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be float32 [M, K]");
+  const int64_t m = x.size(0), k = x.size(1);
+  const bool kq = is_k_quant(type);
+  TORCH_CHECK(k % block_elems(type) == 0, "row length ", k, " is not a multiple of the block");
+  const int64_t row_bytes = kq ? k / QK_K * (int64_t)sizeof(ActQ8_K) : k / QK * (int64_t)sizeof(ActQ8_0);
+  auto out = torch::empty({m, row_bytes}, torch::kUInt8);
+  const float* src = x.data_ptr<float>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (kq) quantize_q8_k(src + r * k, reinterpret_cast<ActQ8_K*>(dst + r * row_bytes), k);
+      else quantize_q8_0(src + r * k, reinterpret_cast<ActQ8_0*>(dst + r * row_bytes), k);
+    }
+  });
+  return out;
+}
+
+// Quantized activations [M, xbytes] (from quantize_activations for the same type) times
+// weight rows [N, wbytes] of `type` -> out[:, col0 : col0 + N] of a float32 [M, *] tensor.
+void qgemm_into(const torch::Tensor& xq, const torch::Tensor& w, int64_t type, int64_t k,
+                torch::Tensor& out, int64_t col0) {
+  check_weight(w, type, k);
+  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.dim() == 2 && out.is_contiguous(),
+              "out must be a contiguous float32 [M, N] tensor");
+  const int64_t m = xq.size(0), n = w.size(0), ld = out.size(1);
+  TORCH_CHECK(out.size(0) == m && col0 + n <= ld, "out is too small");
+  const int64_t nb = k / block_elems(type), wbytes = w.size(1), xbytes = xq.size(1);
+  const DotFn dot = dot_fn(type);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const uint8_t* xp = xq.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>() + col0;
+  // Tiles of weight rows (each stays in cache while every activation row passes over it).
+  constexpr int64_t TILE = 16;
+  const int64_t tiles = (n + TILE - 1) / TILE;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * TILE, n1 = std::min(n, n0 + TILE);
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t c = n0; c < n1; ++c)
+          op[r * ld + c] = dot(wp + c * wbytes, xp + r * xbytes, nb);
+    }
+  });
+}
+
+torch::Tensor qgemm(const torch::Tensor& xq, const torch::Tensor& w, int64_t type, int64_t k) {
+  auto out = torch::empty({xq.size(0), w.size(0)}, torch::kFloat32);
+  qgemm_into(xq, w, type, k, out, 0);
+  return out;
+}
+
+// Rows `ids` of a quantized [V, bytes] matrix as float32 [T, K] (embedding lookups).
+torch::Tensor dequantize_rows(const torch::Tensor& w, const torch::Tensor& ids_in, int64_t type,
+                              int64_t k) {
+  check_weight(w, type, k);
+  const auto ids = ids_in.to(torch::kInt64).contiguous();
+  const int64_t t = ids.numel(), v = w.size(0), wbytes = w.size(1);
+  auto out = torch::empty({t, k}, torch::kFloat32);
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i) TORCH_CHECK(idp[i] >= 0 && idp[i] < v, "row id out of range");
+  at::parallel_for(0, t, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      dequantize_row(w.data_ptr<uint8_t>() + idp[i] * wbytes, type, k,
+                     out.data_ptr<float>() + i * k);
+  });
+  return out;
+}
+
+std::string isa() { return g_use_avx2 ? "avx2" : "scalar"; }
+
+// Tests run both paths on machines that have AVX2; returns the previous setting.
+bool set_avx2(bool on) {
+  const bool before = g_use_avx2;
+  g_use_avx2 = on && cpu_has_avx2();
+  return before;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quantize_activations", &quantize_activations);
+  m.def("qgemm", &qgemm);
+  m.def("qgemm_into", &qgemm_into);
+  m.def("dequantize_rows", &dequantize_rows);
+  m.def("isa", &isa);
+  m.def("set_avx2", &set_avx2);
+}

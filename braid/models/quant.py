@@ -1,0 +1,127 @@
+"""Quantized weights: GGUF block rows kept as they are on disk, run by braid.kernels.
+
+A `QuantWeight` is a matrix in one GGML block format ([rows, bytes per row], uint8). A
+`QuantLinear` holds one or more of them stacked along the output (fused q/k/v or gate/up whose
+parts may differ in format); `QuantEmbedding` looks rows up by dequantizing just those rows.
+Formats without a kernel, and float checkpoints asked to be quantized, become Q8_0 (int8) or
+Q4_0 (int4) blocks of 32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+from torch import nn
+
+from braid.kernels import quant_ops
+
+Q = GGMLQuantizationType
+# Formats the kernels run; K-quants want rows of whole 256-value super-blocks.
+KERNEL_TYPES = frozenset({Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K})
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+_FLOAT_QUANT = {"int8": Q.Q8_0, "int4": Q.Q4_0}
+
+
+@dataclass
+class QuantWeight:
+    data: torch.Tensor  # uint8 [rows, bytes per row], GGML blocks
+    qtype: GGMLQuantizationType
+    cols: int  # values per row (in_features)
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, cols]."""
+        ops = quant_ops()
+        if ops is not None:
+            return ops.dequantize_rows(self.data, torch.arange(self.rows), int(self.qtype),
+                                       self.cols)
+        return torch.from_numpy(dequantize(self.data.numpy(), self.qtype)).reshape(
+            self.rows, self.cols)
+
+
+def runnable(qtype: GGMLQuantizationType, cols: int) -> bool:
+    """Whether the kernels run rows of `cols` values in this format."""
+    return qtype in KERNEL_TYPES and cols % GGML_QUANT_SIZES[qtype][0] == 0
+
+
+def quantize_float(weight: torch.Tensor, qtype: GGMLQuantizationType) -> QuantWeight:
+    """A float [rows, cols] matrix as blocks of `qtype` (Q8_0 / Q4_0 / Q5_0: round to nearest
+    with one scale per 32 values, llama.cpp's reference quantizers)."""
+    rows, cols = weight.shape
+    data = quantize(weight.detach().float().numpy(), qtype)
+    return QuantWeight(torch.from_numpy(np.ascontiguousarray(data)).view(rows, -1), qtype, cols)
+
+
+def as_kernel_format(w: QuantWeight) -> QuantWeight:
+    """A weight the kernels can run: as is, or re-quantized to Q8_0 (int8) from its values."""
+    return w if runnable(w.qtype, w.cols) else quantize_float(w.dequantize(), Q.Q8_0)
+
+
+def float_quant_type(quantization: str) -> GGMLQuantizationType | None:
+    """The block format `--quantization int8 / int4` gives a float checkpoint's linears."""
+    return _FLOAT_QUANT.get(quantization)
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T + b with W stored as quantized segments stacked along the output rows."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.segments: list[tuple[int, QuantWeight]] = []  # (first output row, weight)
+
+    def set_rows(self, offset: int, weight: QuantWeight) -> None:
+        if weight.cols != self.in_features or offset + weight.rows > self.out_features:
+            raise ValueError(f"quantized rows [{offset}, {offset + weight.rows}) x "
+                             f"{weight.cols} do not fit [{self.out_features}, "
+                             f"{self.in_features}]")
+        self.segments = sorted([*self.segments, (offset, as_kernel_format(weight))],
+                               key=lambda s: s[0])
+
+    def weight_bytes(self) -> int:
+        return sum(w.data.numel() for _, w in self.segments)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = quant_ops()
+        assert ops is not None, "QuantLinear needs the compiled kernels"
+        x2 = x.reshape(-1, self.in_features).float()
+        out = torch.empty(x2.shape[0], self.out_features)
+        activations: dict[bool, torch.Tensor] = {}  # per activation format (K-quant or not)
+        for offset, w in self.segments:
+            kind = w.qtype in (Q.Q4_K, Q.Q6_K)
+            if kind not in activations:
+                activations[kind] = ops.quantize_activations(x2, int(w.qtype))
+            ops.qgemm_into(activations[kind], w.data, int(w.qtype), w.cols, out, offset)
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class QuantEmbedding(nn.Module):
+    """Embedding rows dequantized on lookup (only the rows a step needs)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.quant: QuantWeight | None = None
+
+    def set_rows(self, offset: int, weight: QuantWeight) -> None:
+        if offset or weight.rows != self.num_embeddings or weight.cols != self.embedding_dim:
+            raise ValueError(f"embedding of {weight.rows} x {weight.cols} does not fit "
+                             f"[{self.num_embeddings}, {self.embedding_dim}]")
+        self.quant = as_kernel_format(weight)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        ops = quant_ops()
+        assert ops is not None and self.quant is not None
+        w = self.quant
+        return ops.dequantize_rows(w.data, ids, int(w.qtype), w.cols).view(
+            *ids.shape, self.embedding_dim)
