@@ -73,6 +73,20 @@ def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _user_cache_for_kernels() -> Iterator[None]:
+    """The compiled kernels (a minute to build, keyed by their source) build once in the
+    user's cache, not once per test session in the throw-away one."""
+    import braid.kernels
+
+    def build_dir(digest: str) -> Path:
+        return Path(USER_CACHE) / "kernels" / f"quant-{digest}"
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(braid.kernels, "_build_dir", build_dir)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _user_cache_for_real_models(request: pytest.FixtureRequest,
                                 monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,17 +119,18 @@ def reference_tokenizer(target_gguf: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(target_gguf.parent), gguf_file=target_gguf.name)
 
 
-def _load_default(name: str) -> Any:
+def _load_default(name: str, quantization: str = "auto") -> Any:
     from braid.models.build import load_model
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("BRAID_CACHE_DIR", USER_CACHE)
-        return load_model(name)
+        return load_model(name, quantization=quantization)
 
 
 @pytest.fixture(scope="session")
 def default_target(target_gguf: Path) -> Any:
-    """(model, tokenizer) of the default target, loaded once for all real-model tests."""
+    """(model, tokenizer) of the default target (its quantized GGUF weights, as `braid serve`
+    runs it), loaded once for all real-model tests."""
     return _load_default(TARGET)
 
 

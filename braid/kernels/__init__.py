@@ -16,7 +16,7 @@ import torch
 
 logger = logging.getLogger("braid")
 
-SOURCE = Path(__file__).with_name("quant.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "attention.cpp")]
 
 
 def _build_dir(digest: str) -> Path:
@@ -27,23 +27,25 @@ def _build_dir(digest: str) -> Path:
 
 @functools.cache
 def quant_ops() -> ModuleType | None:
-    """The quantized-matmul extension (quant.cpp), or None if it cannot be built here.
+    """The extension (quantized matmuls in quant.cpp, batch-invariant attention in
+    attention.cpp), or None if it cannot be built here.
     BRAID_NO_KERNELS=1 turns it off (the plain-torch fallback)."""
     if os.environ.get("BRAID_NO_KERNELS") == "1":
         logger.info("quantized kernels off (BRAID_NO_KERNELS=1)")
         return None
     from torch.utils import cpp_extension
 
-    source = SOURCE.read_bytes()
-    key = source + torch.__version__.encode() + platform.machine().encode()
+    key = b"".join(p.read_bytes() for p in SOURCES)
+    key += torch.__version__.encode() + platform.machine().encode()
     digest = hashlib.sha256(key).hexdigest()[:12]
     build = _build_dir(digest)
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
-        logger.info("building the quantized CPU kernels (once, ~1 min) in %s", build)
+        logger.info("building the CPU kernels (once, ~1 min) in %s", build)
     try:
         module = cpp_extension.load(
-            name=f"braid_quant_{digest}", sources=[str(SOURCE)], build_directory=str(build),
+            name=f"braid_kernels_{digest}", sources=[str(p) for p in SOURCES],
+            build_directory=str(build),
             extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"],
             verbose=False)
     except Exception as e:  # no compiler, no headers, a failed build: fall back, loudly

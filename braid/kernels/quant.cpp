@@ -14,9 +14,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -226,7 +228,15 @@ float dot_q8_0_scalar(const void* wv, const void* xv, int64_t nb) {
   return acc;
 }
 
-// ---- AVX2 dot products ----------------------------------------------------------------------
+// ---- AVX2 dot products: one weight row . R activation rows ----------------------------------
+// The weight is unpacked once per block for all R rows; each row's arithmetic is the same
+// sequence whatever R is, so results do not depend on how rows are grouped.
+
+// Activation row r of block i.
+template <typename A>
+inline const A* act(const uint8_t* x, int64_t stride, int r, int64_t i) {
+  return reinterpret_cast<const A*>(x + r * stride) + i;
+}
 
 #ifdef BRAID_X86
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -238,66 +248,95 @@ AVX2 inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-AVX2 inline int32_t hsum_i32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
+AVX2 inline float hsum128(__m128 s) {
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
 
 AVX2 inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 
-// 16 int16 lanes: the first 8 = a, the last 8 = b (maddubs keeps 128-bit halves apart).
-AVX2 inline __m256i scales_2x8(int a, int b) {
-  return _mm256_set_m128i(_mm_set1_epi16((int16_t)b), _mm_set1_epi16((int16_t)a));
+// Int16 element e of each 128-bit half, broadcast over the half.
+AVX2 inline __m256i pick16(__m256i v, int lo, int hi) {
+  const __m256i mask = _mm256_set_m128i(_mm_set1_epi16((int16_t)(((2 * hi + 1) << 8) | (2 * hi))),
+                                        _mm_set1_epi16((int16_t)(((2 * lo + 1) << 8) | (2 * lo))));
+  return _mm256_shuffle_epi8(v, mask);
 }
 
-AVX2 float dot_q4_k_avx2(const void* wv, const void* xv, int64_t nb) {
+// Q4_K's eight 6-bit scales (int16 0..7) and mins (int16 8..15), unpacked 4 at a time.
+AVX2 inline __m256i q4k_scales_mins(const uint8_t* s) {
+  constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+  uint32_t u[3];
+  std::memcpy(u, s, 12);
+  const uint32_t sc_lo = u[0] & low6, mn_lo = u[1] & low6;
+  const uint32_t sc_hi = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
+  const uint32_t mn_hi = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
+  return _mm256_cvtepu8_epi16(_mm_set_epi32((int)mn_hi, (int)mn_lo, (int)sc_hi, (int)sc_lo));
+}
+
+template <int R>
+AVX2 void dot_q4_k_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t nb, float* out) {
   const auto* w = static_cast<const BlockQ4_K*>(wv);
-  const auto* x = static_cast<const ActQ8_K*>(xv);
   const __m256i low4 = _mm256_set1_epi8(0xF);
-  float acc = 0.f, acc_min = 0.f;
+  __m256 acc[R];
+  __m128 acc_m[R];
+  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); acc_m[r] = _mm_setzero_ps(); }
   for (int64_t i = 0; i < nb; ++i) {
-    uint8_t sc[8], mn[8];
-    q4k_scales(w[i].scales, sc, mn);
-    // Mins: sum over 8 groups of m * (sum of the group's 32 activations).
-    const __m256i bs = _mm256_loadu_si256((const __m256i*)x[i].bsums);
-    const __m256i pair_sums = _mm256_madd_epi16(bs, _mm256_set1_epi16(1));  // 8 groups of 32
-    const __m256i mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)mn));
-    const int32_t summ = hsum_i32(_mm256_mullo_epi32(pair_sums, mins));
-    __m256i sumi = _mm256_setzero_si256();
+    const __m256i sm = q4k_scales_mins(w[i].scales);
+    const __m128i mins = _mm256_extracti128_si256(sm, 1);
+    const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
+    const float dw = h2f(w[i].d), dmw = h2f(w[i].dmin);
+    __m256i sumi[R];
+    for (int r = 0; r < R; ++r) {
+      const ActQ8_K* y = act<ActQ8_K>(x, xs, r, i);
+      const __m256i bs = _mm256_loadu_si256((const __m256i*)y->bsums);
+      const __m128i group_sums = _mm_hadd_epi16(_mm256_castsi256_si128(bs),
+                                                _mm256_extracti128_si256(bs, 1));
+      const __m128i prod = _mm_madd_epi16(mins, group_sums);
+      acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(y->d * dmw), _mm_cvtepi32_ps(prod), acc_m[r]);
+      sumi[r] = _mm256_setzero_si256();
+    }
     for (int j = 0; j < 4; ++j) {
+      const __m256i sc_lo = pick16(scales, 2 * j, 2 * j);
+      const __m256i sc_hi = pick16(scales, 2 * j + 1, 2 * j + 1);
       const __m256i q4 = _mm256_loadu_si256((const __m256i*)(w[i].qs + 32 * j));
       const __m256i lo = _mm256_and_si256(q4, low4);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), low4);
-      const __m256i y0 = _mm256_loadu_si256((const __m256i*)(x[i].qs + 64 * j));
-      const __m256i y1 = _mm256_loadu_si256((const __m256i*)(x[i].qs + 64 * j + 32));
-      const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, y0),
-                                           _mm256_set1_epi16(sc[2 * j]));
-      const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, y1),
-                                           _mm256_set1_epi16(sc[2 * j + 1]));
-      sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q8 = act<ActQ8_K>(x, xs, r, i)->qs + 64 * j;
+        const __m256i p0 = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)q8)), sc_lo);
+        const __m256i p1 = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(q8 + 32))), sc_hi);
+        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p0, p1));
+      }
     }
-    acc += x[i].d * h2f(w[i].d) * (float)hsum_i32(sumi);
-    acc_min += x[i].d * h2f(w[i].dmin) * (float)summ;
+    for (int r = 0; r < R; ++r) {
+      const float d = act<ActQ8_K>(x, xs, r, i)->d * dw;
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+    }
   }
-  return acc - acc_min;
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) - hsum128(acc_m[r]);
 }
 
-AVX2 float dot_q6_k_avx2(const void* wv, const void* xv, int64_t nb) {
+template <int R>
+AVX2 void dot_q6_k_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t nb, float* out) {
   const auto* w = static_cast<const BlockQ6_K*>(wv);
-  const auto* x = static_cast<const ActQ8_K*>(xv);
   const __m256i low4 = _mm256_set1_epi8(0xF), two = _mm256_set1_epi8(3);
-  float acc = 0.f;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
-    const __m256i bs = _mm256_loadu_si256((const __m256i*)x[i].bsums);
     const __m256i scl = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)w[i].scales));
-    const int32_t offset = hsum_i32(_mm256_madd_epi16(bs, scl));
-    __m256i sumi = _mm256_setzero_si256();
+    __m256i sumi[R];
+    for (int r = 0; r < R; ++r) {  // the -32 offset: 32 * sum of scale x group sum
+      const __m256i bs = _mm256_loadu_si256((const __m256i*)act<ActQ8_K>(x, xs, r, i)->bsums);
+      sumi[r] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                 _mm256_slli_epi32(_mm256_madd_epi16(bs, scl), 5));
+    }
     for (int h = 0; h < 2; ++h) {
       const uint8_t* ql = w[i].ql + 64 * h;
-      const int8_t* sc = w[i].scales + 8 * h;
-      const int8_t* y = x[i].qs + 128 * h;
+      const __m256i sc = _mm256_broadcastsi128_si256(
+          h ? _mm256_extracti128_si256(scl, 1) : _mm256_castsi256_si128(scl));
       const __m256i qh = _mm256_loadu_si256((const __m256i*)(w[i].qh + 32 * h));
       const __m256i l0 = _mm256_loadu_si256((const __m256i*)ql);
       const __m256i l1 = _mm256_loadu_si256((const __m256i*)(ql + 32));
@@ -312,15 +351,20 @@ AVX2 float dot_q6_k_avx2(const void* wv, const void* xv, int64_t nb) {
                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), two), 4)),
       };
       for (int part = 0; part < 4; ++part) {
-        const __m256i yv = _mm256_loadu_si256((const __m256i*)(y + 32 * part));
-        const __m256i p = _mm256_maddubs_epi16(q[part], yv);
-        sumi = _mm256_add_epi32(
-            sumi, _mm256_madd_epi16(p, scales_2x8(sc[2 * part], sc[2 * part + 1])));
+        const __m256i s = pick16(sc, 2 * part, 2 * part + 1);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* y = act<ActQ8_K>(x, xs, r, i)->qs + 128 * h + 32 * part;
+          const __m256i p = _mm256_maddubs_epi16(q[part], _mm256_loadu_si256((const __m256i*)y));
+          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, s));
+        }
       }
     }
-    acc += x[i].d * h2f(w[i].d) * (float)(hsum_i32(sumi) - 32 * offset);
+    for (int r = 0; r < R; ++r) {
+      const float d = act<ActQ8_K>(x, xs, r, i)->d * h2f(w[i].d);
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+    }
   }
-  return acc;
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
 
 // Byte j of the result is 0xFF where bit j of `bits` is set.
@@ -332,63 +376,56 @@ AVX2 inline __m256i bytes_from_bits(uint32_t bits) {
   return _mm256_cmpeq_epi8(_mm256_and_si256(v, mask), mask);
 }
 
-AVX2 float dot_q5_0_avx2(const void* wv, const void* xv, int64_t nb) {
-  const auto* w = static_cast<const BlockQ5_0*>(wv);
-  const auto* x = static_cast<const ActQ8_0*>(xv);
+// 32-value formats: unsigned values (Q4_0 / Q5_0, minus an offset) or signed ones (Q8_0).
+template <int64_t TYPE>
+AVX2 inline __m256i unpack32(const void* wv, int64_t i) {
   const __m128i low4 = _mm_set1_epi8(0xF);
-  const __m256i ones = _mm256_set1_epi16(1), bit4 = _mm256_set1_epi8(0x10);
-  __m256 acc = _mm256_setzero_ps();
-  float acc_offset = 0.f;
-  for (int64_t i = 0; i < nb; ++i) {
-    const __m128i qs = _mm_loadu_si128((const __m128i*)w[i].qs);
-    uint32_t qh;
-    std::memcpy(&qh, w[i].qh, 4);
-    __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low4),
-                                 _mm_and_si128(qs, low4));
-    q = _mm256_or_si256(q, _mm256_and_si256(bytes_from_bits(qh), bit4));
-    const __m256i y = _mm256_loadu_si256((const __m256i*)x[i].qs);
-    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), ones);
-    const float d = h2f(w[i].d) * x[i].d;
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc);
-    acc_offset += d * (float)(16 * x[i].sum);
+  if constexpr (TYPE == Q8_0) {
+    return _mm256_loadu_si256((const __m256i*)static_cast<const BlockQ8_0*>(wv)[i].qs);
+  } else {
+    const uint8_t* qs = TYPE == Q4_0 ? static_cast<const BlockQ4_0*>(wv)[i].qs
+                                     : static_cast<const BlockQ5_0*>(wv)[i].qs;
+    const __m128i b = _mm_loadu_si128((const __m128i*)qs);
+    __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low4), _mm_and_si128(b, low4));
+    if constexpr (TYPE == Q5_0) {
+      uint32_t qh;
+      std::memcpy(&qh, static_cast<const BlockQ5_0*>(wv)[i].qh, 4);
+      q = _mm256_or_si256(q, _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(0x10)));
+    }
+    return q;
   }
-  return hsum(acc) - acc_offset;
 }
 
-AVX2 float dot_q4_0_avx2(const void* wv, const void* xv, int64_t nb) {
-  const auto* w = static_cast<const BlockQ4_0*>(wv);
-  const auto* x = static_cast<const ActQ8_0*>(xv);
-  const __m128i low4 = _mm_set1_epi8(0xF);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps();
-  float acc_offset = 0.f;
-  for (int64_t i = 0; i < nb; ++i) {
-    const __m128i qs = _mm_loadu_si128((const __m128i*)w[i].qs);
-    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low4),
-                                       _mm_and_si128(qs, low4));
-    const __m256i y = _mm256_loadu_si256((const __m256i*)x[i].qs);
-    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), ones);
-    const float d = h2f(w[i].d) * x[i].d;
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc);
-    acc_offset += d * (float)(8 * x[i].sum);
-  }
-  return hsum(acc) - acc_offset;
+template <int64_t TYPE>
+inline uint16_t scale32(const void* wv, int64_t i) {
+  if constexpr (TYPE == Q8_0) return static_cast<const BlockQ8_0*>(wv)[i].d;
+  else if constexpr (TYPE == Q4_0) return static_cast<const BlockQ4_0*>(wv)[i].d;
+  else return static_cast<const BlockQ5_0*>(wv)[i].d;
 }
 
-AVX2 float dot_q8_0_avx2(const void* wv, const void* xv, int64_t nb) {
-  const auto* w = static_cast<const BlockQ8_0*>(wv);
-  const auto* x = static_cast<const ActQ8_0*>(xv);
+template <int64_t TYPE, int R>
+AVX2 void dot_32_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t nb, float* out) {
+  constexpr int offset = TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : 0;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[R];
+  float acc_offset[R];
+  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); acc_offset[r] = 0.f; }
   for (int64_t i = 0; i < nb; ++i) {
-    const __m256i q = _mm256_loadu_si256((const __m256i*)w[i].qs);
-    const __m256i y = _mm256_loadu_si256((const __m256i*)x[i].qs);
-    // |q| * (y with q's sign): maddubs needs one unsigned operand.
-    const __m256i p = _mm256_madd_epi16(
-        _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(y, q)), ones);
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(w[i].d) * x[i].d), _mm256_cvtepi32_ps(p), acc);
+    const __m256i q = unpack32<TYPE>(wv, i);
+    // maddubs needs one unsigned operand: Q8_0 uses |q| and y with q's sign.
+    const __m256i uq = TYPE == Q8_0 ? _mm256_sign_epi8(q, q) : q;
+    const float dw = h2f(scale32<TYPE>(wv, i));
+    for (int r = 0; r < R; ++r) {
+      const ActQ8_0* y = act<ActQ8_0>(x, xs, r, i);
+      __m256i yv = _mm256_loadu_si256((const __m256i*)y->qs);
+      if (TYPE == Q8_0) yv = _mm256_sign_epi8(yv, q);
+      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(uq, yv), ones);
+      const float d = dw * y->d;
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc[r]);
+      if (offset) acc_offset[r] += d * (float)(offset * y->sum);
+    }
   }
-  return hsum(acc);
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) - acc_offset[r];
 }
 
 bool cpu_has_avx2() {
@@ -399,28 +436,61 @@ bool cpu_has_avx2() {
 bool cpu_has_avx2() { return false; }
 #endif
 
+// One weight row . R (1..MAX_R) activation rows at x + r * xs -> out[0..R).
+using RowsFn = void (*)(const void*, const uint8_t*, int64_t, int64_t, float*);
 using DotFn = float (*)(const void*, const void*, int64_t);
+constexpr int MAX_R = 8;
+
+template <DotFn F, int R>
+void rows_scalar(const void* w, const uint8_t* x, int64_t xs, int64_t nb, float* out) {
+  for (int r = 0; r < R; ++r) out[r] = F(w, x + r * xs, nb);
+}
+
+template <DotFn F>
+std::array<RowsFn, MAX_R> scalar_table() {
+  return {rows_scalar<F, 1>, rows_scalar<F, 2>, rows_scalar<F, 3>, rows_scalar<F, 4>,
+          rows_scalar<F, 5>, rows_scalar<F, 6>, rows_scalar<F, 7>, rows_scalar<F, 8>};
+}
+
+#ifdef BRAID_X86
+template <int64_t TYPE, int R>
+AVX2 void rows_avx2(const void* w, const uint8_t* x, int64_t xs, int64_t nb, float* out) {
+  if constexpr (TYPE == Q4_K) dot_q4_k_avx2<R>(w, x, xs, nb, out);
+  else if constexpr (TYPE == Q6_K) dot_q6_k_avx2<R>(w, x, xs, nb, out);
+  else dot_32_avx2<TYPE, R>(w, x, xs, nb, out);
+}
+
+template <int64_t TYPE, int... R>
+std::array<RowsFn, MAX_R> avx2_table_of(std::integer_sequence<int, R...>) {
+  return {rows_avx2<TYPE, R + 1>...};
+}
+
+template <int64_t TYPE>
+std::array<RowsFn, MAX_R> avx2_table() {
+  return avx2_table_of<TYPE>(std::make_integer_sequence<int, MAX_R>());
+}
+#endif
 
 bool g_use_avx2 = cpu_has_avx2();
 
-DotFn dot_fn(int64_t type) {
+std::array<RowsFn, MAX_R> rows_fns(int64_t type) {
 #ifdef BRAID_X86
   if (g_use_avx2) {
     switch (type) {
-      case Q4_K: return dot_q4_k_avx2;
-      case Q6_K: return dot_q6_k_avx2;
-      case Q4_0: return dot_q4_0_avx2;
-      case Q5_0: return dot_q5_0_avx2;
-      case Q8_0: return dot_q8_0_avx2;
+      case Q4_K: return avx2_table<Q4_K>();
+      case Q6_K: return avx2_table<Q6_K>();
+      case Q4_0: return avx2_table<Q4_0>();
+      case Q5_0: return avx2_table<Q5_0>();
+      case Q8_0: return avx2_table<Q8_0>();
     }
   }
 #endif
   switch (type) {
-    case Q4_K: return dot_q4_k_scalar;
-    case Q6_K: return dot_q6_k_scalar;
-    case Q4_0: return dot_q4_0_scalar;
-    case Q5_0: return dot_q5_0_scalar;
-    case Q8_0: return dot_q8_0_scalar;
+    case Q4_K: return scalar_table<dot_q4_k_scalar>();
+    case Q6_K: return scalar_table<dot_q6_k_scalar>();
+    case Q4_0: return scalar_table<dot_q4_0_scalar>();
+    case Q5_0: return scalar_table<dot_q5_0_scalar>();
+    case Q8_0: return scalar_table<dot_q8_0_scalar>();
   }
   TORCH_CHECK(false, "unsupported GGML type ", type);
 }
@@ -530,19 +600,26 @@ void qgemm_into(const torch::Tensor& xq, const torch::Tensor& w, int64_t type, i
   const int64_t m = xq.size(0), n = w.size(0), ld = out.size(1);
   TORCH_CHECK(out.size(0) == m && col0 + n <= ld, "out is too small");
   const int64_t nb = k / block_elems(type), wbytes = w.size(1), xbytes = xq.size(1);
-  const DotFn dot = dot_fn(type);
+  const auto fns = rows_fns(type);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const uint8_t* xp = xq.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>() + col0;
-  // Tiles of weight rows (each stays in cache while every activation row passes over it).
+  // Tiles of weight rows (each stays in cache while every activation row passes over it),
+  // activation rows MAX_R at a time.
   constexpr int64_t TILE = 16;
   const int64_t tiles = (n + TILE - 1) / TILE;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    float res[MAX_R];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * TILE, n1 = std::min(n, n0 + TILE);
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t c = n0; c < n1; ++c)
-          op[r * ld + c] = dot(wp + c * wbytes, xp + r * xbytes, nb);
+      for (int64_t r0 = 0; r0 < m; r0 += MAX_R) {
+        const int64_t rows = std::min<int64_t>(MAX_R, m - r0);
+        const RowsFn fn = fns[rows - 1];
+        for (int64_t c = n0; c < n1; ++c) {
+          fn(wp + c * wbytes, xp + r0 * xbytes, xbytes, nb, res);
+          for (int64_t r = 0; r < rows; ++r) op[(r0 + r) * ld + c] = res[r];
+        }
+      }
     }
   });
 }
@@ -581,7 +658,10 @@ bool set_avx2(bool on) {
 
 }  // namespace
 
+void register_attention(pybind11::module& m);  // attention.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_attention(m);
   m.def("quantize_activations", &quantize_activations);
   m.def("qgemm", &qgemm);
   m.def("qgemm_into", &qgemm_into);

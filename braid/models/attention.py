@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from braid.kernels import quant_ops
+
 # Query windows up to this length share one padded SDPA call (decodes, verification windows).
 SHORT_QUERY_MAX = 16
 
@@ -37,6 +39,11 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot where each query token's K/V goes
     groups: list[AttentionGroup]
     num_tokens: int
+    # For the row-by-row kernel: cache slots of every request's positions [R, kv_max]
+    # (padding 0), each query row's request [T] and the keys it attends to [T].
+    kv_slots: torch.Tensor | None = None
+    row_seq: torch.Tensor | None = None
+    row_len: torch.Tensor | None = None
 
 
 def build_attention_metadata(
@@ -60,10 +67,19 @@ def build_attention_metadata(
     long = [i for i, n in enumerate(query_lens) if n > SHORT_QUERY_MAX]
     groups = [_group(idx, starts, query_lens, context_lens, slots) for idx in [short] if idx]
     groups += [_group([i], starts, query_lens, context_lens, slots) for i in long]
+    kv_slots = torch.zeros(len(slots), max(seq_lens, default=0), dtype=torch.long)
+    for i, seq_slots in enumerate(slots):
+        kv_slots[i, : seq_slots.numel()] = seq_slots
+    row_seq = torch.repeat_interleave(torch.arange(len(query_lens)),
+                                      torch.tensor(query_lens, dtype=torch.long))
+    first = torch.tensor(starts[:-1], dtype=torch.long)
+    row_len = (torch.tensor(context_lens, dtype=torch.long)[row_seq] + 1
+               + torch.arange(starts[-1]) - first[row_seq])  # causal: keys 0..position
     return AttentionMetadata(
         slot_mapping=slot_mapping.to(device),
         groups=[_to_device(g, device) for g in groups],
         num_tokens=starts[-1],
+        kv_slots=kv_slots.to(device), row_seq=row_seq.to(device), row_len=row_len.to(device),
     )
 
 
@@ -125,9 +141,15 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D], caches [num_slots, KVH, D] -> output [T, H, D].
 
-    Writes the new K/V into the caches first, then attends over the cache only."""
+    Writes the new K/V into the caches first, then attends over the cache only. On the CPU in
+    float32 the compiled row-by-row kernel computes each row the same way whatever the batch
+    (see attention.cpp); elsewhere one SDPA call per group."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+    ops = quant_ops() if q.device.type == "cpu" and q.dtype == torch.float32 else None
+    if ops is not None and meta.kv_slots is not None:
+        return ops.paged_attention_rows(q, k_cache, v_cache, meta.kv_slots, meta.row_seq,
+                                        meta.row_len, q.shape[-1] ** -0.5)
     out = torch.empty_like(q)
     for g in meta.groups:
         qg = q[g.query_index].transpose(1, 2)  # [G, H, q_max, D]

@@ -83,8 +83,8 @@ class QuantLinear(nn.Module):
             raise ValueError(f"quantized rows [{offset}, {offset + weight.rows}) x "
                              f"{weight.cols} do not fit [{self.out_features}, "
                              f"{self.in_features}]")
-        self.segments = sorted([*self.segments, (offset, as_kernel_format(weight))],
-                               key=lambda s: s[0])
+        self.segments = _merged(sorted([*self.segments, (offset, as_kernel_format(weight))],
+                                       key=lambda s: s[0]))
 
     def weight_bytes(self) -> int:
         return sum(w.data.numel() for _, w in self.segments)
@@ -103,6 +103,19 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
+
+
+def _merged(segments: list[tuple[int, QuantWeight]]) -> list[tuple[int, QuantWeight]]:
+    """Adjacent segments of one format become one (q and k of a fused projection: one
+    kernel call instead of two)."""
+    out: list[tuple[int, QuantWeight]] = []
+    for offset, w in segments:
+        if out and out[-1][1].qtype == w.qtype and out[-1][0] + out[-1][1].rows == offset:
+            first, prev = out.pop()
+            w = QuantWeight(torch.cat([prev.data, w.data]), w.qtype, w.cols)
+            offset = first
+        out.append((offset, w))
+    return out
 
 
 class QuantEmbedding(nn.Module):

@@ -97,12 +97,15 @@ class RotaryEmbedding(nn.Module):
         self.cos.copy_(freqs.cos())  # [P, D/2]
         self.sin.copy_(freqs.sin())
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] -> rotated x."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D/2] of these positions (looked up once per forward)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] -> x rotated by the tables of `RotaryEmbedding.tables`."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 LinearFactory = type[Linear] | type[QuantLinear]
@@ -124,12 +127,12 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-        rotary: RotaryEmbedding,
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rotary(positions, q.view(-1, self.num_heads, self.head_dim))
-        k = rotary(positions, k.view(-1, self.num_kv_heads, self.head_dim))
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k heads rotated together: [T, H + KVH, D]
+        qk = rotate(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta)
         return self.o_proj(out.flatten(1))
@@ -155,10 +158,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, linear)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-        rotary: RotaryEmbedding,
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, rotary)
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -199,8 +201,9 @@ class Qwen2ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden] (before the final norm)."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions)
         for layer in self.layers:
-            x = layer(x, positions, attn_metadata, self.rotary)
+            x = layer(x, rope, attn_metadata)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,13 @@
-"""The default target through braid gives the same greedy tokens as transformers on the same
-GGUF."""
+"""The default target through braid: the float reference path (`--quantization none`) gives
+transformers' greedy tokens on the same GGUF; the quantized path (the default) stays close
+to it and is batch invariant."""
 
 from __future__ import annotations
 
 import gc
+import inspect
+import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,15 +16,29 @@ import torch
 
 from braid.config import EngineConfig
 from braid.engine.engine import LLMEngine
+from braid.engine.runner import ModelRunner, Window
+from braid.models.quant import QuantLinear
+from braid.models.qwen2 import Qwen2ForCausalLM
 from braid.sampling_params import SamplingParams
+from tests.conftest import TARGET, _load_default
 
 pytestmark = pytest.mark.real_model
 
 PROMPT = "Write a Python function that returns the sum of the squares of a list of integers."
 
 
-def test_greedy_tokens_equal_transformers(default_target: Any, target_gguf: Path) -> None:
-    model, tokenizer = default_target
+@pytest.fixture(scope="module")
+def float_target(target_gguf: Path) -> Iterator[Any]:
+    """The target dequantized to float32 (7 GB): this module only, freed after it."""
+    model = _load_default(TARGET, "none")
+    yield model
+    del model
+    gc.collect()
+
+
+def test_greedy_tokens_equal_transformers(float_target: Any, target_gguf: Path) -> None:
+    model, tokenizer = float_target
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
     ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]),
                            add_special_tokens=False)
     engine = LLMEngine(EngineConfig(max_model_len=512, kv_cache_gib=0.25, log_stats_interval=0),
@@ -38,3 +56,61 @@ def test_greedy_tokens_equal_transformers(default_target: Any, target_gguf: Path
     del hf
     gc.collect()
     assert ours == ref
+
+
+def all_logits(model: Qwen2ForCausalLM, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """Logits at every position of each sequence, all sequences in one flat batch."""
+    block = 16
+    runner = ModelRunner(model, sum(len(s) // block + 1 for s in sequences), block,
+                         torch.device("cpu"))
+    windows, first = [], 0
+    for seq in sequences:
+        blocks = len(seq) // block + 1
+        windows.append(Window(seq, 0, list(range(first, first + blocks)), len(seq)))
+        first += blocks
+    with torch.no_grad():
+        logits = runner.execute(runner.build_input(windows))
+    return list(logits.split([len(s) for s in sequences]))
+
+
+def held_text_ids(tokenizer: Any, num_tokens: int = 384) -> list[int]:
+    """A held-out text: the source of a standard-library module (code and prose)."""
+    return tokenizer.encode(inspect.getsource(textwrap), add_special_tokens=False)[:num_tokens]
+
+
+def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+    return float(nll.exp())
+
+
+def test_quantized_target_close_to_float(default_target: Any, float_target: Any) -> None:
+    """Quantized (Q4_K / Q6_K weights, int8 activations) vs dequantized float32 weights on a
+    held text: perplexity within 3%, the same next token at nearly every position."""
+    quant, tokenizer = default_target
+    assert any(isinstance(m, QuantLinear) for m in quant.modules())
+    ids = held_text_ids(tokenizer)
+    [q_logits] = all_logits(quant, [ids])
+    [f_logits] = all_logits(float_target[0], [ids])
+    q_ppl, f_ppl = perplexity(q_logits, ids), perplexity(f_logits, ids)
+    assert abs(q_ppl / f_ppl - 1) < 0.03, (q_ppl, f_ppl)
+    agree = (q_logits.argmax(-1) == f_logits.argmax(-1)).float().mean().item()
+    assert agree > 0.9, agree
+
+
+def test_quantized_target_is_batch_invariant(default_target: Any) -> None:
+    """A sequence's logits are bit-identical alone, beside decodes, and as a verification
+    window (its last rows) after its prefix was cached."""
+    model, tokenizer = default_target
+    ids = held_text_ids(tokenizer, 40)
+    other = held_text_ids(tokenizer, 90)[50:]
+    [alone] = all_logits(model, [ids])
+    beside = all_logits(model, [[5, 6, 7], ids, other, [9]])[1]
+    assert torch.equal(alone, beside)
+    # As a window: the last 4 rows computed after the first 36 tokens are in the cache.
+    runner = ModelRunner(model, 8, 16, torch.device("cpu"))
+    table = list(range(4))
+    with torch.no_grad():
+        runner.execute(runner.build_input([Window(ids[:36], 0, table, 1)]))
+        window = runner.execute(runner.build_input([Window(ids[36:], 36, table, 4),
+                                                    Window([3] * 5, 0, [4, 5], 1)]))
+    assert torch.equal(window[:4], alone[36:])

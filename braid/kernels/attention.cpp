@@ -1,0 +1,135 @@
+// Paged attention, one query row at a time, over the keys that row may see, in position order.
+//
+// Batch invariance: a row's output depends only on its query and its keys and values (read in
+// order 0..len-1, the same arithmetic every time), never on the other rows of the step, on
+// padding or on how a prompt was split into chunks. With int8-quantized activations a last-bit
+// difference in attention can flip an activation's rounding and grow into a visible logit
+// difference, so greedy speculation is only lossless if a verification window's rows equal the
+// decodes they stand for, bit for bit.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define BRAID_X86 1
+#endif
+
+namespace {
+
+float dot_scalar(const float* a, const float* b, int64_t n) {
+  float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) lanes[l] += a[i + l] * b[i + l];
+  float s = 0.f;
+  for (int l = 0; l < 8; ++l) s += lanes[l];
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void axpy_scalar(float a, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+#ifdef BRAID_X86
+__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  float r = _mm_cvtss_f32(s);
+  for (; i < n; ++i) r += a[i] * b[i];
+  return r;
+}
+
+__attribute__((target("avx2,fma"))) void axpy_avx2(float a, const float* x, float* y, int64_t n) {
+  const __m256 va = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+#else
+bool has_avx2() { return false; }
+#endif
+
+// q [T, H, D]; caches [slots, KVH, D]; kv_slots [R, kv_max] (the cache slot of each position of
+// request r); row_seq [T] (the request of each row); row_len [T] (the keys it attends to:
+// positions 0..len-1). Returns [T, H, D].
+torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tensor& k_cache,
+                                   const torch::Tensor& v_cache, const torch::Tensor& kv_slots_in,
+                                   const torch::Tensor& row_seq_in, const torch::Tensor& row_len_in,
+                                   double scale) {
+  const auto q = q_in.contiguous();
+  const auto kv_slots = kv_slots_in.to(torch::kInt64).contiguous();
+  const auto row_seq = row_seq_in.to(torch::kInt64).contiguous();
+  const auto row_len = row_len_in.to(torch::kInt64).contiguous();
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
+                  v_cache.dtype() == torch::kFloat32,
+              "paged_attention_rows needs float32 tensors");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  const int64_t t = q.size(0), h = q.size(1), d = q.size(2), kvh = k_cache.size(1);
+  TORCH_CHECK(h % kvh == 0 && k_cache.size(2) == d, "head shapes do not match");
+  const int64_t kv_max = kv_slots.size(1), slots = k_cache.size(0), group = h / kvh;
+  const int64_t* seq = row_seq.data_ptr<int64_t>();
+  const int64_t* len = row_len.data_ptr<int64_t>();
+  const int64_t* table = kv_slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK(len[i] >= 1 && len[i] <= kv_max && seq[i] >= 0 && seq[i] < kv_slots.size(0),
+                "row ", i, " has no valid keys");
+  auto out = torch::empty({t, h, d}, torch::kFloat32);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+#ifdef BRAID_X86
+  const bool avx2 = has_avx2();
+  const auto dot = avx2 ? dot_avx2 : dot_scalar;
+  const auto axpy = avx2 ? axpy_avx2 : axpy_scalar;
+#else
+  const auto dot = dot_scalar;
+  const auto axpy = axpy_scalar;
+#endif
+  at::parallel_for(0, t * h, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t th = begin; th < end; ++th) {
+      const int64_t row = th / h, head = th % h, kv_head = head / group, n = len[row];
+      const int64_t* pos_slots = table + seq[row] * kv_max;
+      const float* qv = qp + th * d;
+      scores.resize(n);
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t slot = pos_slots[j];
+        TORCH_CHECK(slot >= 0 && slot < slots, "KV slot out of range");
+        scores[j] = dot(qv, kp + (slot * kvh + kv_head) * d, d) * (float)scale;
+        mx = std::fmax(mx, scores[j]);
+      }
+      float sum = 0.f;
+      for (int64_t j = 0; j < n; ++j) {
+        scores[j] = std::exp(scores[j] - mx);
+        sum += scores[j];
+      }
+      float* o = op + th * d;
+      std::fill(o, o + d, 0.f);
+      const float inv = 1.f / sum;
+      for (int64_t j = 0; j < n; ++j)
+        axpy(scores[j] * inv, vp + (pos_slots[j] * kvh + kv_head) * d, o, d);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+void register_attention(pybind11::module& m) {
+  m.def("paged_attention_rows", &paged_attention_rows);
+}
