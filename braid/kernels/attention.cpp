@@ -31,17 +31,35 @@ float dot_scalar(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+float softmax_exp_scalar(float* scores, int64_t n, float mx) {
+  float sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    scores[j] = std::exp(scores[j] - mx);
+    sum += scores[j];
+  }
+  return sum;
+}
+
 void axpy_scalar(float a, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
 #ifdef BRAID_X86
-__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
+#define AVX2 __attribute__((target("avx2,fma")))
+
+AVX2 float dot_avx2(const float* a, const float* b, int64_t n) {
+  // Four independent accumulators (the FMA latency), combined in a fixed order.
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
   int64_t i = 0;
+  for (; i + 32 <= n; i += 32)
+    for (int u = 0; u < 4; ++u)
+      acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * u), _mm256_loadu_ps(b + i + 8 * u),
+                               acc[u]);
   for (; i + 8 <= n; i += 8)
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc[0]);
+  const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   float r = _mm_cvtss_f32(s);
@@ -49,7 +67,48 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* 
   return r;
 }
 
-__attribute__((target("avx2,fma"))) void axpy_avx2(float a, const float* x, float* y, int64_t n) {
+// exp(x) for x <= 0 (softmax after the max is taken out): 2^n * p(r), |r| <= ln2 / 2, a
+// degree-6 polynomial (relative error ~2e-7); underflows to 0 below -87.
+AVX2 __m256 exp_avx2(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                       _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// scores[j] = exp(scores[j] - mx); returns their sum (lanes summed in a fixed order).
+AVX2 float softmax_exp_avx2(float* scores, int64_t n, float mx) {
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 m = _mm256_set1_ps(mx);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + j), m));
+    _mm256_storeu_ps(scores + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, acc);
+  float sum = 0.f;
+  for (int l = 0; l < 8; ++l) sum += lanes[l];
+  for (; j < n; ++j) {
+    scores[j] = std::exp(scores[j] - mx);
+    sum += scores[j];
+  }
+  return sum;
+}
+
+AVX2 void axpy_avx2(float a, const float* x, float* y, int64_t n) {
   const __m256 va = _mm256_set1_ps(a);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
@@ -95,9 +154,11 @@ torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tenso
   const bool avx2 = has_avx2();
   const auto dot = avx2 ? dot_avx2 : dot_scalar;
   const auto axpy = avx2 ? axpy_avx2 : axpy_scalar;
+  const auto softmax_exp = avx2 ? softmax_exp_avx2 : softmax_exp_scalar;
 #else
   const auto dot = dot_scalar;
   const auto axpy = axpy_scalar;
+  const auto softmax_exp = softmax_exp_scalar;
 #endif
   at::parallel_for(0, t * h, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -113,11 +174,7 @@ torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tenso
         scores[j] = dot(qv, kp + (slot * kvh + kv_head) * d, d) * (float)scale;
         mx = std::fmax(mx, scores[j]);
       }
-      float sum = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
-        scores[j] = std::exp(scores[j] - mx);
-        sum += scores[j];
-      }
+      const float sum = softmax_exp(scores.data(), n, mx);
       float* o = op + th * d;
       std::fill(o, o + d, 0.f);
       const float inv = 1.f / sum;
