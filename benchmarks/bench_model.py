@@ -1,9 +1,9 @@
 """Model-layer benchmark: step cost vs query tokens, decode speed vs the memory roofline, load
 times and peak memory, for the default target on this machine.
 
-    python benchmarks/bench_model.py [--model NAME] [--cold]
+    python benchmarks/bench_model.py [--model NAME] [--quantization auto|none] [--cold]
 
-Prints a table; `--cold` also times a conversion from GGUF into an empty cache folder.
+Prints a table; `--cold` also times a load into an empty cache folder (tokenizer conversion).
 """
 
 from __future__ import annotations
@@ -37,11 +37,12 @@ def measure_bandwidth(gib: float = 2.0, repeats: int = 5) -> float:
     return float(out.stdout.strip())
 
 
-def time_load(model: str, cache_dir: str | None) -> float:
+def time_load(model: str, quantization: str, cache_dir: str | None) -> float:
     """Seconds to load the model in a fresh process (optionally with another cache dir)."""
     env = dict(os.environ, **({"BRAID_CACHE_DIR": cache_dir} if cache_dir else {}))
     code = ("import time; t = time.perf_counter(); from braid.models.build import load_model; "
-            f"load_model({model!r}); print(time.perf_counter() - t)")
+            f"load_model({model!r}, quantization={quantization!r}); "
+            "print(time.perf_counter() - t)")
     out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
                          capture_output=True, text=True)
     return float(out.stdout.strip().splitlines()[-1])
@@ -79,19 +80,21 @@ def decode_rate(engine: LLMEngine, new_tokens: int = 64) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_TARGET)
+    parser.add_argument("--quantization", default="auto")
     parser.add_argument("--cold", action="store_true", help="also time a GGUF conversion")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     args = parser.parse_args()
 
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
-    # Best of two: the first may read the cached safetensors from disk, not the page cache.
-    cached_load = min(time_load(args.model, None) for _ in range(2))
+    # Best of two: the first may read the GGUF from disk, not the page cache.
+    cached_load = min(time_load(args.model, args.quantization, None) for _ in range(2))
     cold_load = None
     if args.cold:
         with tempfile.TemporaryDirectory() as tmp:
-            cold_load = time_load(args.model, tmp)
-    engine = LLMEngine(EngineConfig(model=args.model, kv_cache_gib=args.kv_cache_gib,
+            cold_load = time_load(args.model, args.quantization, tmp)
+    engine = LLMEngine(EngineConfig(model=args.model, quantization=args.quantization,
+                                    kv_cache_gib=args.kv_cache_gib,
                                     max_num_batched_tokens=512, log_stats_interval=0))
     model = engine.runner.model
     weight_bytes = model.weight_bytes()
@@ -112,7 +115,7 @@ def main() -> None:
     print(f"single-request decode:   {rate:8.2f} tok/s")
     print(f"cached load:             {cached_load:8.1f} s")
     if cold_load is not None:
-        print(f"cold load (convert):     {cold_load:8.1f} s")
+        print(f"cold load (new cache):   {cold_load:8.1f} s")
     print(f"peak RSS:                {peak / 1e9:8.2f} GB "
           f"({peak / (weight_bytes + kv_bytes):.2f}x weights + KV)")
 

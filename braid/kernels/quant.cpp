@@ -8,8 +8,9 @@
 // thread, so a request's logits do not depend on what else is in the batch.
 //
 // Two implementations of every routine: AVX2 (+FMA, F16C) and portable scalar code; the CPU's
-// flags pick one at load. Both give the same integer sums; the K-quants scale and sum them in
-// the same order (identical results), Q5_0 / Q8_0 sum 8 float lanes on AVX2.
+// flags pick one at load. Both give the same integer sums per block; AVX2 scales and sums them
+// in 8 float lanes, the scalar code one block at a time, so the two differ in the last bits
+// (each is deterministic and batch invariant on its own).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -572,6 +573,7 @@ void check_weight(const torch::Tensor& w, int64_t type, int64_t k) {
 
 // x [M, K] float32 -> quantized activations [M, bytes] for weights of `type`.
 torch::Tensor quantize_activations(const torch::Tensor& x_in, int64_t type) {
+  block_bytes(type);  // rejects unsupported types
   const auto x = x_in.contiguous();
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be float32 [M, K]");
   const int64_t m = x.size(0), k = x.size(1);
@@ -597,6 +599,12 @@ void qgemm_into(const torch::Tensor& xq, const torch::Tensor& w, int64_t type, i
   check_weight(w, type, k);
   TORCH_CHECK(out.dtype() == torch::kFloat32 && out.dim() == 2 && out.is_contiguous(),
               "out must be a contiguous float32 [M, N] tensor");
+  const int64_t act_bytes = is_k_quant(type) ? k / QK_K * (int64_t)sizeof(ActQ8_K)
+                                             : k / QK * (int64_t)sizeof(ActQ8_0);
+  TORCH_CHECK(xq.dtype() == torch::kUInt8 && xq.dim() == 2 && xq.is_contiguous() &&
+                  xq.size(1) == act_bytes,
+              "activations must be quantize_activations(x, type) for this weight type and K");
+  TORCH_CHECK(col0 >= 0, "col0 must be >= 0");
   const int64_t m = xq.size(0), n = w.size(0), ld = out.size(1);
   TORCH_CHECK(out.size(0) == m && col0 + n <= ld, "out is too small");
   const int64_t nb = k / block_elems(type), wbytes = w.size(1), xbytes = xq.size(1);
@@ -608,7 +616,9 @@ void qgemm_into(const torch::Tensor& xq, const torch::Tensor& w, int64_t type, i
   // activation rows MAX_R at a time.
   constexpr int64_t TILE = 16;
   const int64_t tiles = (n + TILE - 1) / TILE;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  // At least ~256K multiply-adds per thread: a small product is not worth a parallel region.
+  const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(1, TILE * k * m));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     float res[MAX_R];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * TILE, n1 = std::min(n, n0 + TILE);

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from braid.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from braid.models.errors import ModelLoadError
+from braid.models.gguf_index import GGUFTensor, read_tensors
 from braid.models.quant import QuantWeight, runnable
 
 _LAYER_NAMES = {
@@ -47,6 +48,7 @@ _GLOBAL_NAMES = {
 # Bump when the converted folder's content changes, so stale caches are not reused (older
 # versions of the same GGUF's folder are removed: version 1 held 6 GB of float32 weights).
 CONVERSION_VERSION = 2
+Tensor = ReaderTensor | GGUFTensor
 FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16,
                          GGMLQuantizationType.BF16, GGMLQuantizationType.F64})
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -129,7 +131,7 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
-def hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:
+def hf_shape(tensor: Tensor) -> tuple[int, ...]:
     # GGUF lists dims fastest-first (ggml ne[]); PyTorch's [out_features, in_features] is reversed.
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
@@ -209,7 +211,7 @@ def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
+def dequantize_tensor(tensor: Tensor) -> np.ndarray:
     if tensor.tensor_type not in FLOAT_TYPES and len(tensor.shape) == 2:
         rows, cols = hf_shape(tensor)
         qw = QuantWeight(torch.from_numpy(np.array(tensor.data).reshape(rows, -1)),
@@ -225,7 +227,7 @@ def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.float32).reshape(hf_shape(tensor))
 
 
-def convert_tensor(tensor: ReaderTensor, config: ModelConfig) -> np.ndarray:
+def convert_tensor(tensor: Tensor, config: ModelConfig) -> np.ndarray:
     """Float32 in the HF layout."""
     array = dequantize_tensor(tensor)
     if (heads := _rope_rows(tensor, config)) is not None:
@@ -233,7 +235,7 @@ def convert_tensor(tensor: ReaderTensor, config: ModelConfig) -> np.ndarray:
     return np.array(array, dtype=np.float32, order="C")  # a writable copy, not the file map
 
 
-def _rope_rows(tensor: ReaderTensor, config: ModelConfig) -> int | None:
+def _rope_rows(tensor: Tensor, config: ModelConfig) -> int | None:
     """Heads whose rows llama.cpp's converter permuted (Llama q/k), else None."""
     if config.architecture != "llama":
         return None
@@ -244,7 +246,7 @@ def _rope_rows(tensor: ReaderTensor, config: ModelConfig) -> int | None:
     return None
 
 
-def read_tensor(tensor: ReaderTensor, config: ModelConfig, quantized: bool
+def read_tensor(tensor: Tensor, config: ModelConfig, quantized: bool
                 ) -> torch.Tensor | QuantWeight:
     """One GGUF tensor under its HF layout: quantized blocks kept as rows of bytes when
     `quantized` (and the tensor is a quantized matrix), else dequantized to float32."""
@@ -260,15 +262,18 @@ def read_tensor(tensor: ReaderTensor, config: ModelConfig, quantized: bool
 def iter_gguf_weights(path: Path, config: ModelConfig, quantized: bool
                       ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
     """(HF name, tensor) for every tensor of the GGUF, one at a time (see read_tensor)."""
-    reader = open_gguf(path)
-    for tensor in tqdm(reader.tensors, desc=f"Loading {path.name}", unit="tensor",
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    for tensor in tqdm(read_tensors(path), desc=f"Loading {path.name}", unit="tensor",
                        leave=False):
         yield hf_name(tensor.name), read_tensor(tensor, config, quantized)
 
 
 def quantized_types(path: Path) -> set[GGMLQuantizationType]:
     """The block formats of the GGUF's tensors (float types excluded)."""
-    return {t.tensor_type for t in open_gguf(path).tensors} - FLOAT_TYPES
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    return {t.tensor_type for t in read_tensors(path)} - FLOAT_TYPES
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ class QuantWeight:
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols]."""
         ops = quant_ops()
-        if ops is not None:
+        if ops is not None and runnable(self.qtype, self.cols):
             return ops.dequantize_rows(self.data, torch.arange(self.rows), int(self.qtype),
                                        self.cols)
         return torch.from_numpy(dequantize(self.data.numpy(), self.qtype)).reshape(

@@ -1,0 +1,219 @@
+"""The quantized CPU kernels: dequantization equal to gguf's, products within the error of
+int8 activations, rows independent of the batch on both code paths, malformed inputs refused."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from braid.kernels import quant_ops
+
+TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K]
+K_QUANTS = (Q.Q4_K, Q.Q6_K)
+N, K, M = 40, 512, 7  # 40 weight rows: two full tiles of 16 and a partial one
+# Activations are rounded to int8 with one scale (amax / 127) per block of 32 or 256 values.
+# For Gaussian rows amax is ~2.5-3 sigma, so the rounding error (step / sqrt(12)) is ~0.7% of
+# the row's norm, and a product with weights unrelated to that error carries the same relative
+# error. 2e-2 leaves a ~3x margin; a wrong nibble, scale or min breaks it by far more.
+GEMM_RTOL = 2e-2
+
+by_type = pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+
+
+@pytest.fixture(scope="module")
+def ops() -> ModuleType:
+    module = quant_ops()
+    if module is None:
+        pytest.skip("quantized kernels unavailable (no compiler, or BRAID_NO_KERNELS=1)")
+    return module
+
+
+def random_weight(qtype: Q, rows: int = N, cols: int = K, seed: int = 0, std: float = 1.0
+                  ) -> torch.Tensor:
+    """uint8 [rows, bytes per row] of values with about this std: llama.cpp's reference
+    quantizer for the 32-value formats; random blocks for the K-quants (gguf cannot quantize
+    to them) with small positive fp16 scales, so every value is finite."""
+    rng = np.random.default_rng(seed)
+    if qtype not in K_QUANTS:
+        data = quantize(std * rng.standard_normal((rows, cols), dtype=np.float32), qtype)
+        return torch.from_numpy(np.ascontiguousarray(data))
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    # Random bytes give values d * (6-bit scale) * (nibble) - dmin * (6-bit min) for Q4_K
+    # (rms ~250 d; dmin = 7.5 d centres them) and d * (int8 scale) * (6-bit value - 32) for
+    # Q6_K (rms ~1400 d).
+    d = std * rng.uniform(0.5, 1.5, (rows, cols // block, 1))
+    if qtype == Q.Q4_K:  # d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+        raw[..., 0:4] = np.concatenate([d / 250, 7.5 * d / 250], -1).astype(np.float16).view(
+            np.uint8)
+    else:  # Q6_K: 128 bytes of low nibbles, 64 of high bits, 16 int8 scales, d
+        raw[..., -2:] = (d / 1400).astype(np.float16).view(np.uint8)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def activations(rows: int = M, cols: int = K, seed: int = 1) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+
+
+def qgemm(ops: ModuleType, x: torch.Tensor, w: torch.Tensor, qtype: Q) -> torch.Tensor:
+    xq = ops.quantize_activations(x, int(qtype))
+    return ops.qgemm(xq, w, int(qtype), x.shape[1])
+
+
+def has_avx2(ops: ModuleType) -> bool:
+    before = ops.set_avx2(True)
+    found = ops.isa() == "avx2"
+    ops.set_avx2(before)
+    return found
+
+
+@contextmanager
+def code_path(ops: ModuleType, path: str) -> Iterator[None]:
+    """Run the AVX2 or the scalar routines, then restore the setting."""
+    if path == "avx2" and not has_avx2(ops):
+        pytest.skip("this CPU has no AVX2")
+    before = ops.set_avx2(path == "avx2")
+    try:
+        assert ops.isa() == path
+        yield
+    finally:
+        ops.set_avx2(before)
+
+
+@contextmanager
+def threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@by_type
+def test_dequantize_rows_equals_gguf(ops: ModuleType, qtype: Q) -> None:
+    w = random_weight(qtype)
+    expected = torch.from_numpy(dequantize(w.numpy(), qtype))  # [N, K]
+    assert expected.shape == (N, K) and torch.isfinite(expected).all()
+    assert torch.equal(ops.dequantize_rows(w, torch.arange(N), int(qtype), K), expected)
+    ids = torch.tensor([[7, 0], [N - 1, 7]])  # any shape, repeats allowed
+    assert torch.equal(ops.dequantize_rows(w, ids, int(qtype), K), expected[ids.flatten()])
+
+
+@by_type
+def test_qgemm_is_the_float_product_up_to_int8_activations(ops: ModuleType, qtype: Q) -> None:
+    w, x = random_weight(qtype), activations()
+    reference = x.double() @ torch.from_numpy(dequantize(w.numpy(), qtype)).double().T
+    got = qgemm(ops, x, w, qtype)
+    assert got.shape == (M, N) and got.dtype == torch.float32
+    error = (got.double() - reference).norm() / reference.norm()
+    assert error < GEMM_RTOL
+
+
+@by_type
+def test_qgemm_of_a_zero_row_is_zero(ops: ModuleType, qtype: Q) -> None:
+    x = activations()
+    x[3] = 0
+    got = qgemm(ops, x, random_weight(qtype), qtype)
+    assert torch.equal(got[3], torch.zeros(N)) and torch.isfinite(got).all()
+
+
+@by_type
+@pytest.mark.parametrize("path", ["avx2", "scalar"])
+def test_rows_do_not_depend_on_the_batch(ops: ModuleType, qtype: Q, path: str) -> None:
+    w, x = random_weight(qtype), activations()
+    with code_path(ops, path):
+        batch = qgemm(ops, x, w, qtype)
+        for i in range(M):
+            assert torch.equal(qgemm(ops, x[i : i + 1], w, qtype), batch[i : i + 1])
+        assert torch.equal(qgemm(ops, x[2:6], w, qtype), batch[2:6])
+        with threads(1):
+            assert torch.equal(qgemm(ops, x, w, qtype), batch)
+        # Written at a column offset of a wider output, as fused projections are.
+        out = torch.full((M, N + 24), float("nan"))
+        ops.qgemm_into(ops.quantize_activations(x, int(qtype)), w, int(qtype), K, out, 8)
+        assert torch.equal(out[:, 8 : 8 + N], batch)
+        assert out[:, :8].isnan().all() and out[:, 8 + N :].isnan().all()
+
+
+def both_paths(ops: ModuleType, qtype: Q) -> tuple[torch.Tensor, torch.Tensor]:
+    w, x = random_weight(qtype), activations()
+    with code_path(ops, "avx2"):
+        fast = qgemm(ops, x, w, qtype)
+    with code_path(ops, "scalar"):
+        slow = qgemm(ops, x, w, qtype)
+    return fast, slow
+
+
+@by_type
+def test_scalar_and_avx2_paths_agree(ops: ModuleType, qtype: Q) -> None:
+    # The same integer block sums, scaled and summed in float in another order (AVX2 keeps 8
+    # lanes): float rounding apart, ~1e-7 of the largest outputs.
+    fast, slow = both_paths(ops, qtype)
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5 * slow.abs().max().item())
+
+
+def test_set_avx2_returns_the_previous_setting(ops: ModuleType) -> None:
+    before = ops.set_avx2(False)
+    try:
+        assert ops.isa() == "scalar"
+        assert ops.set_avx2(True) is False
+        assert ops.isa() == ("avx2" if has_avx2(ops) else "scalar")
+    finally:
+        ops.set_avx2(before)
+
+
+def test_malformed_inputs_raise(ops: ModuleType) -> None:
+    t = int(Q.Q8_0)
+    w, x = random_weight(Q.Q8_0), activations(2)
+    xq = ops.quantize_activations(x, t)
+    with pytest.raises(RuntimeError, match="bytes, expected"):
+        ops.qgemm(xq, w[:, :-1].contiguous(), t, K)
+    with pytest.raises(RuntimeError, match="bytes, expected"):
+        ops.dequantize_rows(w[:, :-34].contiguous(), torch.arange(2), t, K)
+    with pytest.raises(RuntimeError, match="contiguous uint8"):
+        ops.qgemm(xq, w[::2], t, K)
+    with pytest.raises(RuntimeError, match="contiguous uint8"):
+        ops.qgemm(xq, w.view(torch.int8), t, K)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.quantize_activations(x.double(), t)
+    with pytest.raises(RuntimeError, match="row id out of range"):
+        ops.dequantize_rows(w, torch.tensor([0, N]), t, K)
+    with pytest.raises(RuntimeError, match="out is too small"):
+        ops.qgemm_into(xq, w, t, K, torch.empty(2, N + 3), 4)
+    with pytest.raises(RuntimeError, match="unsupported GGML type 1"):
+        ops.dequantize_rows(w, torch.arange(2), int(Q.F16), K)
+
+
+@pytest.mark.parametrize("qtype, cols", [(Q.Q8_0, 48), (Q.Q4_0, 16), (Q.Q4_K, 288),
+                                         (Q.Q6_K, 128)])
+def test_rows_of_partial_blocks_raise(ops: ModuleType, qtype: Q, cols: int) -> None:
+    with pytest.raises(RuntimeError, match="not a multiple of the block"):
+        ops.quantize_activations(activations(2, cols), int(qtype))
+    w = random_weight(qtype, cols=K)
+    with pytest.raises(RuntimeError, match="not a multiple of the block"):
+        ops.dequantize_rows(w, torch.arange(2), int(qtype), cols)
+    with pytest.raises(RuntimeError, match="not a multiple of the block"):
+        ops.qgemm(ops.quantize_activations(activations(2), int(qtype)), w, int(qtype), cols)
+
+
+def test_activations_that_do_not_match_the_weight_raise(ops: ModuleType) -> None:
+    # Q8_0 activations (640 bytes a row for K = 512) for a Q4_K weight (Q8_K: 584 bytes), the
+    # other way round, a column slice, and a negative output column.
+    rows = activations(2)
+    q8_0, q8_k = (ops.quantize_activations(rows, int(t)) for t in (Q.Q8_0, Q.Q4_K))
+    for xq, qtype in ((q8_0, Q.Q4_K), (q8_k, Q.Q8_0), (q8_0[:, :100], Q.Q8_0)):
+        with pytest.raises(RuntimeError, match="activations must be"):
+            ops.qgemm(xq, random_weight(qtype), int(qtype), K)
+    with pytest.raises(RuntimeError, match="col0"):
+        ops.qgemm_into(q8_0, random_weight(Q.Q8_0), int(Q.Q8_0), K, torch.empty(2, N), -1)
+    with pytest.raises(RuntimeError, match="unsupported GGML type"):
+        ops.quantize_activations(rows, int(Q.Q5_1))

@@ -1,0 +1,330 @@
+"""Quantized models: QuantLinear is the product with its dequantized weight, quantized models
+stay close to float, speculation over a quantized model is lossless, and without the kernels a
+quantized GGUF loads as float."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from torch import nn
+
+from braid.config import ConfigError, EngineConfig
+from braid.engine.engine import LLMEngine
+from braid.kernels import quant_ops
+from braid.models.build import load_model
+from braid.models.quant import QuantEmbedding, QuantLinear, QuantWeight, quantize_float
+from braid.models.qwen2 import Qwen2ForCausalLM
+from braid.sampling_params import SamplingParams
+from tests.conftest import write_gguf
+from tests.engine.test_engine import STAGGERED, run
+from tests.kernels.test_quant import GEMM_RTOL, random_weight
+from tests.models.test_qwen2 import PagedRun
+from tests.tiny import VOCAB, braid_model, random_weights, save_tiny_model, tiny_config
+
+CFG = tiny_config("qwen2")
+WEIGHTS = random_weights(CFG, seed=0)
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 64, 256, 4, 2, 2  # FFN: one K-quant super-block
+HEAD_DIM = HIDDEN // HEADS
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+PROMPT = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+# Tolerances on the logits' relative (Frobenius) error against float, 2.5-3.5x what these seeded
+# tiny models show: int8 activations alone (the GGUF's blocks run as they are) 3.5%, Q8_0
+# weights and int8 activations 1.4%, Q4_0 weights (16 levels per block of 32) 16%.
+ACTIVATIONS_RTOL, INT8_RTOL, INT4_RTOL = 0.1, 5e-2, 0.4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels() -> None:
+    if quant_ops() is None:
+        pytest.skip("quantized kernels unavailable (no compiler, or BRAID_NO_KERNELS=1)")
+
+
+def rel_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+def logits(model: Qwen2ForCausalLM, tokens: list[int] = PROMPT) -> torch.Tensor:
+    """[len(tokens), vocab]: one prefill of `tokens`."""
+    return PagedRun(model).step({"p": tokens})["p"]
+
+
+def quant_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
+
+
+def quantized_gguf(path: Path, seed: int = 0) -> Path:
+    """A tiny Qwen2 GGUF whose embedding and projections are Q8_0 / Q4_0 / Q5_0 / Q4_K / Q6_K
+    blocks (norms and biases float32), with weights of std 0.2 like tests.tiny's."""
+    rng = np.random.default_rng(seed)
+
+    def rand(*shape: int) -> np.ndarray:
+        return (0.2 * rng.standard_normal(shape)).astype(np.float32)
+
+    def blocks(array: np.ndarray, qtype: Q) -> tuple[np.ndarray, Q]:
+        return quantize(array, qtype), qtype
+
+    tensors = {"token_embd.weight": blocks(rand(VOCAB, HIDDEN), Q.Q8_0),
+               "output_norm.weight": (1 + rand(HIDDEN), None)}
+    for i in range(LAYERS):
+        down_type = Q.Q4_K if i == 0 else Q.Q6_K
+        down = random_weight(down_type, HIDDEN, FFN, seed=seed + i, std=0.2).numpy()
+        tensors.update({
+            f"blk.{i}.attn_norm.weight": (1 + rand(HIDDEN), None),
+            f"blk.{i}.attn_q.weight": blocks(rand(HEADS * HEAD_DIM, HIDDEN), Q.Q8_0),
+            f"blk.{i}.attn_k.weight": blocks(rand(KV_HEADS * HEAD_DIM, HIDDEN), Q.Q4_0),
+            f"blk.{i}.attn_v.weight": blocks(rand(KV_HEADS * HEAD_DIM, HIDDEN), Q.Q5_0),
+            f"blk.{i}.attn_q.bias": (rand(HEADS * HEAD_DIM), None),
+            f"blk.{i}.attn_k.bias": (rand(KV_HEADS * HEAD_DIM), None),
+            f"blk.{i}.attn_v.bias": (rand(KV_HEADS * HEAD_DIM), None),
+            f"blk.{i}.attn_output.weight": blocks(rand(HIDDEN, HIDDEN), Q.Q8_0),
+            f"blk.{i}.ffn_norm.weight": (1 + rand(HIDDEN), None),
+            f"blk.{i}.ffn_gate.weight": blocks(rand(FFN, HIDDEN), Q.Q4_0),
+            f"blk.{i}.ffn_up.weight": blocks(rand(FFN, HIDDEN), Q.Q8_0),
+            f"blk.{i}.ffn_down.weight": (down, down_type),
+        })
+    hparams = dict(context_length=512, embedding_length=HIDDEN, feed_forward_length=FFN,
+                   block_count=LAYERS, head_count=HEADS, head_count_kv=KV_HEADS,
+                   layer_norm_rms_eps=1e-6, rope_freq_base=1e4)
+    return write_gguf(path, "qwen2", tensors, hparams)
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return quantized_gguf(tmp_path_factory.mktemp("quant") / "tiny-q.gguf")
+
+
+@pytest.fixture(scope="module")
+def float_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("float") / "tiny")
+
+
+def engine(target: Qwen2ForCausalLM | None = None, draft: Qwen2ForCausalLM | None = None,
+           **options: object) -> LLMEngine:
+    """An engine over `target` (None: loaded from options["model"])."""
+    options = {"model": "tiny-q", "block_size": 4, "num_kv_blocks": 256, "max_model_len": 256,
+               "log_stats_interval": 0, **options}
+    return LLMEngine(EngineConfig(**options), model=target,  # type: ignore[arg-type]
+                     draft_model=draft)
+
+
+def spec_config(method: str, k: int = 3, **extra: object) -> dict[str, object]:
+    spec = {"method": method, "num_speculative_tokens": k, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3, "policy": "fixed", **extra}
+    if method == "draft_model":
+        spec.setdefault("model", "tiny-q-draft")
+    return spec
+
+
+# ---- QuantLinear -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_0], ids=lambda t: t.name)
+def test_quant_linear_is_the_product_with_its_dequantized_weight(qtype: Q) -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
+    layer = QuantLinear(64, 48, bias=True)
+    with torch.no_grad():
+        layer.bias.copy_(bias)  # type: ignore[union-attr]
+    layer.set_rows(0, quantize_float(weight, qtype))
+    x = torch.randn(2, 3, 64, generator=gen)
+    got = layer(x)
+    assert got.shape == (2, 3, 48) and got.dtype == torch.float32
+    expected = F.linear(x, layer.segments[0][1].dequantize(), bias)
+    assert rel_error(got, expected) < GEMM_RTOL
+    assert rel_error(layer.segments[0][1].dequantize(), weight) < (0.2 if qtype == Q.Q4_0
+                                                                   else 0.1)
+
+
+def test_segments_of_different_formats_fill_their_rows() -> None:
+    """A fused projection whose parts differ in format (K-quant and 32-value activations)."""
+    k_rows = random_weight(Q.Q4_K, 16, 256, seed=1)
+    q8_rows = quantize_float(torch.randn(32, 256, generator=torch.Generator().manual_seed(2)),
+                             Q.Q8_0)
+    layer = QuantLinear(256, 48)
+    layer.set_rows(16, q8_rows)  # in any order
+    layer.set_rows(0, QuantWeight(k_rows, Q.Q4_K, 256))
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3))
+    got = layer(x)
+    weight = torch.cat([torch.from_numpy(dequantize(k_rows.numpy(), Q.Q4_K)),
+                        q8_rows.dequantize()])
+    assert rel_error(got, F.linear(x, weight)) < GEMM_RTOL
+    ops = quant_ops()
+    assert ops is not None
+    alone = ops.qgemm(ops.quantize_activations(x, int(Q.Q4_K)), k_rows, int(Q.Q4_K), 256)
+    assert torch.equal(got[:, :16], alone)
+    assert layer.weight_bytes() == k_rows.numel() + q8_rows.data.numel()
+
+
+def test_adjacent_segments_of_one_format_act_as_one_matrix() -> None:
+    """q and k of one format are stored as one segment; rows come out as from one matrix."""
+    weight = torch.randn(48, 64, generator=torch.Generator().manual_seed(4))
+    parts = QuantLinear(64, 48)
+    parts.set_rows(16, quantize_float(weight[16:], Q.Q8_0))
+    parts.set_rows(0, quantize_float(weight[:16], Q.Q8_0))
+    whole = QuantLinear(64, 48)
+    whole.set_rows(0, quantize_float(weight, Q.Q8_0))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(parts(x), whole(x))
+    assert parts.weight_bytes() == whole.weight_bytes()
+
+
+def test_rows_that_do_not_fit_raise() -> None:
+    layer = QuantLinear(64, 48)
+    with pytest.raises(ValueError, match="do not fit"):
+        layer.set_rows(32, quantize_float(torch.randn(32, 64), Q.Q8_0))
+    with pytest.raises(ValueError, match="do not fit"):
+        layer.set_rows(0, quantize_float(torch.randn(32, 96), Q.Q8_0))
+    embedding = QuantEmbedding(VOCAB, 64)
+    with pytest.raises(ValueError, match="does not fit"):
+        embedding.set_rows(0, quantize_float(torch.randn(VOCAB - 1, 64), Q.Q8_0))
+
+
+def test_formats_without_a_kernel_are_requantized_to_q8_0() -> None:
+    weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    q5_1 = QuantWeight(torch.from_numpy(quantize(weight.numpy(), Q.Q5_1)), Q.Q5_1, 64)
+    layer = QuantLinear(64, 32)
+    layer.set_rows(0, q5_1)
+    assert layer.segments[0][1].qtype == Q.Q8_0
+    x = torch.randn(3, 64)
+    expected = F.linear(x, torch.from_numpy(dequantize(q5_1.data.numpy(), Q.Q5_1)))
+    assert rel_error(layer(x), expected) < GEMM_RTOL
+
+
+# ---- models ------------------------------------------------------------------------------------
+
+
+def test_q8_0_model_from_float_weights_is_close_to_float() -> None:
+    model = Qwen2ForCausalLM(CFG, quant_type=Q.Q8_0)
+    model.load_weights(WEIGHTS.items())
+    model.eval()
+    for name in ("lm_head", "layers.0.self_attn.qkv_proj", "layers.0.self_attn.o_proj",
+                 "layers.1.mlp.gate_up_proj", "layers.1.mlp.down_proj"):
+        assert isinstance(model.get_submodule(name), QuantLinear)
+    lm_head, embedding = model.get_submodule("lm_head"), model.embed_tokens
+    assert isinstance(lm_head, QuantLinear) and isinstance(embedding, QuantEmbedding)
+    assert lm_head.segments[0][1] is embedding.quant  # the tied LM head runs the embedding's
+    got, expected = logits(model), logits(braid_model(CFG, WEIGHTS))
+    assert torch.isfinite(got).all()
+    assert rel_error(got, expected) < INT8_RTOL
+
+
+def test_gguf_blocks_run_as_they_are_close_to_dequantized(gguf_path: Path) -> None:
+    quantized, tokenizer = load_model(str(gguf_path), quantization="auto")
+    dequantized, _ = load_model(str(gguf_path), quantization="none")
+    assert tokenizer is not None
+    assert len(quant_modules(quantized)) == 2 + LAYERS * 4  # embedding, LM head, projections
+    formats = {w.qtype for m in quantized.modules() if isinstance(m, QuantLinear)
+               for _, w in m.segments}
+    assert formats == {Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q6_K}
+    assert not quant_modules(dequantized)
+    assert quantized.weight_bytes() < dequantized.weight_bytes() / 2
+    # Same weight values: only the int8 activations differ.
+    assert rel_error(logits(quantized), logits(dequantized)) < ACTIVATIONS_RTOL
+
+
+@pytest.mark.parametrize("quantization, rtol", [("int8", INT8_RTOL), ("int4", INT4_RTOL)])
+def test_float_checkpoint_quantized_at_load(float_folder: Path, quantization: str,
+                                            rtol: float) -> None:
+    model, _ = load_model(str(float_folder), quantization=quantization)
+    reference, _ = load_model(str(float_folder), quantization="auto")
+    assert not quant_modules(reference)  # float checkpoints stay float unless asked
+    assert len(quant_modules(model)) == 2 + LAYERS * 4  # embedding, LM head and projections
+    expected = Q.Q8_0 if quantization == "int8" else Q.Q4_0
+    assert {w.qtype for m in model.modules() if isinstance(m, QuantLinear)
+            for _, w in m.segments} == {expected}
+    error = rel_error(logits(model), logits(reference))
+    assert 0 < error < rtol
+
+
+# ---- engine: speculation over a quantized model is lossless ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target(gguf_path: Path) -> Qwen2ForCausalLM:
+    return load_model(str(gguf_path))[0]
+
+
+@pytest.fixture(scope="module")
+def reference(target: Qwen2ForCausalLM) -> dict[str, list[int]]:
+    return run(engine(target, max_num_batched_tokens=256), STAGGERED, GREEDY)
+
+
+def test_quantized_batches_match_requests_alone(target: Qwen2ForCausalLM,
+                                                reference: dict[str, list[int]]) -> None:
+    for i in (0, 1, 4):  # prompts of 3, 70 and 140 tokens
+        alone = run(engine(target, max_num_seqs=1, max_num_batched_tokens=256), {0: [i]},
+                    GREEDY)
+        assert alone == {str(i): reference[str(i)]}
+
+
+@pytest.mark.parametrize("budget", [8, 32])
+def test_ngram_over_a_quantized_model_is_lossless(target: Qwen2ForCausalLM,
+                                                  reference: dict[str, list[int]],
+                                                  budget: int) -> None:
+    e = engine(target, speculative_config=spec_config("ngram"), max_num_batched_tokens=budget)
+    assert run(e, STAGGERED, GREEDY) == reference
+    assert e.stats.spec.num_drafts > 0
+
+
+@pytest.mark.parametrize("k, budget", [(1, 8), (3, 16), (7, 32)])
+def test_quantized_draft_equal_to_target_accepts_everything(
+        gguf_path: Path, target: Qwen2ForCausalLM, reference: dict[str, list[int]], k: int,
+        budget: int) -> None:
+    draft = load_model(str(gguf_path))[0]
+    e = engine(target, draft, speculative_config=spec_config("draft_model", k),
+               max_num_batched_tokens=budget)
+    assert run(e, STAGGERED, GREEDY) == reference
+    assert e.stats.spec.num_drafts > 0 and e.stats.spec.acceptance_rate == 1.0
+
+
+def test_engine_loads_a_quantized_target_and_a_float_draft(
+        gguf_path: Path, reference: dict[str, list[int]]) -> None:
+    """--quantization applies to the target; the draft's own "quantization" overrides it."""
+    spec = spec_config("draft_model", model=str(gguf_path), quantization="none",
+                       draft_dtype="float32")
+    e = engine(model=str(gguf_path), quantization="auto", speculative_config=spec,
+               max_num_batched_tokens=16)
+    assert quant_modules(e.runner.model)
+    assert not quant_modules(e.speculator.proposer.runner.model)  # type: ignore[union-attr]
+    assert run(e, STAGGERED, GREEDY) == reference
+    assert e.stats.spec.num_drafts > 0 and e.stats.spec.acceptance_rate > 0.5
+
+
+# ---- configuration and fallback ----------------------------------------------------------------
+
+
+def test_bad_quantization_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="--quantization must be one of auto, none, int8, "
+                       "int4, got 'bogus'"):
+        EngineConfig(model="tiny", quantization="bogus")
+    with pytest.raises(ConfigError, match="--speculative-config: quantization must be one of"):
+        EngineConfig(model="tiny", speculative_config=spec_config("draft_model",
+                                                                  quantization="bogus"))
+
+
+@pytest.fixture
+def no_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("BRAID_NO_KERNELS", "1")
+    quant_ops.cache_clear()
+    try:
+        assert quant_ops() is None
+        yield
+    finally:
+        quant_ops.cache_clear()  # the next call, with the variable gone, loads the kernels
+
+
+def test_without_kernels_a_quantized_gguf_loads_as_float(
+        gguf_path: Path, request: pytest.FixtureRequest) -> None:
+    dequantized, _ = load_model(str(gguf_path), quantization="none")
+    expected = run(engine(dequantized, max_num_batched_tokens=32), STAGGERED, GREEDY)
+    request.getfixturevalue("no_kernels")
+    fallback, _ = load_model(str(gguf_path), quantization="auto")
+    assert not quant_modules(fallback)
+    assert run(engine(fallback, max_num_batched_tokens=32), STAGGERED, GREEDY) == expected
