@@ -218,6 +218,8 @@ class Tokenizer:
         if isinstance(config.get("chat_template"), list):  # named templates: take "default"
             named = {t["name"]: t["template"] for t in config["chat_template"]}
             config["chat_template"] = named.get("default")
+        if (folder / "chat_template.jinja").is_file():  # where transformers >= 4.51 saves it
+            config["chat_template"] = (folder / "chat_template.jinja").read_text()
         eos = [*_as_id_list(_read_json(folder / "generation_config.json").get("eos_token_id")),
                *_as_id_list(_read_json(folder / "config.json").get("eos_token_id"))]
         return cls(backend, config, eos)

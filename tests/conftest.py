@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,6 +133,16 @@ def default_target(target_gguf: Path) -> Any:
     """(model, tokenizer) of the default target (its quantized GGUF weights, as `braid serve`
     runs it), loaded once for all real-model tests."""
     return _load_default(TARGET)
+
+
+@pytest.fixture(scope="module")
+def float_target(target_gguf: Path) -> Iterator[Any]:
+    """The default target dequantized to float32 (`--quantization none`, 7 GB): loaded per
+    module that asks for it, freed after it."""
+    model = _load_default(TARGET, "none")
+    yield model
+    del model
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,8 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -25,6 +27,14 @@ def _build_dir(digest: str) -> Path:
     return cache_root() / "kernels" / f"quant-{digest}"
 
 
+def _find_ninja() -> None:
+    """torch runs `ninja` from PATH; the `ninja` package installs it beside this Python, which
+    is not on PATH when the venv is not activated."""
+    here = Path(sys.executable).parent
+    if shutil.which("ninja") is None and (here / "ninja").is_file():
+        os.environ["PATH"] = os.pathsep.join([str(here), os.environ.get("PATH", "")])
+
+
 @functools.cache
 def quant_ops() -> ModuleType | None:
     """The extension (quantized matmuls in quant.cpp, batch-invariant attention in
@@ -34,6 +44,8 @@ def quant_ops() -> ModuleType | None:
         logger.info("quantized kernels off (BRAID_NO_KERNELS=1)")
         return None
     from torch.utils import cpp_extension
+
+    _find_ninja()
 
     key = b"".join(p.read_bytes() for p in SOURCES)
     key += torch.__version__.encode() + platform.machine().encode()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 import inspect
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,20 +19,10 @@ from braid.engine.runner import ModelRunner, Window
 from braid.models.quant import QuantLinear
 from braid.models.qwen2 import Qwen2ForCausalLM
 from braid.sampling_params import SamplingParams
-from tests.conftest import TARGET, _load_default
 
 pytestmark = pytest.mark.real_model
 
 PROMPT = "Write a Python function that returns the sum of the squares of a list of integers."
-
-
-@pytest.fixture(scope="module")
-def float_target(target_gguf: Path) -> Iterator[Any]:
-    """The target dequantized to float32 (7 GB): this module only, freed after it."""
-    model = _load_default(TARGET, "none")
-    yield model
-    del model
-    gc.collect()
 
 
 def test_greedy_tokens_equal_transformers(float_target: Any, target_gguf: Path) -> None:

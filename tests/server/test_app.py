@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -12,8 +13,9 @@ import pytest
 
 from braid import LLM
 from braid.sampling_params import SamplingParams
-from tests.server.conftest import ENGINE_OPTIONS, ServerProcess
+from tests.server.conftest import ENGINE_FLAGS, ENGINE_OPTIONS, ServerProcess
 from tests.server.metrics_util import scrape
+from tests.tiny import save_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +218,25 @@ def test_metrics_counters_move(server: ServerProcess, client: openai.OpenAI) -> 
                  "braid:spec_decode_num_draft_tokens_total",
                  "braid:spec_decode_num_accepted_tokens_total"):
         assert name in after
+
+
+def test_chat_template_from_chat_template_jinja(tmp_path: Path) -> None:
+    """A folder saved by current transformers keeps its chat template in chat_template.jinja,
+    not in tokenizer_config.json: chat completions use it."""
+    folder = save_tiny_model(tmp_path / "model")
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    (folder / "chat_template.jinja").write_text(config.pop("chat_template"))
+    config_file.write_text(json.dumps(config))
+    (tmp_path / "log").mkdir()
+    server = ServerProcess(folder, tmp_path / "log", *ENGINE_FLAGS)
+    try:
+        res = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "model": server.model, "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "hello"}]})
+    finally:
+        assert server.stop() == 0, server.log()
+    assert res.status_code == 200, res.text
+    # "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n": 3 special tokens and 21
+    # bytes (one token each in the tiny byte-level tokenizer).
+    assert res.json()["usage"]["prompt_tokens"] == 24

@@ -50,11 +50,16 @@ def test_draft_speculation_is_lossless_on_humaneval(default_target: Any, default
     assert spec.num_drafts > 0 and spec.acceptance_rate > 0.3
 
 
-def test_goodput_policy_is_lossless_on_humaneval(default_target: Any, default_draft: Any,
-                                                 plain: Any) -> None:
-    """The default policy, one request at a time (where drafting pays on this machine, so
-    the draft really proposes; with four at once and 32 tokens each it rightly stays off)."""
+def test_goodput_policy_is_lossless_on_humaneval(default_target: Any, float_target: Any,
+                                                 default_draft: Any, plain: Any) -> None:
+    """The default policy, one request at a time. With the quantized target on a CPU like
+    this one it keeps k = 0 (a draft step costs more than it returns; docs/benchmarks.md
+    section 5); beside the float32 target the quantized draft is cheap, drafting pays and the
+    draft really proposes. Lossless both ways."""
     prompts, reference = plain
-    spec_out, spec = run(default_target, default_draft, prompts[:2], "goodput", concurrency=1)
+    spec_out, _ = run(default_target, default_draft, prompts[:2], "goodput", concurrency=1)
     assert spec_out == reference[:2]
+    float_reference = run(float_target, None, prompts[:2])[0]
+    spec_out, spec = run(float_target, default_draft, prompts[:2], "goodput", concurrency=1)
+    assert spec_out == float_reference
     assert spec.num_drafts > 0 and spec.acceptance_rate > 0.3
