@@ -20,7 +20,9 @@ pytestmark = [
 def real_server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     from braid.config import DEFAULT_TARGET
 
-    spec = '{"method": "draft_model", "num_speculative_tokens": 5}'
+    # Fixed k: whether the goodput policy drafts depends on the CPU (with the quantized target
+    # on an AVX2 machine it keeps k = 0); this test checks the figures drafting reports.
+    spec = '{"method": "draft_model", "num_speculative_tokens": 5, "policy": "fixed"}'
     server = ServerProcess(DEFAULT_TARGET, tmp_path_factory.mktemp("real-server"),
                            "--max-model-len", "2048", "--kv-cache-gib", "0.5",
                            "--speculative-config", spec, timeout_s=900)
