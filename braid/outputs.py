@@ -35,3 +35,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # With prompt_logprobs: per prompt token (None for the first) {token_id: logprob} of the
+    # prompt token and the top-n; set once the whole prompt has been scored.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

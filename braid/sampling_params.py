@@ -10,7 +10,9 @@ class SamplingParams:
     """How to pick the tokens of one request.
 
     `top_k` of 0 or -1 disables top-k. `logprobs=n` returns the sampled token's logprob and the
-    top-n logprobs per position (0: only the sampled token's). After `__post_init__`, `stop` and
+    top-n logprobs per position (0: only the sampled token's); `prompt_logprobs=n` the same for
+    every prompt token after the first. `logit_bias` maps token ids to a bias added to their
+    logits before penalties and sampling (greedy included). After `__post_init__`, `stop` and
     `stop_token_ids` are always lists (possibly empty).
     """
 
@@ -29,6 +31,8 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -65,6 +69,10 @@ class SamplingParams:
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1"),
             (self.min_tokens >= 0, "min_tokens must be >= 0"),
             (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+             "prompt_logprobs must be >= 0"),
+            (self.seed is None or -(2**63) <= self.seed < 2**64,
+             "seed must be in [-2**63, 2**64 - 1]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -78,3 +86,7 @@ class SamplingParams:
             raise ValueError(f"stop must not contain empty strings, got {self.stop!r}")
         if any(t < 0 for t in self.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+        for token, bias in (self.logit_bias or {}).items():
+            if token < 0 or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias must map token ids >= 0 to biases in [-100, 100], "
+                                 f"got {token!r}: {bias!r}")

@@ -13,7 +13,7 @@ from braid.config import ConfigError, EngineConfig, resolve_draft_dtype
 from braid.engine.block_manager import BlockManager
 from braid.engine.output import OutputProcessor
 from braid.engine.request import Request
-from braid.engine.runner import ModelRunner, kv_bytes_per_token
+from braid.engine.runner import ModelRunner, kv_bytes_per_token, prompt_logprob_rows
 from braid.engine.sampler import Sampler, SamplingMetadata, gather_logprobs
 from braid.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from braid.engine.stats import EngineStats, StepStats
@@ -171,6 +171,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        if any(token >= vocab for token in params.logit_bias or {}):
+            raise RequestError(f"logit_bias token ids must be in [0, {vocab})")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV blocks; unknown or finished ids are ignored."""
@@ -213,6 +215,8 @@ class LLMEngine:
         inp = self.runner.prepare(sched, self.blocks)
         logits = self.runner.execute(inp)
         forward_time = time.perf_counter() - start
+        self._score_prompts(sched, logits[: inp.num_prompt_rows])
+        logits = logits[inp.num_prompt_rows :]
         sampled = self._sample(sched, logits)
         outputs = [o for s in sampled if (o := self._update_guarded(s)) is not None]
         target_time = time.perf_counter() - start
@@ -243,6 +247,26 @@ class LLMEngine:
         for i, s in enumerate(windows):
             results.append(_Sampled(s, tokens[i], None if logprobs is None else logprobs[i]))
         return results
+
+    def _score_prompts(self, sched: SchedulerOutput, logits: torch.Tensor) -> None:
+        """Append prompt logprobs from `logits` [P, V]: the rows `prompt_logprob_rows` chose,
+        in scheduling order (raw model logprobs, like sampled tokens' logprobs)."""
+        if not logits.shape[0]:
+            return
+        r = 0
+        for s in sched.scheduled:
+            req = s.request
+            rows = prompt_logprob_rows(req, s.num_new_tokens)
+            if not rows:
+                continue
+            first = req.num_computed_tokens + rows.start  # position scoring token first + 1
+            targets = torch.tensor(req.prompt_token_ids[first + 1 : first + 1 + len(rows)])
+            n = req.sampling_params.prompt_logprobs or 0
+            lp = gather_logprobs(logits[r : r + len(rows)].log_softmax(dim=-1), targets, n)
+            ids, values = lp.token_ids.tolist(), lp.logprobs.tolist()
+            req.prompt_logprobs += [dict(zip(i, v, strict=True)) for i, v in zip(ids, values,
+                                                                                  strict=True)]
+            r += len(rows)
 
     def _sampling_metadata(
         self, windows: list[ScheduledRequest], logits: torch.Tensor

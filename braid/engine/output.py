@@ -99,6 +99,7 @@ class OutputProcessor:
             prompt_token_ids=req.prompt_token_ids,
             outputs=[completion],
             finished=req.is_finished,
+            prompt_logprobs=_prompt_logprobs(req),
             metrics=RequestMetrics(
                 arrival_time=req.arrival_time,
                 first_token_time=req.first_token_time,
@@ -107,6 +108,15 @@ class OutputProcessor:
                 spec=req.spec.as_dict() if req.spec.num_drafts else {},
             ),
         )
+
+
+def _prompt_logprobs(req: Request) -> list[dict[int, float] | None] | None:
+    """The prompt's logprobs once every prompt token has been scored (else None)."""
+    if req.sampling_params.prompt_logprobs is None:
+        return None
+    if len(req.prompt_logprobs) < req.num_prompt_tokens:
+        return None
+    return list(req.prompt_logprobs)
 
 
 def _length_reached(req: Request, max_model_len: int) -> bool:

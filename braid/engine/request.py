@@ -38,6 +38,9 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # With sampling_params.prompt_logprobs: one entry per prompt token scored so far (the
+    # first token has none), {token_id: logprob} holding the prompt token and the top-n.
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
     spec: SpecStats = field(default_factory=SpecStats)  # this request's speculation figures
 
     def __post_init__(self) -> None:

@@ -7,9 +7,22 @@ from dataclasses import dataclass
 import torch
 
 from braid.engine.block_manager import BlockManager
+from braid.engine.request import Request
 from braid.engine.scheduler import SchedulerOutput
 from braid.models.attention import AttentionMetadata, build_attention_metadata
 from braid.models.qwen2 import Qwen2ForCausalLM
+
+
+def prompt_logprob_rows(req: Request, num_new_tokens: int) -> range:
+    """Offsets in this step's window of `req` whose logits score a prompt token that has no
+    logprob yet: position p scores prompt token p + 1. Positions scored before a preemption
+    are not scored again; output and draft positions never are."""
+    if req.sampling_params.prompt_logprobs is None:
+        return range(0)
+    start = req.num_computed_tokens
+    first = max(start, len(req.prompt_logprobs) - 1)
+    end = min(start + num_new_tokens, req.num_prompt_tokens - 1)
+    return range(first - start, max(end - start, first - start))
 
 
 @dataclass(slots=True)
@@ -18,6 +31,7 @@ class ModelInput:
     positions: torch.Tensor  # [T]
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [R] rows of the flat batch whose logits are needed
+    num_prompt_rows: int = 0  # the first logits rows are prompt-logprob rows, then sampling
 
 
 @dataclass(slots=True)
@@ -28,6 +42,7 @@ class Window:
     start: int  # position of the first token (= tokens already cached)
     block_table: list[int]
     num_logits: int  # logits rows wanted for the window's last tokens (0: none)
+    prompt_rows: range = range(0)  # window offsets whose logits score the next prompt token
 
 
 def kv_bytes_per_token(model: Qwen2ForCausalLM, dtype: torch.dtype) -> int:
@@ -54,7 +69,8 @@ class ModelRunner:
         model.bind_kv_cache(self.kv_cache)
 
     def prepare(self, sched: SchedulerOutput, blocks: BlockManager) -> ModelInput:
-        """The step's flat batch: every scheduled window, logits where the step samples."""
+        """The step's flat batch: every scheduled window, logits where the step samples and
+        at the prompt positions whose logprobs a request asked for."""
         return self.build_input([
             Window(
                 token_ids=s.request.token_ids(s.request.num_computed_tokens,
@@ -62,6 +78,7 @@ class ModelRunner:
                 start=s.request.num_computed_tokens,
                 block_table=blocks.block_table(s.request.request_id),
                 num_logits=1 + s.num_spec_tokens if s.samples else 0,
+                prompt_rows=prompt_logprob_rows(s.request, s.num_new_tokens),
             )
             for s in sched.scheduled
         ])
@@ -69,8 +86,10 @@ class ModelRunner:
     def build_input(self, windows: list[Window]) -> ModelInput:
         ids: list[int] = []
         positions: list[int] = []
+        prompt_indices: list[int] = []
         logits_indices: list[int] = []
         for w in windows:
+            prompt_indices += (len(ids) + offset for offset in w.prompt_rows)
             ids += w.token_ids
             positions += range(w.start, w.start + len(w.token_ids))
             logits_indices += range(len(ids) - w.num_logits, len(ids))
@@ -85,7 +104,9 @@ class ModelRunner:
             input_ids=torch.tensor(ids, device=self.device),
             positions=torch.tensor(positions, device=self.device),
             attn_metadata=meta,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
+            logits_indices=torch.tensor(prompt_indices + logits_indices, dtype=torch.long,
+                                        device=self.device),
+            num_prompt_rows=len(prompt_indices),
         )
 
     @torch.inference_mode()

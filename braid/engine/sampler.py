@@ -7,7 +7,7 @@ precede it (including the drafts before it in the window).
 
 Order of processing, as in vLLM V1:
   raw logits -> (logprobs are taken here: log_softmax of the raw model output)
-  -> repetition/frequency/presence penalties, min_tokens stop suppression
+  -> logit_bias -> repetition/frequency/presence penalties, min_tokens stop suppression
   -> greedy rows: argmax
   -> random rows: temperature -> min_p -> top_k -> top_p -> softmax -> exponential race.
 """
@@ -44,6 +44,7 @@ class SamplingMetadata:
     output_token_counts: torch.Tensor | None  # [B, V] float32, counts of output tokens
     prompt_token_mask: torch.Tensor | None  # [B, V] bool; only with a repetition penalty
     suppressed: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) set to -inf
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, ids, biases)
     generators: dict[int, torch.Generator]  # row -> its request's generator (seeded rows)
     max_num_logprobs: int | None  # None when no row asks for logprobs
 
@@ -81,6 +82,7 @@ class SamplingMetadata:
             min_p=_optional([p.min_p for p in random_params], 0.0, torch.float32, device),
             **penalties,
             suppressed=_suppressed(params, output_token_ids, eos_token_ids, vocab_size, device),
+            logit_bias=_logit_bias(params, vocab_size, device),
             generators={i: g for i, g in enumerate(generators) if g is not None and not greedy[i]},
             max_num_logprobs=max(requested) if requested else None,
         )
@@ -180,9 +182,28 @@ def _suppressed(
     )
 
 
+def _logit_bias(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(row, token, bias) triples of every row's logit_bias (ids past the vocabulary, which
+    the engine refuses at admission, are skipped)."""
+    triples = [(row, token, bias) for row, p in enumerate(params)
+               for token, bias in (p.logit_bias or {}).items() if token < vocab_size]
+    if not triples:
+        return None
+    rows, tokens, biases = zip(*triples, strict=True)
+    return (torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(tokens, dtype=torch.int64, device=device),
+            torch.tensor(biases, dtype=torch.float32, device=device))
+
+
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Repetition/frequency/presence penalties (vLLM semantics) and min_tokens suppression:
-    everything a greedy argmax sees. Never modifies `logits` [B, V] (may return it as is)."""
+    """logit_bias, repetition/frequency/presence penalties (vLLM semantics) and min_tokens
+    suppression: everything a greedy argmax sees. Never modifies `logits` [B, V] (may return
+    it as is)."""
+    if meta.logit_bias is not None:
+        rows, tokens, biases = meta.logit_bias
+        logits = logits.index_put((rows, tokens), biases, accumulate=True)
     if meta.repetition_penalty is not None:
         assert meta.output_token_counts is not None
         assert meta.presence_penalty is not None and meta.frequency_penalty is not None

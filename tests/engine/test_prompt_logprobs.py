@@ -1,0 +1,112 @@
+"""prompt_logprobs come from prompt positions only (the transformers reference on the same
+weights), whatever the chunking, preemption or speculation; logit_bias steers sampling."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from braid.engine.engine import LLMEngine, RequestError
+from braid.sampling_params import SamplingParams
+from tests.engine.test_engine import CFG, STAGGERED, make_engine, prompts
+from tests.spec.test_spec_engine import spec_engine
+from tests.tiny import hf_model
+
+TOP = 3
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=TOP)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[dict[int, float] | None]]:
+    """Per prompt: None, then {prompt token: logprob, top-3...} from transformers."""
+    model = hf_model(CFG, seed=0)
+    out = []
+    with torch.no_grad():
+        for ids in prompts():
+            logprobs = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)  # [L, V]
+            entries: list[dict[int, float] | None] = [None]
+            for p in range(len(ids) - 1):
+                top = logprobs[p].topk(TOP)
+                entries.append({ids[p + 1]: logprobs[p, ids[p + 1]].item(),
+                                **dict(zip(top.indices.tolist(), top.values.tolist(),
+                                           strict=True))})
+            out.append(entries)
+    return out
+
+
+def run_all(engine: LLMEngine) -> dict[int, list[dict[int, float] | None]]:
+    ps, got, step = prompts(), {}, 0
+    while step <= max(STAGGERED) or engine.has_unfinished_requests():
+        for i in STAGGERED.get(step, []):
+            engine.add_request(str(i), ps[i], PARAMS)
+        for out in engine.step():
+            if out.finished:
+                assert out.prompt_logprobs is not None
+                got[int(out.request_id)] = out.prompt_logprobs
+        engine.blocks.check_invariants()
+        step += 1
+    return got
+
+
+def assert_close(got: list[dict[int, float] | None], want: list[dict[int, float] | None]) -> None:
+    assert len(got) == len(want) and got[0] is None
+    for g, w in zip(got[1:], want[1:], strict=True):
+        assert g is not None and w is not None and g.keys() == w.keys()
+        assert all(math.isclose(g[t], w[t], abs_tol=1e-3) for t in w)
+
+
+ENGINES = {
+    "one chunk": lambda: make_engine(max_num_batched_tokens=256),
+    "chunks of 16": lambda: make_engine(max_num_batched_tokens=16),
+    "preempted": lambda: make_engine(num_kv_blocks=64, max_num_batched_tokens=32),
+    "ngram speculation": lambda: spec_engine("ngram", 3, max_num_batched_tokens=32),
+    "draft speculation": lambda: spec_engine("draft_model", 3, max_num_batched_tokens=32),
+}
+
+
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_prompt_logprobs_match_transformers(reference, name: str) -> None:
+    engine = ENGINES[name]()
+    got = run_all(engine)
+    assert sorted(got) == list(range(len(reference)))
+    for i, want in enumerate(reference):
+        assert_close(got[i], want)
+    if name == "preempted":
+        assert engine.stats.num_preemptions > 0
+
+
+def test_no_prompt_logprobs_unless_asked() -> None:
+    engine = make_engine()
+    engine.add_request("a", prompts()[1], SamplingParams(temperature=0, max_tokens=2))
+    outs = [o for o in engine.run_until_done() if o.finished]
+    assert outs[0].prompt_logprobs is None
+
+
+def test_logit_bias_forces_a_token_greedy_and_sampled() -> None:
+    engine = make_engine()
+    for i, temperature in enumerate([0.0, 1.0]):
+        engine.add_request(str(i), prompts()[0], SamplingParams(
+            temperature=temperature, max_tokens=6, ignore_eos=True, logit_bias={42: 100.0}))
+    done = [o for o in engine.run_until_done() if o.finished]
+    assert [o.outputs[0].token_ids for o in done] == [[42] * 6] * 2
+
+
+def test_logit_bias_with_speculation_is_lossless() -> None:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                            logit_bias={7: 5.0, 9: -100.0, 11: 3.0})
+    outputs = []
+    for engine in (make_engine(), spec_engine("draft_model", 3), spec_engine("ngram", 2)):
+        for i, ids in enumerate(prompts()[:4]):
+            engine.add_request(str(i), ids, params)
+        outputs.append({o.request_id: o.outputs[0].token_ids
+                        for o in engine.run_until_done() if o.finished})
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert all(9 not in tokens for tokens in outputs[0].values())
+
+
+@pytest.mark.parametrize("bias", [{CFG.vocab_size: 1.0}, {-1: 1.0}, {3: 101.0}])
+def test_bad_logit_bias_is_refused(bias: dict[int, float]) -> None:
+    with pytest.raises((RequestError, ValueError), match="logit_bias"):
+        make_engine().add_request("a", [1, 2], SamplingParams(logit_bias=bias))
