@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from functools import cache, lru_cache
+from functools import cache, cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +194,13 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
+class PromptTooLong(ValueError):
+    """A text with more tokens than allowed (the message starts with "prompt")."""
+
+
+_GIL_FREE_CHARS = 4096
+
+
 class Tokenizer:
     """Encode/decode, special ids and the chat template of one model."""
 
@@ -233,8 +240,27 @@ class Tokenizer:
                 ids.add(token_id)
         return ids
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True,
+               max_tokens: int | None = None) -> list[int]:
+        """Token ids of `text`. A long text is encoded with the GIL released (other threads,
+        such as a server's event loop, keep running). With `max_tokens`, a text with more
+        tokens raises `PromptTooLong` before its ids are built, and one whose length alone
+        proves it too long raises without being encoded."""
+        if max_tokens is not None and len(text) > self.max_token_chars * max_tokens:
+            raise PromptTooLong(f"prompt is at least {len(text) // self.max_token_chars} "
+                                f"tokens, the maximum is {max_tokens}")
+        if len(text) < _GIL_FREE_CHARS:
+            encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
+        else:  # encode_batch lets go of the GIL while it works; encode does not
+            [encoding] = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        if max_tokens is not None and len(encoding) > max_tokens:
+            raise PromptTooLong(f"prompt is {len(encoding)} tokens, the maximum is {max_tokens}")
+        return encoding.ids
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token spells (a token never covers more of a text)."""
+        return max(len(token) for token in self.backend.get_vocab(with_added_tokens=True))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

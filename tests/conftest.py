@@ -77,14 +77,10 @@ def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 @pytest.fixture(scope="session", autouse=True)
 def _user_cache_for_kernels() -> Iterator[None]:
     """The compiled kernels (a minute to build, keyed by their source) build once in the
-    user's cache, not once per test session in the throw-away one."""
-    import braid.kernels
-
-    def build_dir(digest: str) -> Path:
-        return Path(USER_CACHE) / "kernels" / f"quant-{digest}"
-
+    user's cache, not once per test session in the throw-away one (server subprocesses
+    included: they inherit the variable)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(braid.kernels, "_build_dir", build_dir)
+        mp.setenv("BRAID_KERNEL_DIR", str(Path(USER_CACHE) / "kernels"))
         yield
 
 

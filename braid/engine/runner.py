@@ -8,6 +8,7 @@ import torch
 
 from braid.engine.block_manager import BlockManager
 from braid.engine.request import Request
+from braid.kernels import quant_ops
 from braid.engine.scheduler import SchedulerOutput
 from braid.models.attention import AttentionMetadata, build_attention_metadata
 from braid.models.qwen2 import Qwen2ForCausalLM
@@ -67,6 +68,7 @@ class ModelRunner:
             cfg.head_dim, dtype=dtype, device=device,
         )
         model.bind_kv_cache(self.kv_cache)
+        quant_ops()  # build or load the kernels now, not in the first request's step
 
     def prepare(self, sched: SchedulerOutput, blocks: BlockManager) -> ModelInput:
         """The step's flat batch: every scheduled window, logits where the step samples and

@@ -22,9 +22,11 @@ SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "attention.c
 
 
 def _build_dir(digest: str) -> Path:
+    """Where this source's build lives: $BRAID_KERNEL_DIR, else the cache's kernels folder."""
     from braid.models.gguf_loader import cache_root
 
-    return cache_root() / "kernels" / f"quant-{digest}"
+    root = os.environ.get("BRAID_KERNEL_DIR") or cache_root() / "kernels"
+    return Path(root) / f"quant-{digest}"
 
 
 def _find_ninja() -> None:

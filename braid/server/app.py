@@ -6,27 +6,50 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from braid import __version__
 from braid.config import ConfigError, config_from_args
-from braid.server.engine_loop import AsyncEngine
-from braid.server.errors import install_error_handlers
+from braid.server.engine_loop import AsyncEngine, ShuttingDown
+from braid.server.errors import bad_request, install_error_handlers
 from braid.server.metrics import ServerMetrics
-from braid.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from braid.server.serving import ServerContext
-from braid.server.serving_chat import create_chat_completion
+from braid.server.middleware import ApiKeyAuth, BodySizeLimit
+from braid.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+from braid.server.serving import ServerContext, check_model
+from braid.server.serving_chat import create_chat_completion, render_chat
 from braid.server.serving_completion import create_completion
 
 logger = logging.getLogger("braid.server")
 
 
-def create_app(ctx: ServerContext, metrics: ServerMetrics) -> FastAPI:
+@dataclass(frozen=True)
+class AppOptions:
+    max_request_bytes: int = 4 * 2**20
+    api_key: str | None = None
+    enable_docs: bool = False
+
+
+def create_app(ctx: ServerContext, metrics: ServerMetrics,
+               options: AppOptions = AppOptions()) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         ctx.engine.start()
@@ -34,9 +57,16 @@ def create_app(ctx: ServerContext, metrics: ServerMetrics) -> FastAPI:
         # uvicorn has drained the in-flight requests (bounded by its graceful timeout).
         await asyncio.to_thread(ctx.engine.stop)
 
-    app = FastAPI(title="braid", lifespan=lifespan)
+    on = options.enable_docs
+    app = FastAPI(title="braid", version=__version__, lifespan=lifespan,
+                  docs_url="/docs" if on else None, redoc_url="/redoc" if on else None,
+                  openapi_url="/openapi.json" if on else None)
     install_error_handlers(app)
     _add_routes(app, ctx, metrics)
+    _add_token_routes(app, ctx)
+    if options.api_key:
+        app.add_middleware(ApiKeyAuth, api_key=options.api_key)
+    app.add_middleware(BodySizeLimit, max_bytes=options.max_request_bytes)
     return app
 
 
@@ -64,10 +94,35 @@ def _add_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> Non
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(ctx, body, raw)
 
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+
+def _add_token_routes(app: FastAPI, ctx: ServerContext) -> None:
+    """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize."""
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        check_model(ctx, body.model)
+        if isinstance(body, TokenizeChatRequest):
+            tokens = await asyncio.to_thread(render_chat, ctx.tokenizer, body)
+        else:
+            tokens = await asyncio.to_thread(ctx.tokenizer.encode, body.prompt,
+                                             body.add_special_tokens)
+        return TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len,
+                                tokens=tokens)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(ctx, body.model)
+        vocab = ctx.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise bad_request(f"tokens must be token ids in [0, {vocab})", "tokens")
+        return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))
+
 
 def run_server(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from braid.engine.engine import LLMEngine
 
     if args.max_waiting_requests < 1:
@@ -80,9 +135,14 @@ def run_server(args: argparse.Namespace) -> int:
     metrics = ServerMetrics(names[0])
     ctx = ServerContext(AsyncEngine(engine, metrics), engine.tokenizer, names,
                         config.max_model_len, args.max_waiting_requests)
-    server = uvicorn.Server(uvicorn.Config(
-        create_app(ctx, metrics), host=args.host, port=args.port, log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout, access_log=False))
+    if args.max_request_bytes < 1:
+        raise ConfigError("--max-request-bytes must be >= 1")
+    app = create_app(ctx, metrics, AppOptions(args.max_request_bytes, args.api_key,
+                                              args.enable_docs))
+    server = _Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S, access_log=False),
+        ctx.engine, args.shutdown_timeout)
     # After a graceful stop uvicorn re-raises the signal it caught; a no-op handler turns
     # that into a clean exit 0 instead of death by SIGTERM.
     signal.signal(signal.SIGTERM, _ignore)
@@ -92,3 +152,26 @@ def run_server(args: argparse.Namespace) -> int:
 
 def _ignore(signum: int, frame: Any) -> None:
     pass
+
+
+SHUTDOWN_GRACE_S = 3.0  # after failing the stragglers, time for their last bytes to go out
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's graceful shutdown, plus a deadline: requests still in flight after
+    `--shutdown-timeout` are failed by the engine loop (streams end with an error event and
+    [DONE], other requests get 503) instead of being cut mid-response."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, deadline_s: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.deadline_s = deadline_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        timer = asyncio.get_running_loop().call_later(
+            self.deadline_s, self.engine.fail_all,
+            ShuttingDown(f"server shutting down (--shutdown-timeout {self.deadline_s:g} s)"))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -14,6 +15,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-waiting-requests", type=int, default=256,
                        help="engine requests allowed to wait; beyond it new requests get 503")
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
-                       help="seconds SIGTERM waits for in-flight requests before cancelling")
+                       help="seconds SIGTERM waits for in-flight requests; then streams end with "
+                            "an error event and other requests get 503")
+    group.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                       help="largest request body accepted; larger ones get 413 (default 4 MiB)")
+    group.add_argument("--api-key", default=os.environ.get("BRAID_API_KEY"),
+                       help="require `Authorization: Bearer KEY` on /v1 and /tokenize routes "
+                            "(default: $BRAID_API_KEY; none: open)")
+    group.add_argument("--enable-docs", action="store_true",
+                       help="serve the OpenAPI schema and /docs (off by default)")
     group.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])

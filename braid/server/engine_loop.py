@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -49,6 +49,10 @@ class RequestFailed:
     error: BaseException
 
 
+class ShuttingDown(RuntimeError):
+    """Why requests still in flight at the shutdown deadline fail."""
+
+
 Delivery = RequestOutput | RequestFailed
 OutputQueue = asyncio.Queue[Delivery]
 
@@ -72,6 +76,14 @@ class _Stop:
     pass
 
 
+@dataclass(slots=True)
+class _FailAll:
+    error: BaseException
+
+
+_Command = _Add | _Abort | _Stop | _FailAll
+
+
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
     """Load figures published by the engine thread after every iteration."""
@@ -87,7 +99,7 @@ class AsyncEngine:
         self.engine = engine
         self.metrics = metrics
         self.snapshot = EngineSnapshot()
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._queues: dict[str, OutputQueue] = {}  # engine thread only
         self._num_pending_adds = 0  # event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -115,23 +127,40 @@ class AsyncEngine:
         """Requests waiting in the engine plus those sent but not yet added."""
         return self.snapshot.num_waiting + self._num_pending_adds
 
-    async def add(self, request_id: str, prompt: list[int], params: SamplingParams,
-                  out: OutputQueue, arrival_time: float | None = None) -> None:
-        """Add a request whose outputs go to `out`; raises what `engine.add_request` raised."""
+    def add_all(self, requests: list[tuple[str, list[int], SamplingParams]], out: OutputQueue,
+                arrival_time: float | None = None) -> Awaitable[list[BaseException | None]]:
+        """Add requests (id, prompt ids, params) whose outputs go to `out`. They count in
+        `num_waiting` from this call on (not from the first await), so a caller that checked
+        the waiting limit just before cannot be overtaken. The result holds, per request,
+        None or what `engine.add_request` raised."""
         assert self._loop is not None, "start() first"
         if not self.is_alive:
             raise RuntimeError("the engine loop is not running")
-        admitted: asyncio.Future[None] = self._loop.create_future()
-        self._inbox.put(_Add(request_id, prompt, params, arrival_time or time.monotonic(), out,
-                             admitted))
-        self._num_pending_adds += 1
+        arrival = arrival_time or time.monotonic()
+        futures = []
+        for request_id, prompt, params in requests:
+            admitted: asyncio.Future[None] = self._loop.create_future()
+            self._inbox.put(_Add(request_id, prompt, params, arrival, out, admitted))
+            futures.append(admitted)
+        self._num_pending_adds += len(requests)
+        return self._await_admission([r[0] for r in requests], futures)
+
+    async def _await_admission(self, request_ids: list[str],
+                               futures: list[asyncio.Future[None]]
+                               ) -> list[BaseException | None]:
         try:
-            await admitted
+            results = await asyncio.gather(*futures, return_exceptions=True)
         except asyncio.CancelledError:
-            self.abort(request_id)  # applied after the add: the inbox is FIFO
+            for request_id in request_ids:
+                self.abort(request_id)  # applied after the adds: the inbox is FIFO
             raise
         finally:
-            self._num_pending_adds -= 1
+            self._num_pending_adds -= len(request_ids)
+        return [r if isinstance(r, BaseException) else None for r in results]
+
+    def fail_all(self, error: BaseException) -> None:
+        """Fail and abort every request in the engine with `error` (the shutdown deadline)."""
+        self._inbox.put(_FailAll(error))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -156,7 +185,7 @@ class AsyncEngine:
                 self._step()
             self._publish()
 
-    def _take_commands(self, block: bool) -> list[_Add | _Abort | _Stop]:
+    def _take_commands(self, block: bool) -> list[_Command]:
         commands = [self._inbox.get()] if block else []
         while True:
             try:
@@ -164,7 +193,7 @@ class AsyncEngine:
             except queue.Empty:
                 return commands
 
-    def _apply(self, commands: list[_Add | _Abort | _Stop]) -> bool:
+    def _apply(self, commands: list[_Command]) -> bool:
         """Apply commands in order; False once asked to stop. Admissions are settled after
         the snapshot counts the new requests, so `num_waiting` never misses them."""
         settled: list[tuple[asyncio.Future[None], BaseException | None]] = []
@@ -174,8 +203,10 @@ class AsyncEngine:
                 settled.append((command.admitted, self._add(command)))
             elif isinstance(command, _Abort):
                 self._abort(command.request_id)
+            elif isinstance(command, _FailAll):
+                self._abort_all(command.error)
             else:
-                self._abort_all()
+                self._abort_all(ShuttingDown("server shutting down"))
                 running = False
                 break
         self._publish()
@@ -204,9 +235,9 @@ class AsyncEngine:
             if out is not None:
                 self.metrics.record_finished(out)
 
-    def _abort_all(self) -> None:
+    def _abort_all(self, error: BaseException) -> None:
         for request_id in list(self._queues):
-            self._deliver_failure(request_id, RuntimeError("server shutting down"))
+            self._deliver_failure(request_id, error)
             self._abort(request_id)
 
     def _step(self) -> None:

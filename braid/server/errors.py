@@ -13,7 +13,8 @@ from braid.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("braid.server")
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error",
           500: "internal_server_error", 503: "service_unavailable_error"}
 
 
@@ -71,7 +72,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).response()
+        return APIError(exc.status_code, str(exc.detail),
+                        "body" if exc.status_code == 413 else None).response()
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

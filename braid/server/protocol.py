@@ -1,25 +1,39 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
-Unknown request fields are ignored, as vLLM does, so clients that send extra options work.
+Every request field is honoured or refused: unknown fields get 400 naming them, and the
+known ones braid does not implement yet (`best_of` > 1, `suffix`, JSON `response_format`,
+`tools`, guided decoding) get 400 from `unsupported_field`. `user` is accepted and unused.
+Text that cannot be UTF-8 (a lone surrogate such as "\ud800") is refused where it enters.
 Responses carry one extra field, `braid`: per-response speculation figures and preemptions.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+
+def _utf8(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text must be valid UTF-8: {e.reason} at index {e.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
@@ -28,7 +42,7 @@ class _SamplingRequest(BaseModel):
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -39,30 +53,76 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # accepted, unused
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    # Known fields refused until implemented (see `unsupported_field`).
+    best_of: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def unsupported_field(self) -> tuple[str, str] | None:
+        """(field, why) for the first field set to something braid does not do yet."""
+        if self.best_of not in (None, 1):
+            return "best_of", "best_of > 1 is not supported; use n"
+        if self.response_format not in (None, {"type": "text"}):
+            return "response_format", "structured output (JSON) is not supported yet"
+        if self.tools:
+            return "tools", "tool calling is not supported yet"
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice", "tool calling is not supported yet"
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs"):
+            if getattr(self, name) is not None:
+                return name, "guided decoding is not supported yet"
+        return None
 
-class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    def token_bias(self) -> dict[int, float] | None:
+        """logit_bias with integer token ids (ValueError naming the field otherwise)."""
+        if self.logit_bias is None:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise ValueError("logit_bias keys must be token ids, got "
+                             f"{list(self.logit_bias)[:5]!r}") from None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+    def unsupported_field(self) -> tuple[str, str] | None:
+        if self.suffix:
+            return "suffix", "suffix (fill in the middle) is not supported"
+        return super().unsupported_field()
 
 
 class TextPart(BaseModel):
     type: Literal["text"] = "text"
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: str
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    role: Text
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it: content is one string."""
@@ -73,7 +133,7 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -97,6 +157,15 @@ class BraidInfo(BaseModel):
 
     num_preemptions: int = 0
     spec: dict[str, Any] = Field(default_factory=dict)
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # vLLM's shape: token id -> entry
 
 
 class CompletionLogprobs(BaseModel):
@@ -126,6 +195,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatResponseMessage(BaseModel):
@@ -139,6 +209,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -152,6 +223,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # in the choice's last chunk
 
 
 class _Response(BaseModel):
@@ -193,6 +265,39 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: Text
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorInfo(BaseModel):

@@ -10,6 +10,8 @@ from braid.server.protocol import (
     BraidInfo,
     ChatLogprobs,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
     TokenLogprob,
     TopLogprob,
     UsageInfo,
@@ -23,7 +25,7 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf
 class Delta:
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[dict[int, float]] | list[dict[int, float] | None] | None
 
 
 @dataclass(slots=True)
@@ -63,21 +65,35 @@ def _clamp(logprob: float | None) -> float | None:
 
 def completion_logprobs(tokenizer: Tokenizer, delta: Delta, top_n: int,
                         offset: int) -> CompletionLogprobs:
+    """Legacy completions logprobs; an entry of None (an echoed prompt's first token) gets
+    null logprobs."""
     result = CompletionLogprobs()
-    for token_id, entry in zip(delta.token_ids, delta.logprobs or [], strict=False):
+    entries: list[dict[int, float] | None] = list(delta.logprobs or [])
+    for token_id, entry in zip(delta.token_ids, entries, strict=False):
         text = token_text(tokenizer, token_id)
         result.tokens.append(text)
-        result.token_logprobs.append(_clamp(entry.get(token_id)))
-        result.top_logprobs.append(
-            {token_text(tokenizer, t): max(lp, _MIN_LOGPROB) for t, lp in _top(entry, top_n)})
+        result.token_logprobs.append(None if entry is None else _clamp(entry.get(token_id)))
+        result.top_logprobs.append(None if entry is None else {
+            token_text(tokenizer, t): max(lp, _MIN_LOGPROB) for t, lp in _top(entry, top_n)})
         result.text_offset.append(offset)
         offset += len(text)
     return result
 
 
+def prompt_logprobs(tokenizer: Tokenizer, out: RequestOutput) -> PromptLogprobs | None:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or token id -> entry."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if entry is None else {
+        str(t): PromptLogprob(logprob=max(lp, _MIN_LOGPROB),
+                              decoded_token=token_text(tokenizer, t))
+        for t, lp in entry.items()} for entry in out.prompt_logprobs]
+
+
 def chat_logprobs(tokenizer: Tokenizer, delta: Delta, top_n: int) -> ChatLogprobs:
     content = []
     for token_id, entry in zip(delta.token_ids, delta.logprobs or [], strict=False):
+        assert entry is not None  # only echoed prompts have entries of None
         text = token_text(tokenizer, token_id)
         top = [_top_logprob(tokenizer, t, lp) for t, lp in _top(entry, top_n)]
         content.append(TokenLogprob(token=text, logprob=_clamp(entry.get(token_id)) or 0.0,

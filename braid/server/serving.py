@@ -22,8 +22,9 @@ from pydantic import BaseModel
 from braid.engine.engine import RequestError
 from braid.outputs import RequestOutput
 from braid.sampling_params import SamplingParams
-from braid.server.engine_loop import AsyncEngine, OutputQueue, RequestFailed
+from braid.server.engine_loop import AsyncEngine, OutputQueue, RequestFailed, ShuttingDown
 from braid.server.errors import APIError, bad_request, field_of
+from braid.server.protocol import SamplingRequest
 from braid.server.responses import ChoiceState, Delta
 from braid.tokenizer import Tokenizer
 
@@ -42,7 +43,12 @@ class ServerContext:
 
 
 class EngineFailure(Exception):
-    """The engine failed this request (see `RequestFailed`)."""
+    """The engine failed this request (see `RequestFailed`); 503 when the server is shutting
+    down, 500 otherwise."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -85,11 +91,24 @@ _SHARED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "sto
                   "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
 
 
-def request_params(body: object, max_tokens: int | None, logprobs: int | None,
-                   rename: dict[str, str] | None = None) -> SamplingParams:
-    """SamplingParams from the fields completions and chat requests share (same names)."""
+def request_params(body: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                   rename: dict[str, str] | None = None,
+                   prompt_logprobs: int | None = None) -> SamplingParams:
+    """SamplingParams from the fields completions and chat requests share (same names); 400
+    for a field braid does not implement."""
+    unsupported = body.unsupported_field()
+    if unsupported is not None:
+        name, why = unsupported
+        raise bad_request(f"{name}: {why}", name)
+    try:
+        bias = body.token_bias()
+    except ValueError as e:
+        raise bad_request(str(e), "logit_bias") from None
     shared = {name: getattr(body, name) for name in _SHARED_FIELDS}
-    return build_params(rename, max_tokens=max_tokens, logprobs=logprobs, **shared)
+    if prompt_logprobs is None:
+        prompt_logprobs = body.prompt_logprobs
+    return build_params(rename, max_tokens=max_tokens, logprobs=logprobs, logit_bias=bias,
+                        prompt_logprobs=prompt_logprobs, **shared)
 
 
 def make_job(prefix: str, prompts: list[list[int]], params: SamplingParams, n: int) -> Job:
@@ -97,27 +116,39 @@ def make_job(prefix: str, prompts: list[list[int]], params: SamplingParams, n: i
     choices, per_choice = [], []
     for index, (p, j) in enumerate(itertools.product(range(len(prompts)), range(n))):
         choices.append(ChoiceState(index, f"{job_id}-{index}", p))
-        seed = None if params.seed is None else params.seed + j
+        seed = None if params.seed is None else _wrap_seed(params.seed + j)
         per_choice.append(dataclasses.replace(params, seed=seed))
     return Job(job_id, prompts, choices, per_choice)
+
+
+def _wrap_seed(seed: int) -> int:
+    """Choice j's seed is seed + j, wrapped into the 64 bits a generator takes."""
+    return seed - 2**64 if seed >= 2**64 else seed
 
 
 _counter = itertools.count()
 
 
 async def submit(ctx: ServerContext, job: Job, prompt_field: str = "prompt") -> None:
-    """Admit every choice, or none: 503 when too many wait, 400 for a prompt the engine
-    refuses (the field is renamed to `prompt_field`), 500 for anything else."""
+    """Admit every choice, or none: 400 for a request larger than the waiting limit, 503 when
+    too many wait, 400 for a prompt the engine refuses (the field is renamed to
+    `prompt_field`), 500 for anything else. The check and the reservation of the waiting
+    slots happen with no await between them, so concurrent handlers cannot overrun it."""
+    size, limit = len(job.choices), ctx.max_waiting_requests
+    if size > limit:
+        name = "n" if len(job.prompts) == 1 else prompt_field
+        raise bad_request(f"{name}: this request makes {size} engine requests "
+                          f"({len(job.prompts)} prompt(s) x n), more than the server lets "
+                          f"wait at once ({limit}); split it", name)
     waiting = ctx.engine.num_waiting
-    if waiting + len(job.choices) > ctx.max_waiting_requests:
+    if waiting + size > limit:
         raise APIError(503, f"server overloaded: {waiting} requests waiting (limit "
-                       f"{ctx.max_waiting_requests}); retry later",
+                       f"{limit}); retry later",
                        headers={"Retry-After": str(ctx.retry_after_s)})
-    results = await asyncio.gather(
-        *(ctx.engine.add(c.request_id, job.prompts[c.prompt_index], p, job.queue,
-                         job.arrival_time) for c, p in zip(job.choices, job.params, strict=True)),
-        return_exceptions=True)
-    errors = [r for r in results if isinstance(r, BaseException)]
+    results = await ctx.engine.add_all(
+        [(c.request_id, job.prompts[c.prompt_index], p)
+         for c, p in zip(job.choices, job.params, strict=True)], job.queue, job.arrival_time)
+    errors = [r for r in results if r is not None]
     if errors:
         abort_unfinished(ctx, job)
         raise _admission_error(errors[0], prompt_field)
@@ -143,7 +174,8 @@ async def outputs(job: Job) -> AsyncIterator[tuple[ChoiceState, RequestOutput]]:
     while job.unfinished:
         item = await job.queue.get()
         if isinstance(item, RequestFailed):
-            raise EngineFailure(f"{type(item.error).__name__}: {item.error}")
+            status = 503 if isinstance(item.error, ShuttingDown) else 500
+            raise EngineFailure(f"{type(item.error).__name__}: {item.error}", status)
         yield job.choice(item.request_id), item
 
 
@@ -162,7 +194,7 @@ async def collect(ctx: ServerContext, job: Job, raw: Request) -> list[RequestOut
                 raise ClientGone
         task.result()
     except EngineFailure as e:
-        raise APIError(500, f"the engine failed this request: {e}") from None
+        raise APIError(e.status, f"the engine failed this request: {e}") from None
     finally:
         task.cancel()
         abort_unfinished(ctx, job)
@@ -210,7 +242,10 @@ async def event_stream(ctx: ServerContext, job: Job, head: list[str], render: Ch
         for chunk in tail():
             yield chunk
     except Exception as e:
-        logger.exception("streaming request %s failed", job.id)
+        if isinstance(e, EngineFailure) and e.status == 503:
+            logger.warning("streaming request %s ended: %s", job.id, e)
+        else:
+            logger.exception("streaming request %s failed", job.id)
         yield _error_event(e)
     finally:
         abort_unfinished(ctx, job)
@@ -218,6 +253,7 @@ async def event_stream(ctx: ServerContext, job: Job, head: list[str], render: Ch
 
 
 def _error_event(error: Exception) -> str:
+    status = error.status if isinstance(error, EngineFailure) else 500
     api = error if isinstance(error, APIError) else APIError(
-        500, f"the request failed: {type(error).__name__}: {error}")
+        status, f"the request failed: {error}")
     return f"data: {api.body().model_dump_json()}\n\n"

@@ -18,8 +18,16 @@ from braid.server.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
+    TokenizeChatRequest,
 )
-from braid.server.responses import ChoiceState, Delta, braid_info, chat_logprobs, usage
+from braid.server.responses import (
+    ChoiceState,
+    Delta,
+    braid_info,
+    chat_logprobs,
+    prompt_logprobs,
+    usage,
+)
 from braid.server.serving import (
     Job,
     ServerContext,
@@ -31,7 +39,7 @@ from braid.server.serving import (
     sse,
     submit,
 )
-from braid.tokenizer import Tokenizer
+from braid.tokenizer import PromptTooLong, Tokenizer
 
 
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest,
@@ -42,20 +50,26 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
         body, body.max_completion_tokens if use_new_name else body.max_tokens,
         (body.top_logprobs or 0) if body.logprobs else None,
         {"max_tokens": "max_completion_tokens"} if use_new_name else None)
-    prompt = await asyncio.to_thread(_render, ctx.tokenizer, body)
+    prompt = await asyncio.to_thread(render_chat, ctx.tokenizer, body, ctx.max_model_len - 1)
     job = make_job("chatcmpl", [prompt], params, body.n)
     await submit(ctx, job, prompt_field="messages")
     return await respond(ctx, job, raw, body.stream, lambda: _stream(ctx, job, body, model),
                          lambda finals: _response(ctx, job, body, model, finals))
 
 
-def _render(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
+def render_chat(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeChatRequest,
+            max_tokens: int | None = None) -> list[int]:
+    """The conversation through the chat template, as token ids (400 naming `messages` when
+    the template refuses it or it has more than `max_tokens` tokens)."""
     messages = [m.as_template_dict() for m in body.messages]
     try:
         text = tokenizer.apply_chat_template(messages, body.add_generation_prompt)
     except Exception as e:  # template errors are the conversation's fault (jinja raise_exception)
         raise bad_request(f"messages: the chat template rejected them: {e}", "messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    try:
+        return tokenizer.encode(text, add_special_tokens=False, max_tokens=max_tokens)
+    except PromptTooLong as e:
+        raise bad_request(f"messages: {e}", "messages") from None
 
 
 def _logprobs(ctx: ServerContext, body: ChatCompletionRequest, delta: Delta) -> ChatLogprobs | None:
@@ -72,7 +86,8 @@ def _response(ctx: ServerContext, job: Job, body: ChatCompletionRequest, model: 
         choices.append(ChatChoice(
             index=choice.index, message=ChatResponseMessage(content=c.text),
             logprobs=_logprobs(ctx, body, Delta(c.text, c.token_ids, c.logprobs)),
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            prompt_logprobs=prompt_logprobs(ctx.tokenizer, out)))
     return ChatCompletionResponse(id=job.id, model=model, choices=choices,
                                   usage=usage(job.prompts, job.choices), braid=braid_info(finals))
 
@@ -92,6 +107,7 @@ def _stream(ctx: ServerContext, job: Job, body: ChatCompletionRequest, model: st
                            stop_reason=c.stop_reason if out.finished else None)
         if out.finished:
             body_chunk.braid = braid_info([out])
+            body_chunk.choices[0].prompt_logprobs = prompt_logprobs(ctx.tokenizer, out)
         return [sse(body_chunk)]
 
     def tail() -> list[str]:

@@ -8,6 +8,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from braid.outputs import RequestOutput
+from braid.server.errors import bad_request
 from braid.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -20,6 +21,7 @@ from braid.server.responses import (
     Delta,
     braid_info,
     completion_logprobs,
+    prompt_logprobs,
     usage,
 )
 from braid.server.serving import (
@@ -33,28 +35,46 @@ from braid.server.serving import (
     sse,
     submit,
 )
-from braid.tokenizer import Tokenizer
+from braid.tokenizer import PromptTooLong, Tokenizer
 
 
 async def create_completion(ctx: ServerContext, body: CompletionRequest,
                             raw: Request) -> Response:
     model = check_model(ctx, body.model)
-    params = request_params(body, body.max_tokens, body.logprobs)
-    prompts = await asyncio.to_thread(tokenize_prompts, ctx.tokenizer, body.prompt)
+    # echo with logprobs returns the prompt's logprobs too
+    echo_logprobs = body.logprobs if body.echo and body.prompt_logprobs is None else None
+    params = request_params(body, body.max_tokens, body.logprobs,
+                            prompt_logprobs=echo_logprobs)
+    try:
+        prompts = await asyncio.to_thread(tokenize_prompts, ctx.tokenizer, body.prompt,
+                                          ctx.max_model_len - 1)
+    except PromptTooLong as e:
+        raise bad_request(str(e), "prompt") from None
     job = make_job("cmpl", prompts, params, body.n)
     await submit(ctx, job)
     return await respond(ctx, job, raw, body.stream, lambda: _stream(ctx, job, body, model),
                          lambda finals: _response(ctx, job, body, model, finals))
 
 
-def tokenize_prompts(tokenizer: Tokenizer,
-                     prompt: str | list[int] | list[str] | list[list[int]]) -> list[list[int]]:
-    """One prompt or a batch, as token ids (the engine checks lengths and ids)."""
+def tokenize_prompts(tokenizer: Tokenizer, prompt: str | list[int] | list[str] | list[list[int]],
+                     max_tokens: int | None = None) -> list[list[int]]:
+    """One prompt or a batch, as token ids (the engine checks lengths and ids; texts longer
+    than `max_tokens` raise PromptTooLong before their ids are built)."""
     if isinstance(prompt, str):
-        return [tokenizer.encode(prompt)]
+        return [tokenizer.encode(prompt, max_tokens=max_tokens)]
     if not prompt or isinstance(prompt[0], int):
         return [list(prompt)]  # type: ignore[arg-type]
-    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+    return [tokenizer.encode(p, max_tokens=max_tokens) if isinstance(p, str) else list(p)
+            for p in prompt]
+
+
+def _echo(ctx: ServerContext, body: CompletionRequest, out: RequestOutput) -> Delta:
+    """The prompt as an echoed prefix: its text, ids and (with logprobs) its logprobs."""
+    if not body.echo:
+        return Delta("", [], None)
+    ids = out.prompt_token_ids
+    return Delta(ctx.tokenizer.decode(ids, skip_special_tokens=False), list(ids),
+                 out.prompt_logprobs)
 
 
 def _logprobs(ctx: ServerContext, body: CompletionRequest, delta: Delta,
@@ -69,24 +89,41 @@ def _response(ctx: ServerContext, job: Job, body: CompletionRequest, model: str,
     choices = []
     for choice, out in zip(job.choices, finals, strict=True):
         c = out.outputs[0]
-        delta = Delta(c.text, c.token_ids, c.logprobs)
+        delta = _joined(_echo(ctx, body, out), Delta(c.text, c.token_ids, c.logprobs))
         choices.append(CompletionChoice(
-            index=choice.index, text=c.text, logprobs=_logprobs(ctx, body, delta, 0),
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            index=choice.index, text=delta.text, logprobs=_logprobs(ctx, body, delta, 0),
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            prompt_logprobs=prompt_logprobs(ctx.tokenizer, out) if body.prompt_logprobs
+            is not None else None))
     return CompletionResponse(id=job.id, model=model, choices=choices,
                               usage=usage(job.prompts, job.choices), braid=braid_info(finals))
 
 
+def _joined(head: Delta, tail: Delta) -> Delta:
+    if not head.token_ids:
+        return tail
+    logprobs = None if tail.logprobs is None else [*(head.logprobs or []), *tail.logprobs]
+    return Delta(head.text + tail.text, head.token_ids + tail.token_ids, logprobs)
+
+
 def _stream(ctx: ServerContext, job: Job, body: CompletionRequest, model: str):  # noqa: ANN202
+    echoed: dict[int, int] = {}  # choice index -> characters echoed in its first chunk
+
     def render(choice: ChoiceState, delta: Delta, out: RequestOutput) -> list[str]:
-        if not delta.text and not out.finished and body.logprobs is None:
+        first = choice.index not in echoed
+        if not first and not delta.text and not out.finished and body.logprobs is None:
             return []
         c = out.outputs[0]
-        offset = choice.sent_chars - len(delta.text)
+        if first:
+            delta = _joined(_echo(ctx, body, out), delta)
+            echoed[choice.index] = len(delta.text) - choice.sent_chars
+        offset = echoed[choice.index] + choice.sent_chars - len(delta.text)
         chunk = CompletionStreamResponse(id=job.id, model=model, choices=[CompletionChoice(
             index=choice.index, text=delta.text, logprobs=_logprobs(ctx, body, delta, offset),
             finish_reason=c.finish_reason if out.finished else None,
-            stop_reason=c.stop_reason if out.finished else None)])
+            stop_reason=c.stop_reason if out.finished else None,
+            prompt_logprobs=prompt_logprobs(ctx.tokenizer, out) if first and
+            body.prompt_logprobs is not None else None)])
         if out.finished:
             chunk.braid = braid_info([out])
         return [sse(chunk)]

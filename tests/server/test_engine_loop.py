@@ -68,10 +68,9 @@ async def _final(out: OutputQueue) -> RequestOutput | RequestFailed:
 async def _run(engine: AsyncEngine, request_id: str, prompt: list[int]
                ) -> RequestOutput | RequestFailed | BaseException:
     out: OutputQueue = asyncio.Queue()
-    try:
-        await engine.add(request_id, prompt, SamplingParams(), out)
-    except Exception as e:
-        return e
+    [error] = await engine.add_all([(request_id, prompt, SamplingParams())], out)
+    if error is not None:
+        return error
     return await _final(out)
 
 
@@ -115,7 +114,7 @@ def test_abort_stops_delivery_and_frees_the_request() -> None:
         engine.start()
         out: OutputQueue = asyncio.Queue()
         try:
-            await engine.add("gone", [1], SamplingParams(), out)
+            assert await engine.add_all([("gone", [1], SamplingParams())], out) == [None]
             engine.abort("gone")
             await asyncio.sleep(0.2)
             return engine.snapshot.num_running, "gone" in fake.requests

@@ -1,0 +1,65 @@
+"""ASGI middleware in front of the routes: the request body size limit and API key auth."""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from braid.server.errors import APIError
+
+# Routes that need the API key (when one is set); /health, /metrics and /version stay open.
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+class BodySizeLimit:
+    """413 for a body over `max_bytes`: at once from Content-Length, else while it arrives
+    (the route never sees more than the limit)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _error(self) -> APIError:
+        return APIError(413, f"request body is larger than the server accepts "
+                        f"(--max-request-bytes {self.max_bytes})", "body")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._error().response()(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:  # answered by the app's HTTPException handler
+                raise HTTPException(413, self._error().message)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+class ApiKeyAuth:
+    """`Authorization: Bearer KEY` on the protected routes (compared in constant time)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "invalid or missing API key (send Authorization: "
+                                 "Bearer KEY)", code="invalid_api_key",
+                                 headers={"WWW-Authenticate": "Bearer"})
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
