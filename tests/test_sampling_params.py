@@ -62,3 +62,10 @@ def test_min_tokens_above_max_tokens() -> None:
 def test_message_shows_the_value() -> None:
     with pytest.raises(ValueError, match=r"^temperature must be >= 0, got -1"):
         SamplingParams(temperature=-1)
+
+
+def test_seed_range() -> None:
+    SamplingParams(seed=2**64 - 1)
+    SamplingParams(seed=-(2**63))
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)

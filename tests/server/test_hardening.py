@@ -1,0 +1,301 @@
+"""The server as an attacker or a careless client meets it: every field honoured or refused,
+odd text, huge bodies, bursts past the waiting limit, auth, token routes, shutdown."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.conftest import ENGINE_FLAGS, ServerProcess
+from tests.server.metrics_util import scrape
+
+KEY = "s3cret-key"
+LIMIT_BYTES = 100_000
+
+
+def post(server: ServerProcess, path: str, body: dict, **kwargs: object) -> httpx.Response:
+    """POST `body` as JSON text written by json.dumps (which keeps lone surrogates as
+    escapes, where httpx's own encoder would refuse them)."""
+    headers = {"content-type": "application/json", **kwargs.pop("headers", {})}  # type: ignore[dict-item]
+    return httpx.post(f"{server.url}{path}", content=json.dumps(body), headers=headers,
+                      timeout=60, **kwargs)  # type: ignore[arg-type]
+
+
+def completion(server: ServerProcess, **fields: object) -> httpx.Response:
+    return post(server, "/v1/completions", {"model": server.model, "prompt": "hi",
+                                            "max_tokens": 4, "temperature": 0, **fields})
+
+
+def chat(server: ServerProcess, content: object = "hi", **fields: object) -> httpx.Response:
+    return post(server, "/v1/chat/completions", {
+        "model": server.model, "messages": [{"role": "user", "content": content}],
+        "max_tokens": 4, "temperature": 0, **fields})
+
+
+def assert_400(r: httpx.Response, param: str) -> None:
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    assert r.json()["error"]["message"]
+
+
+# ---- text that is not UTF-8 ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["prompt", "prompt list", "chat content", "chat part",
+                                   "stop"])
+def test_lone_surrogate_is_400_naming_the_field(server: ServerProcess, where: str) -> None:
+    bad = "a\ud800b"
+    r = {
+        "prompt": lambda: completion(server, prompt=bad),
+        "prompt list": lambda: completion(server, prompt=["ok", bad]),
+        "chat content": lambda: chat(server, bad),
+        "chat part": lambda: chat(server, [{"type": "text", "text": bad}]),
+        "stop": lambda: completion(server, stop=[bad]),
+    }[where]()
+    assert_400(r, {"chat content": "messages", "chat part": "messages",
+                   "prompt list": "prompt"}.get(where, where))
+    assert completion(server).status_code == 200
+
+
+# ---- seeds ---------------------------------------------------------------------------------
+
+
+def test_seed_past_64_bits_is_400_and_the_largest_works_with_n_2(server: ServerProcess) -> None:
+    assert_400(completion(server, seed=2**64, temperature=1), "seed")
+    r = completion(server, seed=2**64 - 1, n=2, temperature=1)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2
+
+
+# ---- every field honoured or refused -------------------------------------------------------
+
+REFUSED = {
+    "best_of": {"best_of": 2},
+    "suffix": {"suffix": "tail"},
+    "response_format": {"response_format": {"type": "json_object"}},
+    "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
+    "tool_choice": {"tool_choice": "auto"},
+    "guided_json": {"guided_json": {"type": "object"}},
+    "guided_regex": {"guided_regex": "a+"},
+    "no_such_field": {"no_such_field": 1},
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_unimplemented_and_unknown_fields_are_400(server: ServerProcess, name: str) -> None:
+    assert_400(completion(server, **REFUSED[name]), name)
+    if name != "suffix":  # suffix is a completions field; chat refuses it as unknown
+        assert_400(chat(server, **REFUSED[name]), name)
+
+
+def test_accepted_no_ops(server: ServerProcess) -> None:
+    r = completion(server, user="u1", best_of=1, response_format={"type": "text"},
+                   tool_choice="none")
+    assert r.status_code == 200, r.text
+
+
+def test_logit_bias_steers_greedy_output(server: ServerProcess) -> None:
+    token = 104  # byte-level: "h"
+    for r in (completion(server, logit_bias={str(token): 100}, max_tokens=6),
+              chat(server, logit_bias={str(token): 100}, max_tokens=6)):
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert (choice.get("text") or choice["message"]["content"]) == "hhhhhh"
+    assert_400(completion(server, logit_bias={"h": 5}), "logit_bias")
+    assert_400(completion(server, logit_bias={"3": 500}), "logit_bias")
+    assert_400(completion(server, logit_bias={"99999": 1}), "logit_bias")
+
+
+def test_echo_returns_prompt_then_completion(server: ServerProcess) -> None:
+    plain = completion(server, prompt="hello", max_tokens=5).json()["choices"][0]
+    r = completion(server, prompt="hello", max_tokens=5, echo=True, logprobs=1)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == "hello" + plain["text"]
+    lp = choice["logprobs"]
+    assert "".join(lp["tokens"]) == choice["text"]
+    assert lp["token_logprobs"][0] is None and None not in lp["token_logprobs"][1:]
+    assert lp["text_offset"][5] == 5  # first generated token starts after the prompt
+
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={
+            "model": server.model, "prompt": "hello", "max_tokens": 5, "temperature": 0,
+            "echo": True, "stream": True}, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines()
+                  if line.startswith("data: {")]
+    assert events[0]["choices"][0]["text"].startswith("hello")
+    assert "".join(e["choices"][0]["text"] for e in events) == choice["text"]
+
+
+def test_prompt_logprobs_over_http(server: ServerProcess) -> None:
+    r = completion(server, prompt="hello", prompt_logprobs=2)
+    assert r.status_code == 200, r.text
+    entries = r.json()["choices"][0]["prompt_logprobs"]
+    assert len(entries) == 5 and entries[0] is None
+    for entry, token in zip(entries[1:], [ord(c) for c in "ello"], strict=True):
+        assert str(token) in entry and 2 <= len(entry) <= 3
+        assert all(v["logprob"] <= 0 for v in entry.values())
+    r = chat(server, prompt_logprobs=0)
+    entries = r.json()["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and all(len(e) == 1 for e in entries[1:])
+
+
+# ---- token routes, version, docs ----------------------------------------------------------
+
+
+def test_tokenize_detokenize_version(server: ServerProcess) -> None:
+    r = post(server, "/tokenize", {"model": server.model, "prompt": "hey"})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"count": 3, "max_model_len": 256, "tokens": [104, 101, 121]}
+    r = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hey"}]})
+    assert r.status_code == 200 and r.json()["count"] > 3
+    r = post(server, "/detokenize", {"tokens": [104, 101, 121]})
+    assert r.json() == {"prompt": "hey"}
+    assert_400(post(server, "/detokenize", {"tokens": [10**6]}), "tokens")
+    assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_docs_are_off_by_default(server: ServerProcess) -> None:
+    for path in ("/docs", "/openapi.json", "/redoc"):
+        assert httpx.get(f"{server.url}{path}").status_code == 404
+
+
+# ---- a guarded server: small body limit, API key, waiting limit 4 ---------------------------
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[ServerProcess]:
+    proc = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("guarded"), *ENGINE_FLAGS,
+                         "--max-request-bytes", str(LIMIT_BYTES), "--api-key", KEY,
+                         "--max-waiting-requests", "4", "--max-num-seqs", "2",
+                         "--enable-docs")
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+def test_api_key_guards_v1_and_token_routes(guarded: ServerProcess) -> None:
+    body = {"model": guarded.model, "prompt": "hi", "max_tokens": 2}
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY}):
+        r = post(guarded, "/v1/completions", body, headers=headers)
+        assert r.status_code == 401, r.text
+        assert r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(f"{guarded.url}/v1/models", headers=headers).status_code == 401
+        assert post(guarded, "/tokenize", {"prompt": "x"}, headers=headers).status_code == 401
+    assert post(guarded, "/v1/completions", body, headers=AUTH).status_code == 200
+    assert httpx.get(f"{guarded.url}/v1/models", headers=AUTH).status_code == 200
+    for path in ("/health", "/metrics", "/version", "/docs", "/openapi.json"):
+        assert httpx.get(f"{guarded.url}{path}").status_code == 200, path
+
+
+def test_body_over_the_limit_is_413(guarded: ServerProcess) -> None:
+    big = {"model": guarded.model, "prompt": "x" * LIMIT_BYTES, "max_tokens": 2}
+    r = post(guarded, "/v1/completions", big, headers=AUTH)
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["param"] == "body"
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"x" * 10_000
+        yield b'"}'
+
+    r = httpx.post(f"{guarded.url}/v1/completions", content=chunks(), timeout=60,
+                   headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    r = post(guarded, "/v1/completions", {**big, "prompt": "x" * (LIMIT_BYTES // 2)},
+             headers=AUTH)
+    assert_400(r, "prompt")  # under the byte limit, over max_model_len
+    assert post(guarded, "/v1/completions", {**big, "prompt": "ok"},
+                headers=AUTH).status_code == 200
+
+
+def test_request_that_can_never_be_admitted_is_400(guarded: ServerProcess) -> None:
+    body = {"model": guarded.model, "max_tokens": 2}
+    assert_400(post(guarded, "/v1/completions", {**body, "prompt": "hi", "n": 5},
+                    headers=AUTH), "n")
+    assert_400(post(guarded, "/v1/completions", {**body, "prompt": ["a"] * 5},
+                    headers=AUTH), "prompt")
+    r = post(guarded, "/v1/completions", {**body, "prompt": ["a", "b"], "n": 2},
+             headers=AUTH)
+    assert r.status_code == 200, r.text
+
+
+def test_waiting_limit_holds_under_a_burst(guarded: ServerProcess) -> None:
+    peak, stop = [0], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            waiting = scrape(guarded.url).get("braid:num_requests_waiting", 0)
+            peak[0] = max(peak[0], int(waiting))
+            time.sleep(0.005)
+
+    body = {"model": guarded.model, "prompt": "burst", "max_tokens": 60, "ignore_eos": True,
+            "temperature": 0}
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(40) as pool:
+            responses = list(pool.map(
+                lambda _: post(guarded, "/v1/completions", body, headers=AUTH), range(40)))
+    finally:
+        stop.set()
+        watcher.join()
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 503} and 503 in codes, codes
+    assert peak[0] <= 4, peak
+    texts = {r.json()["choices"][0]["text"] for r in responses if r.status_code == 200}
+    assert len(texts) == 1  # greedy: every admitted request got the same full answer
+    assert all(r.json()["usage"]["completion_tokens"] == 60
+               for r in responses if r.status_code == 200)
+
+
+# ---- shutdown deadline ---------------------------------------------------------------------
+
+
+def test_shutdown_deadline_ends_streams_with_an_error_and_done(
+        tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    server = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("deadline"), *ENGINE_FLAGS,
+                           "--max-num-seqs", "1", "--shutdown-timeout", "1")
+    body = {"model": server.model, "prompt": "long", "max_tokens": 240, "ignore_eos": True,
+            "temperature": 0}
+    streams: list[list[str]] = [[] for _ in range(8)]
+    started = threading.Event()
+
+    def stream(events: list[str]) -> None:
+        with httpx.stream("POST", f"{server.url}/v1/completions",
+                          json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    events.append(line)
+                    started.set()
+
+    def plain() -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+
+    try:
+        with ThreadPoolExecutor(12) as pool:
+            stream_futures = [pool.submit(stream, events) for events in streams]
+            plain_futures = [pool.submit(plain) for _ in range(4)]
+            assert started.wait(30), server.log()
+            server.terminate()
+            for f in stream_futures:
+                f.result(60)
+            statuses = [f.result(60).status_code for f in plain_futures]
+        assert server.proc.wait(60) == 0, server.log()
+    finally:
+        server.stop()
+    assert all(events[-1] == "data: [DONE]" for events in streams), [e[-2:] for e in streams]
+    errors = [json.loads(e[-2][6:])["error"] for e in streams if '"error"' in e[-2]]
+    assert errors and all(err["code"] == 503 for err in errors), [e[-2:] for e in streams]
+    assert set(statuses) <= {200, 503} and 503 in statuses, statuses
+
