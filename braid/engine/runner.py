@@ -8,8 +8,8 @@ import torch
 
 from braid.engine.block_manager import BlockManager
 from braid.engine.request import Request
-from braid.kernels import quant_ops
 from braid.engine.scheduler import SchedulerOutput
+from braid.kernels import quant_ops
 from braid.models.attention import AttentionMetadata, build_attention_metadata
 from braid.models.qwen2 import Qwen2ForCausalLM
 

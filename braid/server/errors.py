@@ -44,6 +44,12 @@ def bad_request(message: str, param: str | None) -> APIError:
     return APIError(400, message, param)
 
 
+def prompt_too_long(message: str, max_model_len: int, param: str) -> APIError:
+    """400 for a prompt the model cannot take, in the engine's words."""
+    return bad_request(f"{message} (max_model_len {max_model_len} includes at least one "
+                       "generated token)", param)
+
+
 def field_of(message: str) -> str:
     """Engine and SamplingParams messages start with the field name ("max_tokens must ...")."""
     return message.split(" ", 1)[0].strip(":")

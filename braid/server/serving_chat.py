@@ -8,7 +8,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from braid.outputs import RequestOutput
-from braid.server.errors import bad_request
+from braid.server.errors import bad_request, prompt_too_long
 from braid.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -50,7 +50,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
         body, body.max_completion_tokens if use_new_name else body.max_tokens,
         (body.top_logprobs or 0) if body.logprobs else None,
         {"max_tokens": "max_completion_tokens"} if use_new_name else None)
-    prompt = await asyncio.to_thread(render_chat, ctx.tokenizer, body, ctx.max_model_len - 1)
+    prompt = await asyncio.to_thread(render_chat, ctx.tokenizer, body, ctx.max_model_len)
     job = make_job("chatcmpl", [prompt], params, body.n)
     await submit(ctx, job, prompt_field="messages")
     return await respond(ctx, job, raw, body.stream, lambda: _stream(ctx, job, body, model),
@@ -58,18 +58,20 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
 
 
 def render_chat(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeChatRequest,
-            max_tokens: int | None = None) -> list[int]:
+                max_model_len: int | None = None) -> list[int]:
     """The conversation through the chat template, as token ids (400 naming `messages` when
-    the template refuses it or it has more than `max_tokens` tokens)."""
+    the template refuses it or it leaves no room in `max_model_len` for a generated token)."""
     messages = [m.as_template_dict() for m in body.messages]
     try:
         text = tokenizer.apply_chat_template(messages, body.add_generation_prompt)
     except Exception as e:  # template errors are the conversation's fault (jinja raise_exception)
         raise bad_request(f"messages: the chat template rejected them: {e}", "messages") from None
     try:
-        return tokenizer.encode(text, add_special_tokens=False, max_tokens=max_tokens)
+        return tokenizer.encode(text, add_special_tokens=False,
+                                max_tokens=None if max_model_len is None else max_model_len - 1)
     except PromptTooLong as e:
-        raise bad_request(f"messages: {e}", "messages") from None
+        assert max_model_len is not None
+        raise prompt_too_long(f"messages: {e}", max_model_len, "messages") from None
 
 
 def _logprobs(ctx: ServerContext, body: ChatCompletionRequest, delta: Delta) -> ChatLogprobs | None:

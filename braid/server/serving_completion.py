@@ -8,7 +8,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from braid.outputs import RequestOutput
-from braid.server.errors import bad_request
+from braid.server.errors import prompt_too_long
 from braid.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -49,7 +49,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest,
         prompts = await asyncio.to_thread(tokenize_prompts, ctx.tokenizer, body.prompt,
                                           ctx.max_model_len - 1)
     except PromptTooLong as e:
-        raise bad_request(str(e), "prompt") from None
+        raise prompt_too_long(str(e), ctx.max_model_len, "prompt") from None
     job = make_job("cmpl", prompts, params, body.n)
     await submit(ctx, job)
     return await respond(ctx, job, raw, body.stream, lambda: _stream(ctx, job, body, model),
