@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,18 @@ def _user_cache_for_kernels() -> Iterator[None]:
     included: they inherit the variable)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("BRAID_KERNEL_DIR", str(Path(USER_CACHE) / "kernels"))
+        _build_kernels_once()
         yield
+
+
+def _build_kernels_once() -> None:
+    """Build the kernels before any test starts a server: a server subprocess that had to
+    build them (two minutes on a fresh 2-core machine) would miss its start-up deadline."""
+    from braid.kernels import quant_ops
+
+    # Past pytest's capture, so a first run does not look hung.
+    sys.__stderr__.write("\nbuilding the CPU kernels if not cached (first run: ~2 min)\n")
+    quant_ops()
 
 
 @pytest.fixture(autouse=True)
