@@ -49,7 +49,7 @@ def run_mode(mode: str, num_prompts: int, max_tokens: int) -> dict:
     start = time.perf_counter()
     single = llm.generate(prompts[:1], params)[0]
     single_s = time.perf_counter() - start
-    spec_stats = engine.stats.spec
+    spec_stats = engine.stats.spec_stats
     return {
         "mode": mode, "load_s": load_s, "threads": torch.get_num_threads(),
         "weight_gb": engine.runner.model.weight_bytes() / 1e9,

@@ -74,7 +74,7 @@ def run_mode(engine: LLMEngine, prompts: list[list[int]], concurrency: int,
                     generated += len(out.outputs[0].token_ids)
                     bar.update(1)
     seconds = time.perf_counter() - start
-    spec = engine.stats.spec
+    spec = engine.stats.spec_stats
     result: dict[str, Any] = {"tokens": generated, "seconds": seconds,
                               "tok_per_s": generated / seconds, **spec.as_dict()}
     if engine.speculator is not None and engine.speculator.chosen_k:
@@ -137,7 +137,7 @@ def measure(mode: str, c: int, count: int, prompts: list[list[int]], target: Any
                      speculative_config=spec_config(mode)),
         model=target[0], tokenizer=target[1], draft_model=draft)
     run_mode(engine, prompts[:1], 1, 8)  # warm-up
-    engine.stats.spec = SpecStats()
+    engine.stats.spec_stats = SpecStats()
     if engine.speculator is not None:
         engine.speculator.chosen_k.clear()
     return {"mode": mode, "concurrency": c, "prompts": count,

@@ -143,7 +143,7 @@ class EngineConfig:
                               f"got {self.quantization!r}")
         if self.log_stats_interval < 0:
             raise ConfigError("--log-stats-interval must be >= 0")
-        self.spec = (None if self.speculative_config is None
+        self.spec_config = (None if self.speculative_config is None
                      else SpecConfig.from_dict(self.speculative_config))
         self._check_itl_target()
 
@@ -155,11 +155,11 @@ class EngineConfig:
         if not self.enable_chunked_prefill:
             raise ConfigError("--target-itl-ms needs chunked prefill (drop "
                               "--no-enable-chunked-prefill)")
-        if self.spec is None or self.spec.policy != "goodput":
+        if self.spec_config is None or self.spec_config.policy != "goodput":
             raise ConfigError("--target-itl-ms needs --speculative-config with policy goodput "
                               "(its step-cost model picks the prefill chunk)")
 
-    spec: SpecConfig | None = field(init=False, default=None, metadata={"cli": False})
+    spec_config: SpecConfig | None = field(init=False, default=None, metadata={"cli": False})
 
     def _check_positive(self, *names: str) -> None:
         for name in names:

@@ -24,7 +24,7 @@ class RequestMetrics:
     finish_time: float | None
     num_preemptions: int = 0
     # Speculation figures of this request (drafts, draft tokens, accepted, ...), once present.
-    spec: dict[str, Any] = field(default_factory=dict)
+    spec_stats: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -20,11 +20,12 @@ from braid.engine.stats import EngineStats, StepStats
 from braid.models.qwen2 import Qwen2ForCausalLM
 from braid.outputs import RequestOutput
 from braid.sampling_params import SamplingParams
-from braid.spec.cost_model import attention_work
-from braid.spec.draft import DraftModelProposer
-from braid.spec.proposer import NgramPromptLookup, Proposer
-from braid.spec.rejection_sampler import rejection_sample
-from braid.spec.speculator import Speculator
+from braid.spec_decode.cost_model import attention_work
+from braid.spec_decode.draft import DraftModelProposer
+from braid.spec_decode.ngram import NgramProposer
+from braid.spec_decode.proposer import Proposer
+from braid.spec_decode.rejection_sampler import rejection_sample
+from braid.spec_decode.speculator import Speculator
 from braid.tokenizer import Tokenizer
 
 logger = logging.getLogger("braid")
@@ -94,12 +95,12 @@ class LLMEngine:
     def _make_speculator(
         self, target: Qwen2ForCausalLM, draft: Qwen2ForCausalLM | None
     ) -> Speculator | None:
-        cfg, spec = self.config, self.config.spec
+        cfg, spec = self.config, self.config.spec_config
         if spec is None:
             return None
         proposer: Proposer
         if spec.method == "ngram":
-            proposer = NgramPromptLookup(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         else:
             if draft is None:
                 from braid.models.build import load_model
@@ -211,7 +212,7 @@ class LLMEngine:
         context = sum(s.request.num_computed_tokens for s in sched.scheduled)
         attention = sum(attention_work(s.num_new_tokens, s.request.num_computed_tokens)
                         for s in sched.scheduled)
-        rows = sum(1 + s.num_spec_tokens for s in sched.scheduled if s.samples)
+        rows = sum(1 + s.num_spec_tokens for s in sched.scheduled if s.needs_logits)
         inp = self.runner.prepare(sched, self.blocks)
         logits = self.runner.execute(inp)
         forward_time = time.perf_counter() - start
@@ -234,17 +235,17 @@ class LLMEngine:
         return self.speculator.prefill_cap(self.scheduler.running, self.scheduler.waiting)
 
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[_Sampled]:
-        windows = [s for s in sched.scheduled if s.samples]
-        results = [_Sampled(s, [], None) for s in sched.scheduled if not s.samples]
-        if not windows:
+        to_sample = [s for s in sched.scheduled if s.needs_logits]
+        results = [_Sampled(s, [], None) for s in sched.scheduled if not s.needs_logits]
+        if not to_sample:
             return results
-        if any(s.num_spec_tokens for s in windows):
-            tokens = self._verify(windows, logits)
+        if any(s.num_spec_tokens for s in to_sample):
+            tokens = self._verify(to_sample, logits)
         else:
-            out = self.sampler(logits, self._sampling_metadata(windows, logits))
+            out = self.sampler(logits, self._sampling_metadata(to_sample, logits))
             tokens = [[t] for t in out.sampled_token_ids.tolist()]
-        logprobs = self._logprobs(windows, logits, tokens)
-        for i, s in enumerate(windows):
+        logprobs = self._logprobs(to_sample, logits, tokens)
+        for i, s in enumerate(to_sample):
             results.append(_Sampled(s, tokens[i], None if logprobs is None else logprobs[i]))
         return results
 
@@ -269,11 +270,11 @@ class LLMEngine:
             r += len(rows)
 
     def _sampling_metadata(
-        self, windows: list[ScheduledRequest], logits: torch.Tensor
+        self, to_sample: list[ScheduledRequest], logits: torch.Tensor
     ) -> SamplingMetadata:
         """One row per window position; row j of a window sees its first j drafts as output
         (so penalties and min_tokens apply as if those drafts had been accepted)."""
-        rows = [(s, j) for s in windows for j in range(1 + s.num_spec_tokens)]
+        rows = [(s, j) for s in to_sample for j in range(1 + s.num_spec_tokens)]
         return SamplingMetadata.build(
             params=[s.request.sampling_params for s, _ in rows],
             prompt_token_ids=[s.request.prompt_token_ids for s, _ in rows],
@@ -285,28 +286,28 @@ class LLMEngine:
             eos_token_ids=self.outputs.eos_token_ids,
         )
 
-    def _verify(self, windows: list[ScheduledRequest], logits: torch.Tensor) -> list[list[int]]:
-        """Rejection sampling of every window (k = 0 windows are plain samples)."""
+    def _verify(self, to_sample: list[ScheduledRequest], logits: torch.Tensor) -> list[list[int]]:
+        """Rejection sampling of every window (k = 0 to_sample are plain samples)."""
         out = rejection_sample(
             logits,
-            [s.request.spec_token_ids[: s.num_spec_tokens] for s in windows],
+            [s.request.spec_token_ids[: s.num_spec_tokens] for s in to_sample],
             None,  # drafts are greedy / n-gram: q is one-hot
-            self._sampling_metadata(windows, logits),
-            [s.request.generator for s in windows],
+            self._sampling_metadata(to_sample, logits),
+            [s.request.generator for s in to_sample],
         )
         ids = out.output_token_ids.tolist()
         return [row[: n + 1] for row, n in zip(ids, out.num_accepted.tolist(), strict=True)]
 
     def _logprobs(
-        self, windows: list[ScheduledRequest], logits: torch.Tensor, tokens: list[list[int]]
+        self, to_sample: list[ScheduledRequest], logits: torch.Tensor, tokens: list[list[int]]
     ) -> list[list[dict[int, float]]] | None:
         """{token: logprob} for each emitted token (raw model logprobs) and the top-n."""
-        wanted = [s.request.sampling_params.logprobs for s in windows]
+        wanted = [s.request.sampling_params.logprobs for s in to_sample]
         if all(n is None for n in wanted):
             return None
         rows: list[int] = []
         starts = [0]
-        for s, t in zip(windows, tokens, strict=True):
+        for s, t in zip(to_sample, tokens, strict=True):
             rows += range(starts[-1], starts[-1] + len(t))
             starts.append(starts[-1] + 1 + s.num_spec_tokens)
         flat = [t for ts in tokens for t in ts]
@@ -353,8 +354,8 @@ class LLMEngine:
             req.first_token_time = time.monotonic()
         if s.num_spec_tokens and self.speculator is not None:
             accepted = len(result.token_ids) - 1
-            req.spec.record(s.num_spec_tokens, accepted)
-            self.stats.spec.record(s.num_spec_tokens, accepted)
+            req.spec_stats.record(s.num_spec_tokens, accepted)
+            self.stats.spec_stats.record(s.num_spec_tokens, accepted)
             self.speculator.on_verified(req, s.num_spec_tokens, accepted)
         req.spec_token_ids = []
         before = req.num_output_tokens
@@ -366,8 +367,8 @@ class LLMEngine:
         if reason is not None:
             self._finish(req, reason)
         out = self.outputs.make_output(req)
-        if out.metrics.spec and self.speculator is not None:
-            out.metrics.spec.update(self.speculator.request_figures(req))
+        if out.metrics.spec_stats and self.speculator is not None:
+            out.metrics.spec_stats.update(self.speculator.request_figures(req))
         return out
 
     def _record(

@@ -105,7 +105,7 @@ class OutputProcessor:
                 first_token_time=req.first_token_time,
                 finish_time=req.finish_time,
                 num_preemptions=req.num_preemptions,
-                spec=req.spec.as_dict() if req.spec.num_drafts else {},
+                spec_stats=req.spec_stats.as_dict() if req.spec_stats.num_drafts else {},
             ),
         )
 

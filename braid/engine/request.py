@@ -26,7 +26,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
-    # Tokens whose KV is in the cache and final (DESIGN.md vocabulary).
+    # Tokens whose KV is in the cache and final (docs/architecture.md, vocabulary).
     num_computed_tokens: int = 0
     # Draft tokens proposed for the next step; never part of num_tokens until accepted.
     spec_token_ids: list[int] = field(default_factory=list)
@@ -41,7 +41,7 @@ class Request:
     # With sampling_params.prompt_logprobs: one entry per prompt token scored so far (the
     # first token has none), {token_id: logprob} holding the prompt token and the top-n.
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
-    spec: SpecStats = field(default_factory=SpecStats)  # this request's speculation figures
+    spec_stats: SpecStats = field(default_factory=SpecStats)  # this request's speculation figures
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None:

@@ -15,7 +15,7 @@ from braid.models.qwen2 import Qwen2ForCausalLM
 
 
 def prompt_logprob_rows(req: Request, num_new_tokens: int) -> range:
-    """Offsets in this step's window of `req` whose logits score a prompt token that has no
+    """Offsets in this step's span of `req` whose logits score a prompt token that has no
     logprob yet: position p scores prompt token p + 1. Positions scored before a preemption
     are not scored again; output and draft positions never are."""
     if req.sampling_params.prompt_logprobs is None:
@@ -36,14 +36,14 @@ class ModelInput:
 
 
 @dataclass(slots=True)
-class Window:
+class QuerySpan:
     """One request's query tokens in a flat batch."""
 
     token_ids: list[int]
     start: int  # position of the first token (= tokens already cached)
     block_table: list[int]
-    num_logits: int  # logits rows wanted for the window's last tokens (0: none)
-    prompt_rows: range = range(0)  # window offsets whose logits score the next prompt token
+    num_logits: int  # logits rows wanted for the span's last tokens (0: none)
+    prompt_rows: range = range(0)  # span offsets whose logits score the next prompt token
 
 
 def kv_bytes_per_token(model: Qwen2ForCausalLM, dtype: torch.dtype) -> int:
@@ -71,34 +71,34 @@ class ModelRunner:
         quant_ops()  # build or load the kernels now, not in the first request's step
 
     def prepare(self, sched: SchedulerOutput, blocks: BlockManager) -> ModelInput:
-        """The step's flat batch: every scheduled window, logits where the step samples and
+        """The step's flat batch: every scheduled span, logits where the step samples and
         at the prompt positions whose logprobs a request asked for."""
         return self.build_input([
-            Window(
+            QuerySpan(
                 token_ids=s.request.token_ids(s.request.num_computed_tokens,
                                               s.request.num_computed_tokens + s.num_new_tokens),
                 start=s.request.num_computed_tokens,
                 block_table=blocks.block_table(s.request.request_id),
-                num_logits=1 + s.num_spec_tokens if s.samples else 0,
+                num_logits=1 + s.num_spec_tokens if s.needs_logits else 0,
                 prompt_rows=prompt_logprob_rows(s.request, s.num_new_tokens),
             )
             for s in sched.scheduled
         ])
 
-    def build_input(self, windows: list[Window]) -> ModelInput:
+    def build_input(self, spans: list[QuerySpan]) -> ModelInput:
         ids: list[int] = []
         positions: list[int] = []
         prompt_indices: list[int] = []
         logits_indices: list[int] = []
-        for w in windows:
-            prompt_indices += (len(ids) + offset for offset in w.prompt_rows)
-            ids += w.token_ids
-            positions += range(w.start, w.start + len(w.token_ids))
-            logits_indices += range(len(ids) - w.num_logits, len(ids))
+        for span in spans:
+            prompt_indices += (len(ids) + offset for offset in span.prompt_rows)
+            ids += span.token_ids
+            positions += range(span.start, span.start + len(span.token_ids))
+            logits_indices += range(len(ids) - span.num_logits, len(ids))
         meta = build_attention_metadata(
-            query_lens=[len(w.token_ids) for w in windows],
-            context_lens=[w.start for w in windows],
-            block_tables=[w.block_table for w in windows],
+            query_lens=[len(span.token_ids) for span in spans],
+            context_lens=[span.start for span in spans],
+            block_tables=[span.block_table for span in spans],
             block_size=self.block_size,
             device=self.device,
         )

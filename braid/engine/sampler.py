@@ -256,25 +256,16 @@ def _mask_sorted(
     return values
 
 
-def processed_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Logits [B, V] after penalties, temperature, min_p, top_k, top_p; dropped entries -inf.
-    Greedy rows get penalties, temperature 1 and no filter but the batch's loosest top-k, so
-    their argmax is the greedy token (`target_probs` turns them into one-hots)."""
-    return _temperature_and_filters(apply_penalties(logits, meta), meta)
-
-
-def _temperature_and_filters(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def filtered_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Penalized logits [B, V] after temperature, min_p, top_k, top_p; dropped entries -inf.
+    Greedy rows get temperature 1 and no filter but the batch's loosest top-k, so their
+    argmax is the greedy token (`target_probs` turns them into one-hots)."""
     logits = logits / meta.temperature.unsqueeze(1)  # a new tensor, safe to fill in place
     if meta.min_p is not None:
         logits = _apply_min_p(logits, meta.min_p)
     if meta.top_k is not None or meta.top_p is not None:
         logits = _apply_top_k_top_p(logits, meta)
     return logits
-
-
-def processed_logprobs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """log_softmax of `processed_logits` [B, V]; dropped entries are -inf."""
-    return processed_logits(logits, meta).log_softmax(dim=-1)
 
 
 def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -286,7 +277,7 @@ def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     penalized = apply_penalties(logits, meta)  # [B, V]
     if meta.all_greedy:
         return _one_hot_argmax(penalized)
-    probs = _temperature_and_filters(penalized, meta).softmax(dim=-1)  # [B, V]
+    probs = filtered_logits(penalized, meta).softmax(dim=-1)  # [B, V]
     if meta.greedy_mask is None:
         return probs
     return torch.where(meta.greedy_mask.unsqueeze(1), _one_hot_argmax(penalized), probs)
@@ -318,7 +309,6 @@ class LogprobsTensors:
 
     token_ids: torch.Tensor  # [B, 1 + max_num_logprobs] int64
     logprobs: torch.Tensor  # [B, 1 + max_num_logprobs] float32
-    sampled_token_ranks: torch.Tensor  # [B] int64, 1 = most likely
 
 
 @dataclass(slots=True)
@@ -333,11 +323,9 @@ def gather_logprobs(
     """Sampled token's logprob and the top-`num_logprobs` of each row of `raw_logprobs`."""
     sampled_logprob = raw_logprobs.gather(1, sampled.unsqueeze(1))  # [B, 1]
     top_logprobs, top_ids = raw_logprobs.topk(num_logprobs, dim=-1)  # [B, n]
-    ranks = (raw_logprobs >= sampled_logprob).sum(dim=-1)  # [B]
     return LogprobsTensors(
         token_ids=torch.cat([sampled.unsqueeze(1), top_ids], dim=1),
         logprobs=torch.cat([sampled_logprob, top_logprobs], dim=1),
-        sampled_token_ranks=ranks,
     )
 
 

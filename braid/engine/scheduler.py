@@ -23,7 +23,7 @@ class ScheduledRequest:
     num_spec_tokens: int  # drafts included at the end of the window (0 for plain steps)
 
     @property
-    def samples(self) -> bool:
+    def needs_logits(self) -> bool:
         """The window reaches the end of the request's tokens, so the step samples for it."""
         r = self.request
         return r.num_computed_tokens + self.num_new_tokens == r.num_tokens + self.num_spec_tokens
@@ -40,8 +40,8 @@ class SchedulerOutput:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled if not s.samples) + sum(
-            s.num_new_tokens - 1 - s.num_spec_tokens for s in self.scheduled if s.samples)
+        return sum(s.num_new_tokens for s in self.scheduled if not s.needs_logits) + sum(
+            s.num_new_tokens - 1 - s.num_spec_tokens for s in self.scheduled if s.needs_logits)
 
     @property
     def num_spec_tokens(self) -> int:
@@ -66,7 +66,6 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last one is preempted first
-        self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -130,7 +129,6 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted.append(req.request_id)
         out.scheduled = [s for s in out.scheduled if s.request is not req]

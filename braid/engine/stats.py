@@ -26,7 +26,7 @@ class StepStats:
 
 @dataclass
 class SpecStats:
-    """Speculation counters with vLLM's definitions (DESIGN.md vocabulary)."""
+    """Speculation counters with vLLM's definitions (docs/architecture.md, vocabulary)."""
 
     num_drafts: int = 0  # verification windows with at least one draft token
     num_draft_tokens: int = 0
@@ -67,19 +67,19 @@ class SpecStats:
 @dataclass
 class EngineStats:
     num_kv_blocks: int
-    window: int = 256
+    num_recent: int = 256  # steps kept in `recent`
     recent: deque[StepStats] = field(default_factory=deque)
     num_steps: int = 0
     prompt_tokens: int = 0  # prefill tokens computed (recompute after preemption included)
     generation_tokens: int = 0
     num_preemptions: int = 0
-    spec: SpecStats = field(default_factory=SpecStats)
+    spec_stats: SpecStats = field(default_factory=SpecStats)
     _last_log: float = field(default_factory=time.monotonic)
     _tokens_at_last_log: int = 0
 
     def record(self, s: StepStats) -> None:
         self.recent.append(s)
-        if len(self.recent) > self.window:
+        if len(self.recent) > self.num_recent:
             self.recent.popleft()
         self.num_steps += 1
         self.prompt_tokens += s.num_prefill_tokens
@@ -94,7 +94,7 @@ class EngineStats:
             return
         rate = (self.generation_tokens - self._tokens_at_last_log) / (now - self._last_log)
         last = self.recent[-1]
-        spec = self.spec
+        spec = self.spec_stats
         logger.info(
             "step %d: %d scheduled, %d waiting, gen %.1f tok/s, last step %.0f ms "
             "(%d prefill + %d decode tokens, %d drafts), KV %.0f%%, preemptions %d%s",

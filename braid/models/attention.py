@@ -1,6 +1,6 @@
 """Paged attention over one flat batch of query tokens from many requests (CPU, torch ops).
 
-Attention contract (DESIGN.md): request i contributes n_i query tokens at positions
+Attention contract (docs/architecture.md): request i contributes n_i query tokens at positions
 [c_i, c_i + n_i); they attend to every cached position < c_i of that request and, causally,
 to each other. Prefill chunks (n_i large), decodes (n_i = 1) and verification windows
 (n_i = 1 + k) are the same case; nothing here knows which is which.

@@ -20,9 +20,9 @@ from braid.models.quant import QuantEmbedding, QuantLinear, QuantWeight, quantiz
 # Batch-size hint for oneDNN's weight layout: 4-16 token forwards (verification windows) are
 # what speculation relies on being as cheap as a 1-token decode.
 PACK_HINT = 16
-# oneDNN runs a packed weight through a slower kernel when the input has 1 or 2 rows (a 2-row
-# forward of the target took 290 ms where 4 rows took 190 ms here): smaller inputs are padded
-# with zero rows to this many, which costs nothing (the forward streams the weight either way).
+# oneDNN runs a packed weight through a slower kernel when the input has 1 or 2 rows (see
+# docs/benchmarks.md): smaller inputs are padded with zero rows to this many, which costs
+# nothing (the forward streams the weight either way).
 PACK_MIN_ROWS = 4
 
 
@@ -30,7 +30,7 @@ class Linear(nn.Linear):
     """nn.Linear whose weight can be repacked once into oneDNN's blocked layout on CPU.
 
     Plain MKL sgemm repacks the weight on every call with more than one row, which makes a
-    4-token forward cost twice a 1-token one here; the prepacked kernel keeps small batches at
+    4-token forward cost about twice a 1-token one; the prepacked kernel keeps small batches at
     the memory-bandwidth cost of a decode (see benchmarks/bench_model.py)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from braid.engine.stats import EngineStats
 from braid.outputs import RequestOutput
-from braid.spec.speculator import Speculator
+from braid.spec_decode.speculator import Speculator
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
@@ -128,7 +128,7 @@ class ServerMetrics:
         if speculator is not None:
             self._record_speculator(speculator)
         seen = self._seen
-        spec = stats.spec
+        spec = stats.spec_stats
         for counter, attr, value in (
             (self.prompt_tokens, "prompt_tokens", stats.prompt_tokens),
             (self.generation_tokens, "generation_tokens", stats.generation_tokens),

@@ -153,7 +153,7 @@ class UsageInfo(BaseModel):
 
 class BraidInfo(BaseModel):
     """braid's own figures for one response: preemptions and speculation (the engine's
-    per-request `metrics.spec`, summed over the choices)."""
+    per-request `metrics.spec_stats`, summed over the choices)."""
 
     num_preemptions: int = 0
     spec: dict[str, Any] = Field(default_factory=dict)

@@ -118,10 +118,10 @@ def braid_info(outputs: list[RequestOutput]) -> BraidInfo:
     """Preemptions and speculation figures; counters are summed over the choices."""
     spec: dict[str, Any] = {}
     if len(outputs) == 1:
-        spec = dict(outputs[0].metrics.spec)
+        spec = dict(outputs[0].metrics.spec_stats)
     else:
         for out in outputs:
-            _add_counts(spec, out.metrics.spec)
+            _add_counts(spec, out.metrics.spec_stats)
         _rederive_rates(spec)
     return BraidInfo(num_preemptions=sum(o.metrics.num_preemptions for o in outputs), spec=spec)
 
@@ -138,7 +138,8 @@ def _add_counts(total: dict[str, Any], part: dict[str, Any]) -> None:
 
 
 def _rederive_rates(spec: dict[str, Any]) -> None:
-    """Ratios cannot be summed: recompute them from the summed counters (DESIGN.md)."""
+    """Ratios cannot be summed: recompute them from the summed counters (definitions in
+    docs/architecture.md)."""
     drafts, drafted = spec.get("num_drafts", 0), spec.get("num_draft_tokens", 0)
     accepted = spec.get("num_accepted_tokens", 0)
     if drafted:

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -41,8 +40,6 @@ def test_blocks_needed_and_can_allocate() -> None:
     assert bm.blocks_needed("a", 9) == 1
     assert bm.can_allocate("a", 16)
     assert not bm.can_allocate("a", 17)
-    assert not bm.can_allocate("a", 16, reserve=1)
-    assert bm.can_allocate("a", 12, reserve=1)
 
 
 def test_allocate_is_all_or_nothing() -> None:
@@ -86,42 +83,6 @@ def test_block_table_is_a_copy() -> None:
     bm.check_invariants()
 
 
-def test_slot_mapping_values() -> None:
-    bm = BlockManager(num_blocks=8, block_size=4)
-    bm.allocate("pad", 4)  # so that "a" does not start at block 0
-    bm.allocate("a", 4)
-    bm.allocate("pad2", 4)
-    bm.allocate("a", 10)
-    b0, b1, b2 = bm.block_table("a")
-    slots = bm.slot_mapping("a", 2, 10)
-    expected = [b0 * 4 + 2, b0 * 4 + 3, *(b1 * 4 + i for i in range(4)), b2 * 4, b2 * 4 + 1]
-    assert slots.dtype == np.int64
-    assert slots.tolist() == expected
-    assert bm.slot_mapping("a", 5, 5).tolist() == []
-
-
-def test_slot_mapping_rejects_positions_beyond_table() -> None:
-    bm = BlockManager(num_blocks=4, block_size=4)
-    bm.allocate("a", 5)
-    assert len(bm.slot_mapping("a", 0, 8)) == 8
-    with pytest.raises(IndexError):
-        bm.slot_mapping("a", 0, 9)
-    with pytest.raises(IndexError):
-        bm.slot_mapping("unknown", 0, 1)
-
-
-def test_trim_releases_trailing_blocks_only() -> None:
-    bm = BlockManager(num_blocks=4, block_size=4)
-    bm.allocate("a", 13)
-    first_two = bm.block_table("a")[:2]
-    assert bm.trim("a", 6) == 2
-    assert bm.block_table("a") == first_two
-    assert bm.trim("a", 8) == 0
-    assert bm.trim("unknown", 0) == 0
-    assert bm.num_free_blocks == 2
-    bm.check_invariants()
-
-
 def test_check_invariants_detects_corruption() -> None:
     bm = BlockManager(num_blocks=4, block_size=4)
     bm.allocate("a", 4)
@@ -147,7 +108,7 @@ REQUEST_IDS = st.sampled_from([f"r{i}" for i in range(6)])
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Random allocate / free / trim sequences against a model of tokens per request."""
+    """Random allocate / free sequences against a model of tokens per request."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -178,12 +139,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.free(rid)
         self.covered.pop(rid, None)
 
-    @rule(rid=REQUEST_IDS, num_tokens=st.integers(0, 80))
-    def trim(self, rid: str, num_tokens: int) -> None:
-        self.bm.trim(rid, num_tokens)
-        if rid in self.covered:
-            self.covered[rid] = min(self.covered[rid], num_tokens)
-
     @invariant()
     def matches_model(self) -> None:
         self.bm.check_invariants()
@@ -192,17 +147,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
         used = sum(self._model_blocks(rid) for rid in self.covered)
         assert self.bm.num_used_blocks == used
         assert self.bm.num_free_blocks == self.bm.num_blocks - used
-
-    @invariant()
-    def slot_mapping_covers_table(self) -> None:
-        for rid in self.covered:
-            slots = self.bm.slot_mapping(rid, 0, self.bm.num_slots(rid))
-            expected = [
-                b * self.block_size + i
-                for b in self.bm.block_table(rid)
-                for i in range(self.block_size)
-            ]
-            assert slots.tolist() == expected
 
 
 BlockManagerMachine.TestCase.settings = settings(

@@ -11,7 +11,7 @@ import torch
 from braid.engine.engine import LLMEngine, RequestError
 from braid.sampling_params import SamplingParams
 from tests.engine.test_engine import CFG, STAGGERED, make_engine, prompts
-from tests.spec.test_spec_engine import spec_engine
+from tests.spec_decode.test_spec_engine import spec_engine
 from tests.tiny import hf_model
 
 TOP = 3

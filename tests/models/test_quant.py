@@ -270,7 +270,7 @@ def test_ngram_over_a_quantized_model_is_lossless(target: Qwen2ForCausalLM,
                                                   budget: int) -> None:
     e = engine(target, speculative_config=spec_config("ngram"), max_num_batched_tokens=budget)
     assert run(e, STAGGERED, GREEDY) == reference
-    assert e.stats.spec.num_drafts > 0
+    assert e.stats.spec_stats.num_drafts > 0
 
 
 @pytest.mark.parametrize("k, budget", [(1, 8), (3, 16), (7, 32)])
@@ -281,7 +281,7 @@ def test_quantized_draft_equal_to_target_accepts_everything(
     e = engine(target, draft, speculative_config=spec_config("draft_model", k),
                max_num_batched_tokens=budget)
     assert run(e, STAGGERED, GREEDY) == reference
-    assert e.stats.spec.num_drafts > 0 and e.stats.spec.acceptance_rate == 1.0
+    assert e.stats.spec_stats.num_drafts > 0 and e.stats.spec_stats.acceptance_rate == 1.0
 
 
 def test_engine_loads_a_quantized_target_and_a_float_draft(
@@ -294,7 +294,7 @@ def test_engine_loads_a_quantized_target_and_a_float_draft(
     assert quant_modules(e.runner.model)
     assert not quant_modules(e.speculator.proposer.runner.model)  # type: ignore[union-attr]
     assert run(e, STAGGERED, GREEDY) == reference
-    assert e.stats.spec.num_drafts > 0 and e.stats.spec.acceptance_rate > 0.5
+    assert e.stats.spec_stats.num_drafts > 0 and e.stats.spec_stats.acceptance_rate > 0.5
 
 
 # ---- configuration and fallback ----------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 
 from braid.config import EngineConfig
 from braid.engine.engine import LLMEngine
-from braid.engine.runner import ModelRunner, Window
+from braid.engine.runner import ModelRunner, QuerySpan
 from braid.models.quant import QuantLinear
 from braid.models.qwen2 import Qwen2ForCausalLM
 from braid.sampling_params import SamplingParams
@@ -55,7 +55,7 @@ def all_logits(model: Qwen2ForCausalLM, sequences: list[list[int]]) -> list[torc
     windows, first = [], 0
     for seq in sequences:
         blocks = len(seq) // block + 1
-        windows.append(Window(seq, 0, list(range(first, first + blocks)), len(seq)))
+        windows.append(QuerySpan(seq, 0, list(range(first, first + blocks)), len(seq)))
         first += blocks
     with torch.no_grad():
         logits = runner.execute(runner.build_input(windows))
@@ -99,7 +99,7 @@ def test_quantized_target_is_batch_invariant(default_target: Any) -> None:
     runner = ModelRunner(model, 8, 16, torch.device("cpu"))
     table = list(range(4))
     with torch.no_grad():
-        runner.execute(runner.build_input([Window(ids[:36], 0, table, 1)]))
-        window = runner.execute(runner.build_input([Window(ids[36:], 36, table, 4),
-                                                    Window([3] * 5, 0, [4, 5], 1)]))
+        runner.execute(runner.build_input([QuerySpan(ids[:36], 0, table, 1)]))
+        window = runner.execute(runner.build_input([QuerySpan(ids[36:], 36, table, 4),
+                                                    QuerySpan([3] * 5, 0, [4, 5], 1)]))
     assert torch.equal(window[:4], alone[36:])

@@ -1,4 +1,4 @@
-"""A server with n-gram speculation: the response's `braid.spec` and the spec counters."""
+"""A server with n-gram speculation: the response's `braid.spec_decode` and the spec counters."""
 
 from __future__ import annotations
 

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from braid.config import SpecConfig
 from braid.engine.block_manager import BlockManager
 from braid.engine.request import Request
-from braid.engine.runner import ModelRunner, Window
-from braid.spec.cost_model import StepCostModel, attention_work
-from braid.spec.policy import (
+from braid.engine.runner import ModelRunner, QuerySpan
+from braid.spec_decode.cost_model import StepCostModel, attention_work
+from braid.spec_decode.policy import (
     AcceptanceEstimator,
     StepPlan,
     choose_ks,
@@ -21,7 +21,7 @@ from braid.spec.policy import (
     prefill_under_target,
     step_seconds,
 )
-from braid.spec.proposer import Proposer
+from braid.spec_decode.proposer import Proposer
 
 logger = logging.getLogger("braid")
 
@@ -48,7 +48,7 @@ class Speculator:
     def __init__(self, spec: SpecConfig, proposer: Proposer, budget: int, max_model_len: int,
                  chunked_prefill: bool, target_itl: float | None = None,
                  max_num_seqs: int = 256) -> None:
-        self.spec = spec
+        self.config = spec
         self.proposer = proposer
         self.budget = budget
         self.max_num_seqs = max_num_seqs
@@ -75,7 +75,7 @@ class Speculator:
 
     def _cap(self, req: Request) -> int:
         """Drafts beyond what the request can still emit are waste."""
-        k = min(self.spec.num_speculative_tokens, self.max_model_len - req.num_tokens)
+        k = min(self.config.num_speculative_tokens, self.max_model_len - req.num_tokens)
         max_tokens = req.sampling_params.max_tokens
         if max_tokens is not None:
             k = min(k, max_tokens - req.num_output_tokens - 1)
@@ -83,7 +83,7 @@ class Speculator:
 
     def _choose(self, running: Sequence[Request], waiting: Sequence[Request],
                 caps: list[int]) -> list[int]:
-        if self.spec.policy == "fixed":
+        if self.config.policy == "fixed":
             return caps
         alphas = [self.acceptance.alpha(r.request_id) for r in running]
         plan = self._plan(running, waiting, alphas)
@@ -139,7 +139,7 @@ class Speculator:
     def _usual_lag(self) -> int:
         """What a drafting request's window leaves the draft behind by (the accepted drafts
         and the bonus token); a longer lag is a backlog that starting to draft must pay."""
-        return self.spec.num_speculative_tokens + 1
+        return self.config.num_speculative_tokens + 1
 
     def _catch_up_cost(self, req: Request, alpha: float, lag: int) -> float:
         """Draft tokens request `req` (`lag` tokens behind the draft) adds to the first draft
@@ -153,14 +153,14 @@ class Speculator:
         max_tokens = req.sampling_params.max_tokens
         if max_tokens is not None:
             remaining = min(remaining, max_tokens - req.num_output_tokens)
-        steps = max(1.0, remaining / expected_tokens(alpha, self.spec.num_speculative_tokens))
+        steps = max(1.0, remaining / expected_tokens(alpha, self.config.num_speculative_tokens))
         return usual + (lag - usual) / steps
 
     def on_verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         self.acceptance.update(req.request_id, num_drafted, num_accepted)
 
     def observe_step(self, tokens: int, attention: int, rows: int, seconds: float) -> None:
-        if self.spec.policy != "goodput":
+        if self.config.policy != "goodput":
             return
         predicted = self.cost.target_time(tokens, attention, rows)
         self.cost.observe_target(tokens, attention, rows, seconds)
@@ -172,7 +172,7 @@ class Speculator:
                         self.acceptance.global_alpha, dict(sorted(self.chosen_k.items())))
 
     def observe_draft(self, tokens: int, rows: int, seconds: float) -> None:
-        if self.spec.policy == "goodput":
+        if self.config.policy == "goodput":
             self.cost.observe_draft(tokens, rows, seconds)
 
     def forget(self, request_id: str) -> None:
@@ -188,7 +188,7 @@ class Speculator:
                 blocks: BlockManager) -> None:
         """A few synthetic forwards of different sizes so the first decisions are not blind
         (seconds); they stay in the cost model as anchors."""
-        if self.spec.policy != "goodput":
+        if self.config.policy != "goodput":
             return
         start = time.perf_counter()
         rid = "__warmup__"
@@ -215,7 +215,7 @@ def _time_forward(runner: ModelRunner, blocks: BlockManager, rid: str, n: int, r
     """Best of two timed forwards (after an untimed one that pays first-call costs): the
     anchors should describe the machine, not a hiccup. A forward longer than a quarter
     second is timed once (a hiccup is small beside it, and warm-up stays short)."""
-    window = Window([0] * n, 0, blocks.block_table(rid), rows)
+    window = QuerySpan([0] * n, 0, blocks.block_table(rid), rows)
     runner.execute(runner.build_input([window]))
     times: list[float] = []
     while len(times) < 2 and sum(times) < 0.25:

@@ -12,7 +12,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from braid.spec.cost_model import StepCostModel, attention_work
+from braid.spec_decode.cost_model import StepCostModel, attention_work
 
 
 def expected_tokens(alpha: float, k: int) -> float:

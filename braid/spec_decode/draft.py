@@ -20,9 +20,9 @@ import torch
 
 from braid.engine.block_manager import BlockManager
 from braid.engine.request import Request
-from braid.engine.runner import ModelRunner, Window
+from braid.engine.runner import ModelRunner, QuerySpan
 from braid.models.qwen2 import Qwen2ForCausalLM
-from braid.spec.proposer import Proposer
+from braid.spec_decode.proposer import Proposer
 
 
 @dataclass(slots=True)
@@ -88,33 +88,33 @@ class DraftModelProposer(Proposer):
     def _catch_up(self, requests: list[Request], ks: list[int]) -> dict[int, int]:
         """One forward bringing the draft cache of each request with k > 0 up to date; it
         runs through the last token and yields the first draft token."""
-        windows, sampled = [], []
+        spans, sampled = [], []
         for i, (r, k) in enumerate(zip(requests, ks, strict=True)):
             if not k:
                 continue
             start = min(self._valid_prefix(r), r.num_tokens - 1)
-            windows.append(Window(r.token_ids(start, r.num_tokens), start,
+            spans.append(QuerySpan(r.token_ids(start, r.num_tokens), start,
                                   self.blocks.block_table(r.request_id), 1))
             self.computed[r.request_id] = r.num_tokens
             sampled.append(i)
-        tokens = self._run(windows)
+        tokens = self._run(spans)
         return dict(zip(sampled, tokens, strict=True))
 
     def _extend(self, requests: list[Request], drafts: list[list[int]], active: list[int]
                 ) -> list[int]:
-        windows = [
-            Window([drafts[i][-1]], requests[i].num_tokens + len(drafts[i]) - 1,
+        spans = [
+            QuerySpan([drafts[i][-1]], requests[i].num_tokens + len(drafts[i]) - 1,
                    self.blocks.block_table(requests[i].request_id), 1)
             for i in active
         ]
-        return self._run(windows)
+        return self._run(spans)
 
-    def _run(self, windows: list[Window]) -> list[int]:
+    def _run(self, spans: list[QuerySpan]) -> list[int]:
         """Greedy draft tokens (q is one-hot, which keeps rejection sampling exact)."""
         start = time.perf_counter()
-        logits = self.runner.execute(self.runner.build_input(windows))
+        logits = self.runner.execute(self.runner.build_input(spans))
         tokens = logits.argmax(dim=-1).tolist()
         if self.on_forward is not None:
-            self.on_forward(sum(len(w.token_ids) for w in windows), len(windows),
+            self.on_forward(sum(len(span.token_ids) for span in spans), len(spans),
                             time.perf_counter() - start)
         return tokens

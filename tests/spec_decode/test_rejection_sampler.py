@@ -7,7 +7,7 @@ import torch
 
 from braid.engine.sampler import Sampler, SamplingMetadata, target_probs
 from braid.sampling_params import SamplingParams
-from braid.spec.rejection_sampler import rejection_sample
+from braid.spec_decode.rejection_sampler import rejection_sample
 from tests.engine.test_sampler import V, build
 
 TV_TOLERANCE = 0.01

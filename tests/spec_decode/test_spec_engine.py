@@ -34,7 +34,7 @@ def reference() -> dict[str, list[int]]:
 def test_draft_equal_to_target_accepts_everything(reference, k: int, budget: int) -> None:
     engine = spec_engine("draft_model", k, max_num_batched_tokens=budget)
     assert run(engine, STAGGERED, GREEDY) == reference
-    spec = engine.stats.spec
+    spec = engine.stats.spec_stats
     assert spec.num_drafts > 0 and spec.acceptance_rate == 1.0
 
 
@@ -49,8 +49,8 @@ def test_unrelated_draft_is_still_lossless(reference, k: int) -> None:
         max_num_batched_tokens=16,
     )
     assert run(engine, STAGGERED, GREEDY) == reference
-    assert engine.stats.spec.num_draft_tokens > 0
-    assert engine.stats.spec.acceptance_rate < 0.3
+    assert engine.stats.spec_stats.num_draft_tokens > 0
+    assert engine.stats.spec_stats.acceptance_rate < 0.3
 
 
 @pytest.mark.parametrize("k", [1, 3, 7])
@@ -58,7 +58,7 @@ def test_unrelated_draft_is_still_lossless(reference, k: int) -> None:
 def test_ngram_is_lossless(reference, k: int, budget: int) -> None:
     engine = spec_engine("ngram", k, max_num_batched_tokens=budget)
     assert run(engine, STAGGERED, GREEDY) == reference
-    assert engine.stats.spec.num_drafts > 0
+    assert engine.stats.spec_stats.num_drafts > 0
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -106,7 +106,7 @@ def test_bfloat16_draft_is_lossless(reference) -> None:
     engine = make_engine(speculative_config=spec, draft_model=draft,
                          max_num_batched_tokens=32)
     assert run(engine, STAGGERED, GREEDY) == reference
-    assert engine.stats.spec.num_drafts > 0 and engine.stats.spec.acceptance_rate > 0.8
+    assert engine.stats.spec_stats.num_drafts > 0 and engine.stats.spec_stats.acceptance_rate > 0.8
 
 
 def test_draft_dtype_resolution_and_errors() -> None:
@@ -124,7 +124,7 @@ def test_per_request_figures_in_output() -> None:
     engine = spec_engine("draft_model", 3)
     engine.add_request("a", prompts()[1], GREEDY)
     final = [o for o in engine.run_until_done() if o.finished][0]
-    spec = final.metrics.spec
+    spec = final.metrics.spec_stats
     assert spec["acceptance_rate"] == 1.0 and spec["num_drafts"] > 0
     assert spec["mean_acceptance_length"] > 3
 
@@ -179,7 +179,7 @@ def test_sampled_distribution_matches_without_speculation() -> None:
         model=braid_model(cfg, target), draft_model=braid_model(cfg, draft))
     prompt = [3, 7, 1, 9, 4]
     a, b = _first_tokens(plain, prompt, 4000), _first_tokens(spec, prompt, 4000)
-    assert 0.1 < spec.stats.spec.acceptance_rate < 0.9
+    assert 0.1 < spec.stats.spec_stats.acceptance_rate < 0.9
     for pos in range(3):
         assert _chi_square_p(a[:, pos], b[:, pos], 24) > 1e-3
 

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-import numpy as np
-
 from braid.engine.request import Request
-from braid.spec.ngram import NgramProposer
 
 
 class Proposer(ABC):
@@ -25,15 +22,3 @@ class Proposer(ABC):
     def forget(self, request_id: str) -> None:  # noqa: B027 - optional hook, no state by default
         """The request finished or lost its KV blocks (preempted)."""
 
-
-class NgramPromptLookup(Proposer):
-    """Prompt lookup: no model, proposes what followed the last matching n-gram."""
-
-    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
-        self.ngram = NgramProposer(prompt_lookup_min, prompt_lookup_max)
-
-    def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
-        return [
-            self.ngram.propose(np.asarray(r.prompt_token_ids + r.output_token_ids), k) if k else []
-            for r, k in zip(requests, ks, strict=True)
-        ]

@@ -1,6 +1,6 @@
 """Prompt-lookup (n-gram) proposer, vLLM's `ngram` method, vectorized with numpy.
 
-The proposer finds the longest suffix of the sequence, of length n in
+The matcher finds the longest suffix of the sequence, of length n in
 [prompt_lookup_min, prompt_lookup_max], that also occurs earlier in the sequence, and proposes
 the tokens that followed that earlier occurrence. Among several earlier occurrences of the
 longest suffix it takes the most recent one (as vLLM V1 does): recent context is the best
@@ -15,8 +15,24 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from braid.engine.request import Request
+from braid.spec_decode.proposer import Proposer
 
-class NgramProposer:
+
+class NgramProposer(Proposer):
+    """Prompt lookup: no model, proposes what followed the last matching n-gram."""
+
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+        self.matcher = NgramMatcher(prompt_lookup_min, prompt_lookup_max)
+
+    def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+        return [
+            self.matcher.match(np.asarray(r.prompt_token_ids + r.output_token_ids), k) if k
+            else [] for r, k in zip(requests, ks, strict=True)
+        ]
+
+
+class NgramMatcher:
     """Cost per call: one O(L) comparison of the last token against the context, then at most
     prompt_lookup_max - 1 comparisons over the shrinking set of candidate occurrences."""
 
@@ -29,7 +45,7 @@ class NgramProposer:
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
 
-    def propose(self, token_ids: np.ndarray | Sequence[int], k: int) -> list[int]:
+    def match(self, token_ids: np.ndarray | Sequence[int], k: int) -> list[int]:
         """Up to k tokens that followed the most recent earlier occurrence of the longest
         matching suffix; [] when no suffix of at least prompt_lookup_min tokens recurs."""
         tokens = np.asarray(token_ids)  # [L]
@@ -40,12 +56,6 @@ class NgramProposer:
             return []
         start = int(ends[-1]) + 1  # the most recent occurrence; ends are ascending
         return [int(t) for t in tokens[start : start + k]]
-
-    def propose_batch(
-        self, token_ids: Sequence[np.ndarray | Sequence[int]], ks: Sequence[int]
-    ) -> list[list[int]]:
-        """`propose` for each sequence with its own k."""
-        return [self.propose(t, k) for t, k in zip(token_ids, ks, strict=True)]
 
     def _longest_match_ends(self, tokens: np.ndarray) -> np.ndarray | None:
         """Ascending end positions p < L - 1 of the earlier occurrences of the longest suffix

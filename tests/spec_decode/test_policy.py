@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from braid.spec.cost_model import EXACT_UP_TO, ForwardCost, StepCostModel, nnls
-from braid.spec.policy import (
+from braid.spec_decode.cost_model import EXACT_UP_TO, ForwardCost, StepCostModel, nnls
+from braid.spec_decode.policy import (
     AcceptanceEstimator,
     StepPlan,
     choose_ks,
@@ -127,7 +127,7 @@ def test_acceptance_is_optimistic_until_measured() -> None:
 
 
 def test_itl_target_caps_the_prefill_chunk_then_the_drafts() -> None:
-    from braid.spec.policy import prefill_under_target
+    from braid.spec_decode.policy import prefill_under_target
 
     p = plan(2, prefill=0, budget=512)
     p.max_seconds = 0.30

@@ -32,7 +32,7 @@ def run(target: Any, draft: Any | None, prompts: list[str], policy: str = "fixed
             engine.add_request(str(i), prompts[i], GREEDY)
         done.update({o.request_id: o.outputs[0].token_ids for o in engine.run_until_done()
                      if o.finished})
-    return [done[str(i)] for i in range(len(prompts))], engine.stats.spec
+    return [done[str(i)] for i in range(len(prompts))], engine.stats.spec_stats
 
 
 @pytest.fixture(scope="module")
