@@ -77,9 +77,10 @@ def run_mode(engine: LLMEngine, prompts: list[list[int]], concurrency: int,
     spec = engine.stats.spec_stats
     result: dict[str, Any] = {"tokens": generated, "seconds": seconds,
                               "tok_per_s": generated / seconds, **spec.as_dict()}
-    if engine.speculator is not None and engine.speculator.chosen_k:
-        result["chosen_k"] = dict(sorted(engine.speculator.chosen_k.items()))
-        result["cost_model_error"] = round(engine.speculator.cost.error_ema, 3)
+    figures = engine.speculation_figures()
+    if figures is not None and figures.chosen_k:
+        result["chosen_k"] = dict(sorted(figures.chosen_k.items()))
+        result["cost_model_error"] = round(figures.cost_model_error, 3)
     return result
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +25,7 @@ from braid.spec_decode.draft import DraftModelProposer
 from braid.spec_decode.ngram import NgramProposer
 from braid.spec_decode.proposer import Proposer
 from braid.spec_decode.rejection_sampler import rejection_sample
-from braid.spec_decode.speculator import Speculator
+from braid.spec_decode.speculator import Speculator, SpeculatorFigures
 from braid.tokenizer import Tokenizer
 
 logger = logging.getLogger("braid")
@@ -72,9 +72,9 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.device)
         self.sampler = Sampler()
-        self.outputs = OutputProcessor(tokenizer, self._eos_token_ids(model))
+        self.outputs = OutputProcessor(tokenizer, self._eos_token_ids(model),
+                                       config.max_model_len or 0)
         self.speculator = self._make_speculator(model, draft_model)
-        self.requests: dict[str, Request] = {}
         self.stats = EngineStats(num_kv_blocks=num_blocks)
         self._generator = torch.Generator().manual_seed(config.seed)
 
@@ -115,14 +115,11 @@ class LLMEngine:
                     f"{draft.config.vocab_size} tokens) differs from the target's "
                     f"({target.config.vocab_size})")
             proposer = DraftModelProposer(draft, self.blocks, cfg.block_size, self.device)
-        assert cfg.max_num_batched_tokens is not None and cfg.max_model_len is not None
+        assert cfg.max_model_len is not None
         speculator = Speculator(
-            spec, proposer, cfg.max_num_batched_tokens, cfg.max_model_len,
-            cfg.enable_chunked_prefill,
-            None if cfg.target_itl_ms is None else cfg.target_itl_ms / 1e3, cfg.max_num_seqs)
-        if isinstance(proposer, DraftModelProposer):
-            proposer.on_forward = speculator.observe_draft
-        speculator.warm_up(self.runner, getattr(proposer, "runner", None), self.blocks)
+            spec, proposer, cfg.max_model_len,
+            None if cfg.target_itl_ms is None else cfg.target_itl_ms / 1e3)
+        speculator.warm_up(self.runner, getattr(proposer, "runner", None), self.scheduler)
         return speculator
 
     def _eos_token_ids(self, model: Qwen2ForCausalLM) -> frozenset[int]:
@@ -148,10 +145,14 @@ class LLMEngine:
         req = Request(request_id, ids, params, prompt=text)
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        self.requests[request_id] = req
         self.outputs.add(req)
         self.scheduler.add(req)
         return req
+
+    @property
+    def requests(self) -> Mapping[str, Request]:
+        """Unfinished requests by id (the scheduler's registry, read-only)."""
+        return self.scheduler.requests
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -177,16 +178,17 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV blocks; unknown or finished ids are ignored."""
-        req = self.requests.pop(request_id, None)
-        if req is None or req.is_finished:
+        req = self.requests.get(request_id)
+        if req is None:
             return None
-        self._finish(req, "abort")
+        self.scheduler.finish(req, "abort")
+        self._release(req)
         return self.outputs.make_output(req)
 
-    def _finish(self, req: Request, reason: str) -> None:
-        self.scheduler.finish(req, reason)
+    def _release(self, req: Request) -> None:
+        """The one path every finished request takes after the scheduler finished it: the
+        output side and the speculator drop their per-request state."""
         self.outputs.finish(req)
-        self.requests.pop(req.request_id, None)
         if self.speculator is not None:
             self.speculator.forget(req.request_id)
 
@@ -200,6 +202,17 @@ class LLMEngine:
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
+
+    def speculation_figures(self) -> SpeculatorFigures | None:
+        return None if self.speculator is None else self.speculator.figures()
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.blocks.num_used_blocks
+
+    @property
+    def kv_usage(self) -> float:
+        return self.blocks.usage
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -219,7 +232,7 @@ class LLMEngine:
         self._score_prompts(sched, logits[: inp.num_prompt_rows])
         logits = logits[inp.num_prompt_rows :]
         sampled = self._sample(sched, logits)
-        outputs = [o for s in sampled if (o := self._update_guarded(s)) is not None]
+        outputs = self._update(sched, sampled)
         target_time = time.perf_counter() - start
         if self.speculator is not None:
             self.speculator.observe_step(sched.num_batched_tokens, attention, rows, target_time)
@@ -232,21 +245,25 @@ class LLMEngine:
         the requests running and waiting now, so new arrivals always count)."""
         if self.speculator is None:
             return None
-        return self.speculator.prefill_cap(self.scheduler.running, self.scheduler.waiting)
+        return self.speculator.prefill_cap(self.scheduler)
 
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[_Sampled]:
+        """One result per scheduled request, in scheduling order (`logits` holds the rows
+        of those that sample, in that order)."""
         to_sample = [s for s in sched.scheduled if s.needs_logits]
-        results = [_Sampled(s, [], None) for s in sched.scheduled if not s.needs_logits]
-        if not to_sample:
-            return results
-        if any(s.num_spec_tokens for s in to_sample):
+        tokens: list[list[int]] = []
+        if to_sample and any(s.num_spec_tokens for s in to_sample):
             tokens = self._verify(to_sample, logits)
-        else:
+        elif to_sample:
             out = self.sampler(logits, self._sampling_metadata(to_sample, logits))
             tokens = [[t] for t in out.sampled_token_ids.tolist()]
-        logprobs = self._logprobs(to_sample, logits, tokens)
-        for i, s in enumerate(to_sample):
-            results.append(_Sampled(s, tokens[i], None if logprobs is None else logprobs[i]))
+        logprobs = self._logprobs(to_sample, logits, tokens) if to_sample else None
+        by_request = {id(s): i for i, s in enumerate(to_sample)}
+        results = []
+        for s in sched.scheduled:
+            i = by_request.get(id(s))
+            results.append(_Sampled(s, [], None) if i is None else
+                           _Sampled(s, tokens[i], None if logprobs is None else logprobs[i]))
         return results
 
     def _score_prompts(self, sched: SchedulerOutput, logits: torch.Tensor) -> None:
@@ -327,49 +344,42 @@ class LLMEngine:
             return
         for rid in sched.preempted:
             self.speculator.forget(rid)
-        self.speculator.propose(self.scheduler.running, self.scheduler.waiting)
+        self.scheduler.update_draft_token_ids(self.speculator.propose(self.scheduler))
 
-    def _update_guarded(self, result: _Sampled) -> RequestOutput | None:
-        """Bookkeeping of one request; a failure there (detokenizer, stop check) fails that
-        request alone, with finish_reason "error", and the others go on."""
+    def _update(self, sched: SchedulerOutput, sampled: list[_Sampled]) -> list[RequestOutput]:
+        """Hand the step's tokens to the scheduler, then the figures and outputs of every
+        request that emitted some."""
+        updates = self.scheduler.update_from_output(
+            sched, [r.token_ids for r in sampled], self._check_stop)
+        logprobs = {id(r.scheduled.request): r.logprobs for r in sampled}
+        outputs = []
+        for u in updates:
+            req = u.request
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            if (lp := logprobs[id(req)]) is not None:
+                self.outputs.add_logprobs(req, lp[: u.num_new_tokens])
+            if u.num_drafts and self.speculator is not None:
+                req.spec_stats.record(u.num_drafts, u.num_accepted)
+                self.stats.spec_stats.record(u.num_drafts, u.num_accepted)
+                self.speculator.on_verified(req, u.num_drafts, u.num_accepted)
+            self.stats.add_generated(u.num_new_tokens)
+            if u.finish_reason is not None:
+                self._release(req)
+            out = self.outputs.make_output(req)
+            if out.metrics.spec_stats and self.speculator is not None:
+                out.metrics.spec_stats.update(self.speculator.request_figures(req))
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> str | None:
+        """The output processor's stop rules; a failure there (detokenizer, stop strings)
+        finishes that request alone with reason "error", and the others go on."""
         try:
-            return self._update(result)
+            return self.outputs.check_stop(req, token)
         except Exception:
-            req = result.scheduled.request
             logger.exception("request %s failed while appending its tokens", req.request_id)
-            if req.is_finished:
-                return None
-            self._finish(req, "error")
-            return self.outputs.make_output(req)
-
-    def _update(self, result: _Sampled) -> RequestOutput | None:
-        s = result.scheduled
-        req = s.request
-        if req.is_finished:
-            return None  # aborted while its step ran
-        req.num_computed_tokens += s.num_new_tokens
-        if not result.token_ids:
-            return None
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
-        if s.num_spec_tokens and self.speculator is not None:
-            accepted = len(result.token_ids) - 1
-            req.spec_stats.record(s.num_spec_tokens, accepted)
-            self.stats.spec_stats.record(s.num_spec_tokens, accepted)
-            self.speculator.on_verified(req, s.num_spec_tokens, accepted)
-        req.spec_token_ids = []
-        before = req.num_output_tokens
-        reason = self.outputs.append(req, result.token_ids, result.logprobs,
-                                     self.config.max_model_len or 0)
-        self.stats.add_generated(req.num_output_tokens - before)
-        # Only the last appended token lacks KV; rejected drafts' slots get overwritten later.
-        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-        if reason is not None:
-            self._finish(req, reason)
-        out = self.outputs.make_output(req)
-        if out.metrics.spec_stats and self.speculator is not None:
-            out.metrics.spec_stats.update(self.speculator.request_figures(req))
-        return out
+            return "error"
 
     def _record(
         self, sched: SchedulerOutput, context: int, forward_time: float, step_time: float
@@ -382,7 +392,7 @@ class LLMEngine:
             num_context_tokens=context,
             forward_time=forward_time,
             step_time=step_time,
-            kv_usage=self.blocks.usage,
+            kv_usage=self.kv_usage,
             num_preemptions=len(sched.preempted),
             num_waiting=self.num_waiting,
         ))

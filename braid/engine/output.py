@@ -1,4 +1,7 @@
-"""Appends sampled tokens to requests: detokenization, stop conditions, RequestOutput."""
+"""The output side of requests: detokenization, stop rules, logprobs, RequestOutput.
+
+The scheduler appends tokens (it owns output_token_ids) and asks `check_stop` after each;
+this module keeps each request's text and judges its stop conditions."""
 
 from __future__ import annotations
 
@@ -10,9 +13,11 @@ from braid.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int],
+                 max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._text: dict[str, str] = {}
 
@@ -22,24 +27,17 @@ class OutputProcessor:
             self._detok[req.request_id] = IncrementalDetokenizer(
                 self.tokenizer, req.prompt_token_ids, req.sampling_params.skip_special_tokens)
 
-    def append(
-        self,
-        req: Request,
-        token_ids: list[int],
-        logprobs: list[dict[int, float]] | None,
-        max_model_len: int,
-    ) -> str | None:
-        """Append tokens one by one until a stop condition; return the finish reason if any."""
-        for i, token in enumerate(token_ids):
-            req.output_token_ids.append(token)
-            if logprobs is not None:
-                req.logprobs.append(logprobs[i])
-            reason = self._check_token(req, token) or self._check_text(req, token)
-            if reason is None and _length_reached(req, max_model_len):
-                reason = "length"
-            if reason is not None:
-                return reason
-        return None
+    def check_stop(self, req: Request, token: int) -> str | None:
+        """`token` was just appended to `req`: extend its text and return the finish reason
+        if the token ends it ("stop" or "length")."""
+        reason = self._check_token(req, token) or self._check_text(req, token)
+        if reason is None and _length_reached(req, self.max_model_len):
+            reason = "length"
+        return reason
+
+    def add_logprobs(self, req: Request, logprobs: list[dict[int, float]]) -> None:
+        """Logprobs of the tokens just appended to `req` (as many as were appended)."""
+        req.logprobs += logprobs
 
     def _check_token(self, req: Request, token: int) -> str | None:
         p = req.sampling_params

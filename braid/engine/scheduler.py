@@ -4,13 +4,20 @@ Decoding requests first (1 + drafts each), then continuing prefill chunks, then 
 FCFS, all under one token budget (Sarathi-Serve / vLLM V1). A decode, a prefill chunk, a
 recompute after preemption and a verification window are the same thing here: a number of
 query tokens starting at num_computed_tokens.
+
+The scheduler is the only writer of scheduling state (num_computed_tokens, output and draft
+token ids, status, KV blocks): `schedule` decides a step, `update_from_output` applies what
+it produced, `update_draft_token_ids` is the only way drafts enter, and `finish` the only
+way a request leaves. Everyone else reads requests or hands results back.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from braid.engine.block_manager import BlockManager
 from braid.engine.request import Request, RequestStatus
@@ -52,6 +59,35 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass(slots=True)
+class NextStep:
+    """What the next `schedule` call will run besides drafts, as the scheduler's own rules
+    see it now (the speculation policy plans drafts and the ITL cap from this)."""
+
+    budget: int  # max_num_batched_tokens
+    decoding: list[Request]  # past their prompt: 1 query token (+ drafts) each
+    prefilling: list[Request]  # running, still prefilling: they get no drafts
+    num_prefill_tokens: int  # prefill tokens that would ride along (before any cap)
+    num_pending: int  # prefilling or waiting requests that will join the decode batch
+    chunk_context: int  # cached tokens the first prefill chunk follows
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What `update_from_output` did to one scheduled request that emitted tokens."""
+
+    request: Request
+    num_new_tokens: int  # output tokens appended (a stop can cut the sampled ones short)
+    num_drafts: int  # drafts its window verified (0: plain step)
+    num_accepted: int
+    finish_reason: str | None  # set when this step finished it
+
+
+# (request, the token just appended) -> finish reason or None: the output processor's stop
+# rules (stop ids, EOS, stop strings, lengths), asked once per appended token.
+StopCheck = Callable[[Request, int], str | None]
+
+
 class Scheduler:
     def __init__(
         self,
@@ -66,9 +102,16 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last one is preempted first
+        self._requests: dict[str, Request] = {}  # every unfinished request, by id
 
     def add(self, request: Request) -> None:
+        self._requests[request.request_id] = request
         self.waiting.append(request)
+
+    @property
+    def requests(self) -> Mapping[str, Request]:
+        """Every unfinished request (waiting or running), by id; read-only."""
+        return MappingProxyType(self._requests)
 
     @property
     def has_unfinished(self) -> bool:
@@ -162,6 +205,100 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.blocks.free(req.request_id)
+        self._requests.pop(req.request_id, None)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.spec_token_ids = []
+
+    # ---- results of a step ---------------------------------------------------------------
+
+    def update_from_output(
+        self, sched: SchedulerOutput, sampled: Sequence[list[int]], check_stop: StopCheck
+    ) -> list[RequestUpdate]:
+        """Apply a step: `sampled[i]` holds the tokens emitted for `sched.scheduled[i]`
+        (accepted drafts, then the target's token; empty for a prefill chunk that samples
+        nothing). Advances num_computed_tokens, appends tokens until a stop, rolls rejected
+        drafts back and finishes stopped requests."""
+        updates = []
+        for s, tokens in zip(sched.scheduled, sampled, strict=True):
+            req = s.request
+            if req.is_finished:
+                continue  # aborted while its step ran
+            req.num_computed_tokens += s.num_new_tokens
+            if not tokens:
+                continue
+            req.spec_token_ids = []
+            reason, n = None, 0
+            while reason is None and n < len(tokens):
+                req.output_token_ids.append(tokens[n])
+                n += 1
+                reason = check_stop(req, tokens[n - 1])
+            # Only the last appended token lacks KV. Rejected drafts' KV stays in their slots
+            # and is overwritten by the next step, which starts at num_computed_tokens.
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+            accepted = len(tokens) - 1 if s.num_spec_tokens else 0
+            updates.append(RequestUpdate(req, n, s.num_spec_tokens, accepted, reason))
+            if reason is not None:
+                self.finish(req, reason)
+        return updates
+
+    def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
+        """Drafts for the next step, by request id (the only way drafts enter)."""
+        for request_id, draft in drafts.items():
+            req = self._requests.get(request_id)
+            if req is not None and req.status == RequestStatus.RUNNING:
+                req.spec_token_ids = list(draft)
+
+    # ---- what the speculator asks -------------------------------------------------------
+
+    def next_step(self) -> NextStep:
+        """The next step as `schedule` would build it now, drafts and caps aside."""
+        decoding = [r for r in self.running if not r.is_prefilling]
+        prefilling = [r for r in self.running if r.is_prefilling]
+        demand = 0
+        if self.enable_chunked_prefill:  # otherwise prompts run in steps of their own
+            demand = sum(r.num_tokens - r.num_computed_tokens for r in prefilling)
+            demand += sum(r.num_tokens for r in self.waiting)
+        demand = min(demand, max(0, self.max_num_batched_tokens - len(decoding)))
+        pending = min(len(prefilling) + len(self.waiting), self.max_num_seqs - len(decoding))
+        return NextStep(self.max_num_batched_tokens, decoding, prefilling, demand, max(0, pending),
+                        prefilling[0].num_computed_tokens if prefilling else 0)
+
+    def reserve_draft_slots(self, req: Request, k: int) -> int:
+        """KV slots for a draft model's k drafts of `req` (drafts 1..k-1 get KV at positions
+        num_tokens..num_tokens+k-2): how many drafts fit (k, or fewer if blocks are short;
+        the next `schedule` preempts if the verification window does not fit)."""
+        if k and not self.blocks.allocate(req.request_id, req.num_tokens + k - 1):
+            k = max(0, self.blocks.num_slots(req.request_id) - req.num_tokens + 1)
+        return k
+
+    @contextmanager
+    def scratch_blocks(self, num_tokens: int) -> Iterator[list[int] | None]:
+        """A block table covering `num_tokens` slots of no request, freed on exit (warm-up
+        forwards); None if the cache is too small."""
+        rid = "__scratch__"
+        if not self.blocks.allocate(rid, num_tokens):
+            yield None
+            return
+        try:
+            yield self.blocks.block_table(rid)
+        finally:
+            self.blocks.free(rid)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken invariant of the scheduling state."""
+        self.blocks.check_invariants()
+        running, waiting = set(map(id, self.running)), set(map(id, self.waiting))
+        assert not running & waiting, "a request is both running and waiting"
+        assert len(running) + len(waiting) == len(self._requests), "registry out of step"
+        assert len(self.running) <= self.max_num_seqs, "more running requests than seats"
+        for req in self._requests.values():
+            assert req.status != RequestStatus.FINISHED, f"{req.request_id} finished but held"
+            assert 0 <= req.num_computed_tokens < req.num_tokens, (
+                f"{req.request_id}: num_computed_tokens {req.num_computed_tokens} outside "
+                f"[0, {req.num_tokens})")
+            slots = self.blocks.num_slots(req.request_id)
+            assert slots >= req.num_computed_tokens, f"{req.request_id}: KV of computed " \
+                "tokens has no blocks"
+            if req.status == RequestStatus.WAITING:
+                assert not req.spec_token_ids, f"{req.request_id} waits with drafts"

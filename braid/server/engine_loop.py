@@ -19,9 +19,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from braid.engine.stats import EngineStats
 from braid.outputs import RequestOutput
 from braid.sampling_params import SamplingParams
 from braid.server.metrics import ServerMetrics
+from braid.spec_decode.speculator import SpeculatorFigures
 
 logger = logging.getLogger("braid.server")
 
@@ -39,6 +41,13 @@ class EngineLike(Protocol):
     def num_waiting(self) -> int: ...
     @property
     def num_running(self) -> int: ...
+    @property
+    def kv_usage(self) -> float: ...
+    @property
+    def num_used_blocks(self) -> int: ...
+    @property
+    def stats(self) -> EngineStats: ...
+    def speculation_figures(self) -> SpeculatorFigures | None: ...
 
 
 @dataclass(slots=True)
@@ -251,11 +260,9 @@ class AsyncEngine:
                 self._deliver_failure(request_id, e)
                 self._abort(request_id)
             return
-        stats = getattr(self.engine, "stats", None)
         if self.metrics is not None:
             self.metrics.record_outputs(outputs)
-            if stats is not None:
-                self.metrics.record_stats(stats, getattr(self.engine, "speculator", None))
+            self.metrics.record_stats(self.engine.stats, self.engine.speculation_figures())
         self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -274,12 +281,10 @@ class AsyncEngine:
             self._call_soon(_put_all, [(target, RequestFailed(request_id, error))])
 
     def _publish(self) -> None:
-        engine: Any = self.engine
-        blocks = getattr(engine, "blocks", None)
+        engine = self.engine
         self.snapshot = EngineSnapshot(
             num_running=engine.num_running, num_waiting=engine.num_waiting,
-            kv_usage=blocks.usage if blocks is not None else 0.0,
-            num_used_blocks=blocks.num_used_blocks if blocks is not None else 0)
+            kv_usage=engine.kv_usage, num_used_blocks=engine.num_used_blocks)
         if self.metrics is not None:
             s = self.snapshot
             self.metrics.set_load(s.num_running, s.num_waiting, s.kv_usage)

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from braid.engine.stats import EngineStats
 from braid.outputs import RequestOutput
-from braid.spec_decode.speculator import Speculator
+from braid.spec_decode.speculator import SpeculatorFigures
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
@@ -122,7 +122,8 @@ class ServerMetrics:
         self.waiting.set(num_waiting)
         self.kv_usage.set(kv_usage)
 
-    def record_stats(self, stats: EngineStats, speculator: Speculator | None = None) -> None:
+    def record_stats(self, stats: EngineStats, speculator: SpeculatorFigures | None = None
+                     ) -> None:
         if stats.recent:
             self.step_time.set(stats.recent[-1].step_time)
         if speculator is not None:
@@ -142,14 +143,14 @@ class ServerMetrics:
                 setattr(seen, attr, value)
         self._record_per_position(spec.accepted_per_position)
 
-    def _record_speculator(self, speculator: Speculator) -> None:
-        for k, count in speculator.chosen_k.items():
+    def _record_speculator(self, figures: SpeculatorFigures) -> None:
+        for k, count in figures.chosen_k.items():
             for _ in range(count - self._chosen_k_seen.get(k, 0)):
                 self.chosen_k.observe(k)
             self._chosen_k_seen[k] = count
-        self.predicted_step_time.set(speculator.predicted_step_time)
-        self.cost_model_error.set(speculator.cost.error_ema)
-        self.acceptance_estimate.set(speculator.acceptance.global_alpha)
+        self.predicted_step_time.set(figures.predicted_step_time)
+        self.cost_model_error.set(figures.cost_model_error)
+        self.acceptance_estimate.set(figures.acceptance_estimate)
 
     def _record_per_position(self, accepted: list[int]) -> None:
         for pos, value in enumerate(accepted):

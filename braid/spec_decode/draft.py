@@ -13,7 +13,6 @@ policy turns speculation off, the draft costs nothing, and the policy weighs the
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +21,7 @@ from braid.engine.block_manager import BlockManager
 from braid.engine.request import Request
 from braid.engine.runner import ModelRunner, QuerySpan
 from braid.models.qwen2 import Qwen2ForCausalLM
-from braid.spec_decode.proposer import Proposer
+from braid.spec_decode.proposer import DraftForward, Proposal, Proposer
 
 
 @dataclass(slots=True)
@@ -32,6 +31,8 @@ class _Proposal:
 
 
 class DraftModelProposer(Proposer):
+    needs_kv_slots = True  # drafts 1..k-1 get KV at positions num_tokens..num_tokens+k-2
+
     def __init__(
         self, model: Qwen2ForCausalLM, blocks: BlockManager, block_size: int, device: torch.device
     ) -> None:
@@ -39,35 +40,28 @@ class DraftModelProposer(Proposer):
         self.blocks = blocks
         self.computed: dict[str, int] = {}  # draft KV is valid for positions < computed
         self.last: dict[str, _Proposal] = {}
-        # Called with (query tokens, logits rows, seconds) after every draft forward.
-        self.on_forward: Callable[[int, int, float], None] | None = None
 
     def forget(self, request_id: str) -> None:
         self.computed.pop(request_id, None)
         self.last.pop(request_id, None)
 
-    def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
-        ks = [self._fit_blocks(r, k) for r, k in zip(requests, ks, strict=True)]
-        drafts: list[list[int]] = [[] for _ in requests]
+    def propose(self, requests: list[Request], ks: list[int]) -> Proposal:
+        """The scheduler has reserved KV slots for the ks (Scheduler.reserve_draft_slots)."""
+        proposal = Proposal([[] for _ in requests])
         if not any(ks):
-            return drafts  # the draft catches up lazily the next time it proposes
-        first = self._catch_up(requests, ks)
+            return proposal  # the draft catches up lazily the next time it proposes
+        first = self._catch_up(requests, ks, proposal.forwards)
         for i, token in first.items():
-            drafts[i].append(token)
+            proposal.drafts[i].append(token)
         for j in range(1, max(ks)):
             active = [i for i, k in enumerate(ks) if k > j]
-            for i, token in zip(active, self._extend(requests, drafts, active), strict=True):
-                drafts[i].append(token)
-        for r, d in zip(requests, drafts, strict=True):
+            tokens = self._extend(requests, proposal.drafts, active, proposal.forwards)
+            for i, token in zip(active, tokens, strict=True):
+                proposal.drafts[i].append(token)
+        for r, d in zip(requests, proposal.drafts, strict=True):
             if d:
                 self.last[r.request_id] = _Proposal(r.num_tokens, d)
-        return drafts
-
-    def _fit_blocks(self, req: Request, k: int) -> int:
-        """Draft tokens 1..k-1 get KV at positions num_tokens..num_tokens+k-2: make room."""
-        if k and not self.blocks.allocate(req.request_id, req.num_tokens + k - 1):
-            k = max(0, self.blocks.num_slots(req.request_id) - req.num_tokens + 1)
-        return k
+        return proposal
 
     def lag(self, req: Request) -> int:
         return req.num_tokens - min(self._valid_prefix(req, keep=True), req.num_tokens - 1)
@@ -85,7 +79,8 @@ class DraftModelProposer(Proposer):
                     len(actual))
         return last.start + same
 
-    def _catch_up(self, requests: list[Request], ks: list[int]) -> dict[int, int]:
+    def _catch_up(self, requests: list[Request], ks: list[int], forwards: list[DraftForward]
+                  ) -> dict[int, int]:
         """One forward bringing the draft cache of each request with k > 0 up to date; it
         runs through the last token and yields the first draft token."""
         spans, sampled = [], []
@@ -97,24 +92,24 @@ class DraftModelProposer(Proposer):
                                   self.blocks.block_table(r.request_id), 1))
             self.computed[r.request_id] = r.num_tokens
             sampled.append(i)
-        tokens = self._run(spans)
+        tokens = self._run(spans, forwards)
         return dict(zip(sampled, tokens, strict=True))
 
-    def _extend(self, requests: list[Request], drafts: list[list[int]], active: list[int]
-                ) -> list[int]:
+    def _extend(self, requests: list[Request], drafts: list[list[int]], active: list[int],
+                forwards: list[DraftForward]) -> list[int]:
         spans = [
             QuerySpan([drafts[i][-1]], requests[i].num_tokens + len(drafts[i]) - 1,
                    self.blocks.block_table(requests[i].request_id), 1)
             for i in active
         ]
-        return self._run(spans)
+        return self._run(spans, forwards)
 
-    def _run(self, spans: list[QuerySpan]) -> list[int]:
-        """Greedy draft tokens (q is one-hot, which keeps rejection sampling exact)."""
+    def _run(self, spans: list[QuerySpan], forwards: list[DraftForward]) -> list[int]:
+        """Greedy draft tokens (q is one-hot, which keeps rejection sampling exact); the
+        forward's size and time go to `forwards`."""
         start = time.perf_counter()
         logits = self.runner.execute(self.runner.build_input(spans))
         tokens = logits.argmax(dim=-1).tolist()
-        if self.on_forward is not None:
-            self.on_forward(sum(len(span.token_ids) for span in spans), len(spans),
-                            time.perf_counter() - start)
+        forwards.append(DraftForward(sum(len(span.token_ids) for span in spans), len(spans),
+                                     time.perf_counter() - start))
         return tokens

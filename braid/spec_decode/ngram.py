@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from braid.engine.request import Request
-from braid.spec_decode.proposer import Proposer
+from braid.spec_decode.proposer import Proposal, Proposer
 
 
 class NgramProposer(Proposer):
@@ -25,11 +25,11 @@ class NgramProposer(Proposer):
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.matcher = NgramMatcher(prompt_lookup_min, prompt_lookup_max)
 
-    def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
-        return [
+    def propose(self, requests: list[Request], ks: list[int]) -> Proposal:
+        return Proposal([
             self.matcher.match(np.asarray(r.prompt_token_ids + r.output_token_ids), k) if k
             else [] for r, k in zip(requests, ks, strict=True)
-        ]
+        ])
 
 
 class NgramMatcher:

@@ -3,16 +3,35 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 
 from braid.engine.request import Request
 
 
+@dataclass(slots=True)
+class DraftForward:
+    """One forward a proposer ran: what the speculation cost model learns from."""
+
+    num_tokens: int  # query tokens
+    num_rows: int  # logits rows (requests drafting in it)
+    seconds: float
+
+
+@dataclass(slots=True)
+class Proposal:
+    drafts: list[list[int]]  # per request, in the order asked
+    forwards: list[DraftForward] = field(default_factory=list)
+
+
 class Proposer(ABC):
+    # Whether drafting needs KV slots beyond the request's tokens (a draft model writes KV
+    # for its own drafts); the speculator has the scheduler reserve them first.
+    needs_kv_slots = False
+
     @abstractmethod
-    def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
-        """Up to ks[i] draft tokens for requests[i] (k = 0: none, but the proposer may still
-        use the call to keep its state current). Called after every step with every running
-        request; those still prefilling get k = 0."""
+    def propose(self, requests: list[Request], ks: list[int]) -> Proposal:
+        """Up to ks[i] draft tokens for requests[i] (k = 0: none). Called after every step
+        with every running request; those still prefilling get k = 0."""
 
     def lag(self, req: Request) -> int:
         """Tokens of `req` the proposer must process before it can draft for it (0 for
@@ -21,4 +40,3 @@ class Proposer(ABC):
 
     def forget(self, request_id: str) -> None:  # noqa: B027 - optional hook, no state by default
         """The request finished or lost its KV blocks (preempted)."""
-

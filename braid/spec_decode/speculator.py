@@ -1,5 +1,8 @@
 """Speculation as the engine sees it: after every step, pick k per request (policy), get that
-many drafts (proposer), and learn from what verification accepted and what steps cost."""
+many drafts (proposer), and learn from what verification accepted and what steps cost.
+
+It reads the scheduler (its requests and its view of the next step) and hands drafts back;
+the scheduler writes them (`update_draft_token_ids`) and reserves their KV slots."""
 
 from __future__ import annotations
 
@@ -7,11 +10,12 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from braid.config import SpecConfig
-from braid.engine.block_manager import BlockManager
 from braid.engine.request import Request
 from braid.engine.runner import ModelRunner, QuerySpan
+from braid.engine.scheduler import NextStep, Scheduler
 from braid.spec_decode.cost_model import StepCostModel, attention_work
 from braid.spec_decode.policy import (
     AcceptanceEstimator,
@@ -44,16 +48,22 @@ CATCH_UP_HORIZON = 256
 START_MARGIN = 0.05
 
 
+@dataclass(slots=True)
+class SpeculatorFigures:
+    """What the speculator tells the outside world (logs, /metrics, benchmarks)."""
+
+    chosen_k: dict[int, int]  # how often each k was chosen for a decoding request
+    predicted_step_time: float  # seconds, of the step the last proposal was made for
+    cost_model_error: float  # moving mean of the target step's relative prediction error
+    acceptance_estimate: float  # global per-draft acceptance
+
+
 class Speculator:
-    def __init__(self, spec: SpecConfig, proposer: Proposer, budget: int, max_model_len: int,
-                 chunked_prefill: bool, target_itl: float | None = None,
-                 max_num_seqs: int = 256) -> None:
+    def __init__(self, spec: SpecConfig, proposer: Proposer, max_model_len: int,
+                 target_itl: float | None = None) -> None:
         self.config = spec
         self.proposer = proposer
-        self.budget = budget
-        self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.chunked_prefill = chunked_prefill
         self.target_itl = target_itl  # seconds; each step's prefill cap follows from it
         self.acceptance = AcceptanceEstimator(prior=PRIOR_ALPHA[spec.method])
         self.cost = StepCostModel()
@@ -63,15 +73,20 @@ class Speculator:
 
     # ---- per step -----------------------------------------------------------------------
 
-    def propose(self, running: Sequence[Request], waiting: Sequence[Request]) -> None:
-        """Set spec_token_ids of every running request for the next step."""
+    def propose(self, scheduler: Scheduler) -> dict[str, list[int]]:
+        """Drafts for the next step of every running request, by request id."""
+        running = list(scheduler.running)
         caps = [0 if r.is_prefilling else self._cap(r) for r in running]
-        ks = self._choose(running, waiting, caps)
-        drafts = self.proposer.propose(list(running), ks)
-        for r, d in zip(running, drafts, strict=True):
-            r.spec_token_ids = d
+        ks = self._choose(running, scheduler.next_step(), caps)
+        if self.proposer.needs_kv_slots:
+            ks = [scheduler.reserve_draft_slots(r, k) for r, k in zip(running, ks, strict=True)]
+        proposal = self.proposer.propose(running, ks)
+        for f in proposal.forwards:
+            self.observe_draft(f.num_tokens, f.num_rows, f.seconds)
+        for r, d in zip(running, proposal.drafts, strict=True):
             if not r.is_prefilling:
                 self.chosen_k[len(d)] += 1
+        return {r.request_id: d for r, d in zip(running, proposal.drafts, strict=True)}
 
     def _cap(self, req: Request) -> int:
         """Drafts beyond what the request can still emit are waste."""
@@ -81,44 +96,34 @@ class Speculator:
             k = min(k, max_tokens - req.num_output_tokens - 1)
         return max(k, 0)
 
-    def _choose(self, running: Sequence[Request], waiting: Sequence[Request],
-                caps: list[int]) -> list[int]:
+    def _choose(self, running: Sequence[Request], nxt: NextStep, caps: list[int]) -> list[int]:
         if self.config.policy == "fixed":
             return caps
         alphas = [self.acceptance.alpha(r.request_id) for r in running]
-        plan = self._plan(running, waiting, alphas)
+        plan = self._plan(running, nxt, alphas)
         if not any(caps):
             return caps
         ks = choose_ks(alphas, caps, plan, self.cost)
         self.predicted_step_time = step_seconds(alphas, ks, plan, self.cost)
         return ks
 
-    def _plan(self, running: Sequence[Request], waiting: Sequence[Request],
-              alphas: list[float]) -> StepPlan:
-        """What the scheduler will put in the next step besides drafts (decodes go first,
-        then prefill chunks fill the budget), and what drafting would cost each request."""
-        decoding = [r for r in running if not r.is_prefilling]
-        prefilling = [r for r in running if r.is_prefilling]
-        demand = sum(r.num_tokens - r.num_computed_tokens for r in prefilling)
-        if self.chunked_prefill:
-            demand += sum(r.num_tokens for r in waiting)
-        else:
-            demand = 0  # prompts run in steps of their own
-        demand = min(demand, max(0, self.budget - len(decoding)))
-        pending = min(len(prefilling) + len(waiting), self.max_num_seqs - len(decoding))
+    def _plan(self, running: Sequence[Request], nxt: NextStep, alphas: list[float]) -> StepPlan:
+        """The scheduler's next step (`nxt`: decodes first, then prefill chunks fill the
+        budget) and what drafting would cost each running request."""
         contexts = [r.num_computed_tokens for r in running]
         lags = [self.proposer.lag(r) for r in running]
+        demand = nxt.num_prefill_tokens
         plan = StepPlan(
-            num_decodes=len(decoding), num_prefill_tokens=demand, budget=self.budget,
-            num_pending=max(0, pending),
-            base_attention=sum(attention_work(1, r.num_computed_tokens) for r in decoding),
+            num_decodes=len(nxt.decoding), num_prefill_tokens=demand, budget=nxt.budget,
+            num_pending=nxt.num_pending,
+            base_attention=sum(attention_work(1, r.num_computed_tokens) for r in nxt.decoding),
             contexts=contexts,
             catch_up=[0.0 if r.is_prefilling else self._catch_up_cost(r, a, lag)  # never drafts
                       for r, a, lag in zip(running, alphas, lags, strict=True)],
             starting=[lag > self._usual_lag for lag in lags],
             start_margin=START_MARGIN)
-        chunk_context = prefilling[0].num_computed_tokens if prefilling else 0
-        if self.target_itl is not None and decoding:
+        chunk_context = nxt.chunk_context
+        if self.target_itl is not None and nxt.decoding:
             # ITL target: the biggest prefill chunk that keeps the step under it, then drafts
             # only where they still fit (choose_ks rejects plans over max_seconds).
             plan.max_seconds = self.target_itl
@@ -127,13 +132,15 @@ class Speculator:
         plan.prefill_attention = attention_work(plan.num_prefill_tokens, chunk_context)
         return plan
 
-    def prefill_cap(self, running: Sequence[Request], waiting: Sequence[Request]) -> int | None:
-        """Prefill tokens the ITL target allows in a step over these requests (None: no
-        target, or no decodes whose inter-token latency a chunk could stretch)."""
-        if self.target_itl is None or all(r.is_prefilling for r in running):
+    def prefill_cap(self, scheduler: Scheduler) -> int | None:
+        """Prefill tokens the ITL target allows in the step the scheduler is about to build
+        (None: no target, or no decodes whose inter-token latency a chunk could stretch)."""
+        nxt = scheduler.next_step()
+        if self.target_itl is None or not nxt.decoding:
             return None
+        running = list(scheduler.running)
         alphas = [self.acceptance.alpha(r.request_id) for r in running]
-        return self._plan(running, waiting, alphas).num_prefill_tokens
+        return self._plan(running, nxt, alphas).num_prefill_tokens
 
     @property
     def _usual_lag(self) -> int:
@@ -182,40 +189,40 @@ class Speculator:
     def request_figures(self, req: Request) -> dict[str, float]:
         return {"acceptance_estimate": round(self.acceptance.alpha(req.request_id), 4)}
 
+    def figures(self) -> SpeculatorFigures:
+        return SpeculatorFigures(dict(self.chosen_k), self.predicted_step_time,
+                                 self.cost.error_ema, self.acceptance.global_alpha)
+
     # ---- start-up -----------------------------------------------------------------------
 
     def warm_up(self, target: ModelRunner, draft: ModelRunner | None,
-                blocks: BlockManager) -> None:
+                scheduler: Scheduler) -> None:
         """A few synthetic forwards of different sizes so the first decisions are not blind
         (seconds); they stay in the cost model as anchors."""
         if self.config.policy != "goodput":
             return
         start = time.perf_counter()
-        rid = "__warmup__"
         largest = max(n for n, _ in WARMUP_TARGET + WARMUP_DRAFT)
-        if not blocks.allocate(rid, largest):
-            return
-        try:
+        with scheduler.scratch_blocks(largest) as table:
+            if table is None:
+                return
             for n, rows in WARMUP_TARGET:
                 self.cost.observe_target(n, attention_work(n, 0), rows,
-                                         _time_forward(target, blocks, rid, n, rows), anchor=True)
+                                         _time_forward(target, table, n, rows), anchor=True)
             if draft is not None:
                 for n, rows in WARMUP_DRAFT:
-                    self.cost.observe_draft(n, rows, _time_forward(draft, blocks, rid, n, rows),
+                    self.cost.observe_draft(n, rows, _time_forward(draft, table, n, rows),
                                             anchor=True)
-        finally:
-            blocks.free(rid)
         logger.info("speculation cost model warmed up in %.1f s: target step %.0f ms at 1 "
                     "token, %.0f ms at %d", time.perf_counter() - start,
                     self.cost.target_time(1) * 1e3, self.cost.target_time(64) * 1e3, 64)
 
 
-def _time_forward(runner: ModelRunner, blocks: BlockManager, rid: str, n: int, rows: int
-                  ) -> float:
+def _time_forward(runner: ModelRunner, table: list[int], n: int, rows: int) -> float:
     """Best of two timed forwards (after an untimed one that pays first-call costs): the
     anchors should describe the machine, not a hiccup. A forward longer than a quarter
     second is timed once (a hiccup is small beside it, and warm-up stays short)."""
-    window = QuerySpan([0] * n, 0, blocks.block_table(rid), rows)
+    window = QuerySpan([0] * n, 0, table, rows)
     runner.execute(runner.build_input([window]))
     times: list[float] = []
     while len(times) < 2 and sum(times) < 0.25:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from braid.engine.stats import EngineStats
 from braid.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from braid.sampling_params import SamplingParams
 from braid.server.engine_loop import AsyncEngine, OutputQueue, RequestFailed
@@ -56,6 +57,13 @@ class FakeEngine:
     @property
     def num_running(self) -> int:
         return len(self.requests)
+
+    kv_usage = 0.0
+    num_used_blocks = 0
+    stats = EngineStats(num_kv_blocks=0)
+
+    def speculation_figures(self) -> None:
+        return None
 
 
 async def _final(out: OutputQueue) -> RequestOutput | RequestFailed:

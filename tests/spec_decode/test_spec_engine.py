@@ -230,7 +230,14 @@ def test_goodput_switches_off_under_load_and_back_on_losslessly() -> None:
     engine.speculator.cost = HingeCost()
     draft = engine.speculator.proposer
     forwards: list[int] = []  # query tokens of every draft forward
-    draft.on_forward = lambda tokens, rows, seconds: forwards.append(tokens)
+    plain_propose = draft.propose
+
+    def propose(requests, ks):
+        proposal = plain_propose(requests, ks)
+        forwards.extend(f.num_tokens for f in proposal.forwards)
+        return proposal
+
+    draft.propose = propose
     lags: list[int] = []  # A's draft backlog after each step
     step_forwards: list[list[int]] = []  # the draft forwards of each step
     plain_step = engine.step
