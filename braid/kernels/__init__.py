@@ -18,7 +18,7 @@ import torch
 
 logger = logging.getLogger("braid")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "attention.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "attention.cpp", "norm.cpp")]
 
 
 def _build_dir(digest: str) -> Path:
@@ -40,7 +40,7 @@ def _find_ninja() -> None:
 @functools.cache
 def quant_ops() -> ModuleType | None:
     """The extension (quantized matmuls in quant.cpp, batch-invariant attention in
-    attention.cpp), or None if it cannot be built here.
+    attention.cpp, RMSNorm in norm.cpp), or None if it cannot be built here.
     BRAID_NO_KERNELS=1 turns it off (the plain-torch fallback)."""
     if os.environ.get("BRAID_NO_KERNELS") == "1":
         logger.info("quantized kernels off (BRAID_NO_KERNELS=1)")

@@ -31,6 +31,9 @@ namespace {
 // ---- formats (ggml type ids and block layouts) ----------------------------------------------
 
 enum GgmlType : int64_t { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+// braid's own layout of Q4_K (not a ggml type): the same values with the 6-bit scales and mins
+// unpacked to bytes at load (repack_q4_k), so the kernel does not decode them every block.
+constexpr int64_t Q4_K_UNPACKED = 1012;
 
 constexpr int QK = 32;    // Q5_0 / Q8_0 block
 constexpr int QK_K = 256; // K-quant super-block
@@ -39,16 +42,18 @@ struct BlockQ4_0 { uint16_t d; uint8_t qs[QK / 2]; };
 struct BlockQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[QK / 2]; };
 struct BlockQ8_0 { uint16_t d; int8_t qs[QK]; };
 struct BlockQ4_K { uint16_t d; uint16_t dmin; uint8_t scales[12]; uint8_t qs[QK_K / 2]; };
+struct BlockQ4_KU { uint16_t d; uint16_t dmin; uint8_t sc[8]; uint8_t mn[8]; uint8_t qs[QK_K / 2]; };
 struct BlockQ6_K { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; uint16_t d; };
 static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ5_0) == 22 && sizeof(BlockQ8_0) == 34, "ggml block size");
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210, "ggml block size");
+static_assert(sizeof(BlockQ4_KU) == 148, "unpacked Q4_K block size");
 
 // Quantized activations.
 struct ActQ8_0 { float d; int32_t sum; int8_t qs[QK]; };                   // sum = sum(qs)
 struct ActQ8_K { float d; int16_t bsums[QK_K / 16]; int8_t qs[QK_K]; };    // bsums per 16
 static_assert(sizeof(ActQ8_0) == 40 && sizeof(ActQ8_K) == 292, "activation block size");
 
-bool is_k_quant(int64_t type) { return type == Q4_K || type == Q6_K; }
+bool is_k_quant(int64_t type) { return type == Q4_K || type == Q6_K || type == Q4_K_UNPACKED; }
 
 int64_t block_elems(int64_t type) { return is_k_quant(type) ? QK_K : QK; }
 
@@ -59,6 +64,7 @@ int64_t block_bytes(int64_t type) {
     case Q8_0: return sizeof(BlockQ8_0);
     case Q4_K: return sizeof(BlockQ4_K);
     case Q6_K: return sizeof(BlockQ6_K);
+    case Q4_K_UNPACKED: return sizeof(BlockQ4_KU);
   }
   TORCH_CHECK(false, "unsupported GGML type ", type);
 }
@@ -132,13 +138,23 @@ void quantize_q8_k(const float* x, ActQ8_K* out, int64_t k) {
 
 // ---- scalar dot products: one weight row . one activation row ------------------------------
 
+// The (scale, min) pairs of block i of either Q4_K layout.
+inline void q4k_block_scales(const BlockQ4_K* w, int64_t i, uint8_t* sc, uint8_t* mn) {
+  q4k_scales(w[i].scales, sc, mn);
+}
+inline void q4k_block_scales(const BlockQ4_KU* w, int64_t i, uint8_t* sc, uint8_t* mn) {
+  std::memcpy(sc, w[i].sc, 8);
+  std::memcpy(mn, w[i].mn, 8);
+}
+
+template <typename B>
 float dot_q4_k_scalar(const void* wv, const void* xv, int64_t nb) {
-  const auto* w = static_cast<const BlockQ4_K*>(wv);
+  const auto* w = static_cast<const B*>(wv);
   const auto* x = static_cast<const ActQ8_K*>(xv);
   float acc = 0.f, acc_min = 0.f;
   for (int64_t i = 0; i < nb; ++i) {
     uint8_t sc[8], mn[8];
-    q4k_scales(w[i].scales, sc, mn);
+    q4k_block_scales(w, i, sc, mn);
     int32_t sumi = 0, summ = 0;
     for (int j = 0; j < 4; ++j) {  // 64 values: low nibbles, then high nibbles
       const uint8_t* q = w[i].qs + 32 * j;
@@ -275,15 +291,22 @@ AVX2 inline __m256i q4k_scales_mins(const uint8_t* s) {
   return _mm256_cvtepu8_epi16(_mm_set_epi32((int)mn_hi, (int)mn_lo, (int)sc_hi, (int)sc_lo));
 }
 
-template <int R>
+AVX2 inline __m256i q4k_scales_mins(const BlockQ4_K& b) { return q4k_scales_mins(b.scales); }
+
+// The unpacked layout holds the same 16 bytes already in order: one load.
+AVX2 inline __m256i q4k_scales_mins(const BlockQ4_KU& b) {
+  return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)b.sc));
+}
+
+template <typename B, int R>
 AVX2 void dot_q4_k_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t nb, float* out) {
-  const auto* w = static_cast<const BlockQ4_K*>(wv);
+  const auto* w = static_cast<const B*>(wv);
   const __m256i low4 = _mm256_set1_epi8(0xF);
   __m256 acc[R];
   __m128 acc_m[R];
   for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); acc_m[r] = _mm_setzero_ps(); }
   for (int64_t i = 0; i < nb; ++i) {
-    const __m256i sm = q4k_scales_mins(w[i].scales);
+    const __m256i sm = q4k_scales_mins(w[i]);
     const __m128i mins = _mm256_extracti128_si256(sm, 1);
     const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
     const float dw = h2f(w[i].d), dmw = h2f(w[i].dmin);
@@ -456,7 +479,8 @@ std::array<RowsFn, MAX_R> scalar_table() {
 #ifdef BRAID_X86
 template <int64_t TYPE, int R>
 AVX2 void rows_avx2(const void* w, const uint8_t* x, int64_t xs, int64_t nb, float* out) {
-  if constexpr (TYPE == Q4_K) dot_q4_k_avx2<R>(w, x, xs, nb, out);
+  if constexpr (TYPE == Q4_K) dot_q4_k_avx2<BlockQ4_K, R>(w, x, xs, nb, out);
+  else if constexpr (TYPE == Q4_K_UNPACKED) dot_q4_k_avx2<BlockQ4_KU, R>(w, x, xs, nb, out);
   else if constexpr (TYPE == Q6_K) dot_q6_k_avx2<R>(w, x, xs, nb, out);
   else dot_32_avx2<TYPE, R>(w, x, xs, nb, out);
 }
@@ -479,6 +503,7 @@ std::array<RowsFn, MAX_R> rows_fns(int64_t type) {
   if (g_use_avx2) {
     switch (type) {
       case Q4_K: return avx2_table<Q4_K>();
+      case Q4_K_UNPACKED: return avx2_table<Q4_K_UNPACKED>();
       case Q6_K: return avx2_table<Q6_K>();
       case Q4_0: return avx2_table<Q4_0>();
       case Q5_0: return avx2_table<Q5_0>();
@@ -487,7 +512,8 @@ std::array<RowsFn, MAX_R> rows_fns(int64_t type) {
   }
 #endif
   switch (type) {
-    case Q4_K: return scalar_table<dot_q4_k_scalar>();
+    case Q4_K: return scalar_table<dot_q4_k_scalar<BlockQ4_K>>();
+    case Q4_K_UNPACKED: return scalar_table<dot_q4_k_scalar<BlockQ4_KU>>();
     case Q6_K: return scalar_table<dot_q6_k_scalar>();
     case Q4_0: return scalar_table<dot_q4_0_scalar>();
     case Q5_0: return scalar_table<dot_q5_0_scalar>();
@@ -497,6 +523,22 @@ std::array<RowsFn, MAX_R> rows_fns(int64_t type) {
 }
 
 // ---- dequantization (embedding rows, reference) ---------------------------------------------
+
+template <typename B>
+void dequantize_q4_k(const B* w, int64_t nb, float* y) {
+  for (int64_t i = 0; i < nb; ++i) {
+    uint8_t sc[8], mn[8];
+    q4k_block_scales(w, i, sc, mn);
+    const float d = fp16_to_fp32(w[i].d), dmin = fp16_to_fp32(w[i].dmin);
+    for (int j = 0; j < 4; ++j, y += 64) {
+      const uint8_t* q = w[i].qs + 32 * j;
+      for (int l = 0; l < 32; ++l) {
+        y[l] = d * sc[2 * j] * (q[l] & 0xF) - dmin * mn[2 * j];
+        y[l + 32] = d * sc[2 * j + 1] * (q[l] >> 4) - dmin * mn[2 * j + 1];
+      }
+    }
+  }
+}
 
 void dequantize_row(const uint8_t* row, int64_t type, int64_t k, float* y) {
   const int64_t nb = k / block_elems(type);
@@ -525,19 +567,9 @@ void dequantize_row(const uint8_t* row, int64_t type, int64_t k, float* y) {
       }
     }
   } else if (type == Q4_K) {
-    const auto* w = reinterpret_cast<const BlockQ4_K*>(row);
-    for (int64_t i = 0; i < nb; ++i) {
-      uint8_t sc[8], mn[8];
-      q4k_scales(w[i].scales, sc, mn);
-      const float d = fp16_to_fp32(w[i].d), dmin = fp16_to_fp32(w[i].dmin);
-      for (int j = 0; j < 4; ++j, y += 64) {
-        const uint8_t* q = w[i].qs + 32 * j;
-        for (int l = 0; l < 32; ++l) {
-          y[l] = d * sc[2 * j] * (q[l] & 0xF) - dmin * mn[2 * j];
-          y[l + 32] = d * sc[2 * j + 1] * (q[l] >> 4) - dmin * mn[2 * j + 1];
-        }
-      }
-    }
+    dequantize_q4_k(reinterpret_cast<const BlockQ4_K*>(row), nb, y);
+  } else if (type == Q4_K_UNPACKED) {
+    dequantize_q4_k(reinterpret_cast<const BlockQ4_KU*>(row), nb, y);
   } else if (type == Q6_K) {
     const auto* w = reinterpret_cast<const BlockQ6_K*>(row);
     for (int64_t i = 0; i < nb; ++i) {
@@ -657,6 +689,24 @@ torch::Tensor dequantize_rows(const torch::Tensor& w, const torch::Tensor& ids_i
   return out;
 }
 
+// Q4_K rows [N, K/256 * 144] -> the same values in the unpacked layout [N, K/256 * 148].
+torch::Tensor repack_q4_k(const torch::Tensor& w, int64_t k) {
+  check_weight(w, Q4_K, k);
+  const int64_t n = w.size(0), nb = k / QK_K;
+  auto out = torch::empty({n, nb * (int64_t)sizeof(BlockQ4_KU)}, torch::kUInt8);
+  const auto* src = reinterpret_cast<const BlockQ4_K*>(w.data_ptr<uint8_t>());
+  auto* dst = reinterpret_cast<BlockQ4_KU*>(out.data_ptr<uint8_t>());
+  at::parallel_for(0, n * nb, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      dst[i].d = src[i].d;
+      dst[i].dmin = src[i].dmin;
+      q4k_scales(src[i].scales, dst[i].sc, dst[i].mn);
+      std::memcpy(dst[i].qs, src[i].qs, sizeof(src[i].qs));
+    }
+  });
+  return out;
+}
+
 std::string isa() { return g_use_avx2 ? "avx2" : "scalar"; }
 
 // Tests run both paths on machines that have AVX2; returns the previous setting.
@@ -669,13 +719,17 @@ bool set_avx2(bool on) {
 }  // namespace
 
 void register_attention(pybind11::module& m);  // attention.cpp
+void register_norm(pybind11::module& m);  // norm.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_attention(m);
+  register_norm(m);
   m.def("quantize_activations", &quantize_activations);
   m.def("qgemm", &qgemm);
   m.def("qgemm_into", &qgemm_into);
   m.def("dequantize_rows", &dequantize_rows);
+  m.def("repack_q4_k", &repack_q4_k);
+  m.attr("Q4_K_UNPACKED") = Q4_K_UNPACKED;
   m.def("isa", &isa);
   m.def("set_avx2", &set_avx2);
 }

@@ -28,9 +28,16 @@ _FLOAT_QUANT = {"int8": Q.Q8_0, "int4": Q.Q4_0}
 
 @dataclass
 class QuantWeight:
-    data: torch.Tensor  # uint8 [rows, bytes per row], GGML blocks
-    qtype: GGMLQuantizationType
+    data: torch.Tensor  # uint8 [rows, bytes per row], blocks in the layout below
+    qtype: GGMLQuantizationType  # the values' format (what a GGUF calls the tensor's type)
     cols: int  # values per row (in_features)
+    # The kernels' block layout: the GGML type's own, or braid's unpacked Q4_K
+    # (ops.Q4_K_UNPACKED, see `for_kernels`).
+    layout: int = -1
+
+    def __post_init__(self) -> None:
+        if self.layout < 0:
+            self.layout = int(self.qtype)
 
     @property
     def rows(self) -> int:
@@ -40,8 +47,9 @@ class QuantWeight:
         """float32 [rows, cols]."""
         ops = quant_ops()
         if ops is not None and runnable(self.qtype, self.cols):
-            return ops.dequantize_rows(self.data, torch.arange(self.rows), int(self.qtype),
+            return ops.dequantize_rows(self.data, torch.arange(self.rows), self.layout,
                                        self.cols)
+        assert self.layout == int(self.qtype), "a repacked weight needs the kernels"
         return torch.from_numpy(dequantize(self.data.numpy(), self.qtype)).reshape(
             self.rows, self.cols)
 
@@ -60,8 +68,16 @@ def quantize_float(weight: torch.Tensor, qtype: GGMLQuantizationType) -> QuantWe
 
 
 def as_kernel_format(w: QuantWeight) -> QuantWeight:
-    """A weight the kernels can run: as is, or re-quantized to Q8_0 (int8) from its values."""
-    return w if runnable(w.qtype, w.cols) else quantize_float(w.dequantize(), Q.Q8_0)
+    """A weight the kernels can run: as is, or re-quantized to Q8_0 (int8) from its values;
+    Q4_K in the unpacked layout (the same values; its scales are not decoded every block,
+    which makes decode-sized products ~15% faster for 3% more bytes)."""
+    if not runnable(w.qtype, w.cols):
+        return quantize_float(w.dequantize(), Q.Q8_0)
+    ops = quant_ops()
+    if w.layout == Q.Q4_K and ops is not None:
+        return QuantWeight(ops.repack_q4_k(w.data, w.cols), w.qtype, w.cols,
+                           ops.Q4_K_UNPACKED)
+    return w
 
 
 def float_quant_type(quantization: str) -> GGMLQuantizationType | None:
@@ -99,7 +115,7 @@ class QuantLinear(nn.Module):
             kind = w.qtype in (Q.Q4_K, Q.Q6_K)
             if kind not in activations:
                 activations[kind] = ops.quantize_activations(x2, int(w.qtype))
-            ops.qgemm_into(activations[kind], w.data, int(w.qtype), w.cols, out, offset)
+            ops.qgemm_into(activations[kind], w.data, w.layout, w.cols, out, offset)
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
@@ -110,9 +126,9 @@ def _merged(segments: list[tuple[int, QuantWeight]]) -> list[tuple[int, QuantWei
     kernel call instead of two)."""
     out: list[tuple[int, QuantWeight]] = []
     for offset, w in segments:
-        if out and out[-1][1].qtype == w.qtype and out[-1][0] + out[-1][1].rows == offset:
+        if out and out[-1][1].layout == w.layout and out[-1][0] + out[-1][1].rows == offset:
             first, prev = out.pop()
-            w = QuantWeight(torch.cat([prev.data, w.data]), w.qtype, w.cols)
+            w = QuantWeight(torch.cat([prev.data, w.data]), w.qtype, w.cols, w.layout)
             offset = first
         out.append((offset, w))
     return out
@@ -136,5 +152,5 @@ class QuantEmbedding(nn.Module):
         ops = quant_ops()
         assert ops is not None and self.quant is not None
         w = self.quant
-        return ops.dequantize_rows(w.data, ids, int(w.qtype), w.cols).view(
+        return ops.dequantize_rows(w.data, ids, w.layout, w.cols).view(
             *ids.shape, self.embedding_dim)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from braid.kernels import quant_ops
 from braid.models.attention import AttentionMetadata, paged_attention
 from braid.models.config import ModelConfig
 from braid.models.quant import QuantEmbedding, QuantLinear, QuantWeight, quantize_float
@@ -69,8 +70,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        # The compiled one-pass kernel (quantized models: their int8 activations make its
+        # last-bit differences from torch's irrelevant; float models stay torch's, which
+        # transformers' reference matches).
+        self.compiled = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = quant_ops() if self.compiled and x.dtype == torch.float32 else None
+        if ops is not None and x.device.type == "cpu":
+            return ops.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
@@ -190,6 +198,9 @@ class Qwen2ForCausalLM(nn.Module):
             None if cfg.tie_word_embeddings and quant_type is None
             else linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.compiled = quant_type is not None
 
     @property
     def dtype(self) -> torch.dtype:

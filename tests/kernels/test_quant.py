@@ -217,3 +217,33 @@ def test_activations_that_do_not_match_the_weight_raise(ops: ModuleType) -> None
         ops.qgemm_into(q8_0, random_weight(Q.Q8_0), int(Q.Q8_0), K, torch.empty(2, N), -1)
     with pytest.raises(RuntimeError, match="unsupported GGML type"):
         ops.quantize_activations(rows, int(Q.Q5_1))
+
+
+@pytest.mark.parametrize("path", ["avx2", "scalar"])
+def test_unpacked_q4_k_equals_the_gguf_layout(ops: ModuleType, path: str) -> None:
+    """The layout Q4_K runs in (scales unpacked at load) holds the same values: products and
+    dequantized rows are bit-identical to the GGUF layout's, for every number of rows."""
+    if path == "avx2" and not has_avx2(ops):
+        pytest.skip("no AVX2 on this CPU")
+    w = random_weight(Q.Q4_K)
+    unpacked = ops.repack_q4_k(w, K)
+    assert unpacked.shape == (N, K // 256 * 148)
+    ids = torch.arange(N)
+    assert torch.equal(ops.dequantize_rows(unpacked, ids, ops.Q4_K_UNPACKED, K),
+                       ops.dequantize_rows(w, ids, int(Q.Q4_K), K))
+    with code_path(ops, path):
+        for m in (1, 3, 8, 9):
+            xq = ops.quantize_activations(activations(m), int(Q.Q4_K))
+            assert torch.equal(ops.qgemm(xq, unpacked, ops.Q4_K_UNPACKED, K),
+                               ops.qgemm(xq, w, int(Q.Q4_K), K)), m
+
+
+def test_rms_norm_matches_torch_and_ignores_the_batch(ops: ModuleType) -> None:
+    x, w = activations(9, 1536) * 3, torch.randn(1536)
+    out = ops.rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(out, torch.nn.functional.rms_norm(x, (1536,), w, 1e-6),
+                               rtol=1e-5, atol=1e-5)
+    for r in range(9):
+        assert torch.equal(ops.rms_norm(x[r : r + 1], w, 1e-6), out[r : r + 1])
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.rms_norm(x, torch.ones(7), 1e-6)
