@@ -249,6 +249,23 @@ float dot_q8_0_scalar(const void* wv, const void* xv, int64_t nb) {
 // The weight is unpacked once per block for all R rows; each row's arithmetic is the same
 // sequence whatever R is, so results do not depend on how rows are grouped.
 
+// Software prefetch of the weight stream, this many bytes ahead of the block being read: with
+// the products' arithmetic between loads the hardware prefetcher alone keeps too few misses
+// in flight (measured on 2 threads, an AVX2 EPYC: 8 KB ahead made decode-sized Q6_K products
+// ~30% faster and Q4_K ~25%; 1 KB did nothing). Prefetches never fault past the end.
+constexpr int64_t PREFETCH_BYTES = 8192;
+
+// Prefetch the cache lines of the block at `p` (of BYTES bytes) PREFETCH_BYTES ahead.
+template <int64_t BYTES>
+inline void prefetch_ahead(const void* p) {
+#ifdef BRAID_X86
+  const char* c = static_cast<const char*>(p) + PREFETCH_BYTES;
+  for (int64_t off = 0; off < BYTES; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+#else
+  (void)p;
+#endif
+}
+
 // Activation row r of block i.
 template <typename A>
 inline const A* act(const uint8_t* x, int64_t stride, int r, int64_t i) {
@@ -306,6 +323,7 @@ AVX2 void dot_q4_k_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t nb
   __m128 acc_m[R];
   for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); acc_m[r] = _mm_setzero_ps(); }
   for (int64_t i = 0; i < nb; ++i) {
+    prefetch_ahead<sizeof(B)>(w + i);
     const __m256i sm = q4k_scales_mins(w[i]);
     const __m128i mins = _mm256_extracti128_si256(sm, 1);
     const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
@@ -350,6 +368,7 @@ AVX2 void dot_q6_k_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t nb
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
+    prefetch_ahead<sizeof(BlockQ6_K)>(w + i);
     const __m256i scl = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)w[i].scales));
     __m256i sumi[R];
     for (int r = 0; r < R; ++r) {  // the -32 offset: 32 * sum of scale x group sum
@@ -434,7 +453,10 @@ AVX2 void dot_32_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t nb, 
   __m256 acc[R];
   float acc_offset[R];
   for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); acc_offset[r] = 0.f; }
+  constexpr int64_t bytes = TYPE == Q8_0 ? sizeof(BlockQ8_0) : TYPE == Q4_0 ? sizeof(BlockQ4_0)
+                                                                             : sizeof(BlockQ5_0);
   for (int64_t i = 0; i < nb; ++i) {
+    prefetch_ahead<1>(static_cast<const uint8_t*>(wv) + i * bytes);
     const __m256i q = unpack32<TYPE>(wv, i);
     // maddubs needs one unsigned operand: Q8_0 uses |q| and y with q's sign.
     const __m256i uq = TYPE == Q8_0 ? _mm256_sign_epi8(q, q) : q;

@@ -111,7 +111,14 @@ class RotaryEmbedding(nn.Module):
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] -> x rotated by the tables of `RotaryEmbedding.tables`."""
+    """x [T, heads, D] -> x rotated by the tables of `RotaryEmbedding.tables` (on the CPU in
+    float32, the compiled kernel in place of seven small ops: the same arithmetic)."""
+    ops = quant_ops() if x.device.type == "cpu" and x.dtype == cos.dtype == torch.float32 \
+        else None
+    if ops is not None:
+        x = x.contiguous()
+        ops.rotate_(x, cos, sin)
+        return x
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 

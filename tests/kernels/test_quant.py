@@ -247,3 +247,16 @@ def test_rms_norm_matches_torch_and_ignores_the_batch(ops: ModuleType) -> None:
         assert torch.equal(ops.rms_norm(x[r : r + 1], w, 1e-6), out[r : r + 1])
     with pytest.raises(RuntimeError, match="weight"):
         ops.rms_norm(x, torch.ones(7), 1e-6)
+
+
+def test_rotate_is_the_torch_rotation_exactly(ops: ModuleType) -> None:
+    from braid.models.qwen2 import RotaryEmbedding
+
+    rope = RotaryEmbedding(64, 512, 1e6)
+    cos, sin = rope.tables(torch.tensor([0, 5, 300, 301]))
+    x = torch.randn(4, 6, 64)
+    x1, x2 = x.chunk(2, dim=-1)
+    want = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    got = x.clone()
+    ops.rotate_(got, cos, sin)
+    assert torch.equal(got, want)
