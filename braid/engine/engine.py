@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from braid.config import ConfigError, EngineConfig, resolve_draft_dtype
+from braid.config import ConfigError, EngineConfig
 from braid.engine.block_manager import BlockManager
 from braid.engine.output import OutputProcessor
 from braid.engine.request import Request
@@ -20,12 +20,10 @@ from braid.engine.stats import EngineStats, StepStats
 from braid.models.qwen2 import Qwen2ForCausalLM
 from braid.outputs import RequestOutput
 from braid.sampling_params import SamplingParams
+from braid.spec_decode.build import make_speculator
 from braid.spec_decode.cost_model import attention_work
-from braid.spec_decode.draft import DraftModelProposer
-from braid.spec_decode.ngram import NgramProposer
-from braid.spec_decode.proposer import Proposer
 from braid.spec_decode.rejection_sampler import rejection_sample
-from braid.spec_decode.speculator import Speculator, SpeculatorFigures
+from braid.spec_decode.speculator import SpeculatorFigures
 from braid.tokenizer import Tokenizer
 
 logger = logging.getLogger("braid")
@@ -74,7 +72,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.outputs = OutputProcessor(tokenizer, self._eos_token_ids(model),
                                        config.max_model_len or 0)
-        self.speculator = self._make_speculator(model, draft_model)
+        self.speculator = make_speculator(config, self.runner, self.scheduler, draft_model)
         self.stats = EngineStats(num_kv_blocks=num_blocks)
         self._generator = torch.Generator().manual_seed(config.seed)
 
@@ -91,36 +89,6 @@ class LLMEngine:
                 f"KV cache of {num} blocks holds fewer than --max-model-len "
                 f"({cfg.max_model_len}) tokens: raise --kv-cache-gib or --num-kv-blocks")
         return num
-
-    def _make_speculator(
-        self, target: Qwen2ForCausalLM, draft: Qwen2ForCausalLM | None
-    ) -> Speculator | None:
-        cfg, spec = self.config, self.config.spec_config
-        if spec is None:
-            return None
-        proposer: Proposer
-        if spec.method == "ngram":
-            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        else:
-            if draft is None:
-                from braid.models.build import load_model
-
-                assert spec.model is not None
-                dtype = resolve_draft_dtype(spec.draft_dtype, cfg.torch_dtype, cfg.device)
-                draft, _ = load_model(spec.model, dtype, cfg.device,
-                                      spec.quantization or cfg.quantization)
-            if draft.config.vocab_size != target.config.vocab_size:
-                raise ConfigError(
-                    f"--speculative-config: the draft model's vocabulary ("
-                    f"{draft.config.vocab_size} tokens) differs from the target's "
-                    f"({target.config.vocab_size})")
-            proposer = DraftModelProposer(draft, self.blocks, cfg.block_size, self.device)
-        assert cfg.max_model_len is not None
-        speculator = Speculator(
-            spec, proposer, cfg.max_model_len,
-            None if cfg.target_itl_ms is None else cfg.target_itl_ms / 1e3)
-        speculator.warm_up(self.runner, getattr(proposer, "runner", None), self.scheduler)
-        return speculator
 
     def _eos_token_ids(self, model: Qwen2ForCausalLM) -> frozenset[int]:
         if self.tokenizer is not None:

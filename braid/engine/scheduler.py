@@ -31,7 +31,7 @@ class ScheduledRequest:
 
     @property
     def needs_logits(self) -> bool:
-        """The window reaches the end of the request's tokens, so the step samples for it."""
+        """The span reaches the end of the request's tokens, so the step samples for it."""
         r = self.request
         return r.num_computed_tokens + self.num_new_tokens == r.num_tokens + self.num_spec_tokens
 

@@ -6,10 +6,10 @@ to each other. Prefill chunks (n_i large), decodes (n_i = 1) and verification wi
 (n_i = 1 + k) are the same case; nothing here knows which is which.
 
 Requests are split into attention *groups*, built once per step and reused by every layer:
-all requests with short query windows form one padded batch (one SDPA call), and each request
-with a long window (a prefill chunk) is a group of its own. A per-long-request call is the
+all requests with short query spans form one padded batch (one SDPA call), and each request
+with a long span (a prefill chunk) is a group of its own. A per-long-request call is the
 only per-request loop: padding a 512-token chunk together with 1-token decodes would multiply
-the attention work by the number of requests, and the token budget keeps long windows few.
+the attention work by the number of requests, and the token budget keeps long spans few.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from braid.kernels import quant_ops
 
-# Query windows up to this length share one padded SDPA call (decodes, verification windows).
+# Query spans up to this length share one padded SDPA call (decodes, verification windows).
 SHORT_QUERY_MAX = 16
 
 

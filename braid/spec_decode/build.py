@@ -1,0 +1,47 @@
+"""Builds the speculator an engine config asks for: the proposer (n-gram, or a draft model
+loaded here unless one is given), the policy's state, and its warm-up forwards."""
+
+from __future__ import annotations
+
+from braid.config import ConfigError, EngineConfig, resolve_draft_dtype
+from braid.engine.runner import ModelRunner
+from braid.engine.scheduler import Scheduler
+from braid.models.qwen2 import Qwen2ForCausalLM
+from braid.spec_decode.draft import DraftModelProposer
+from braid.spec_decode.ngram import NgramProposer
+from braid.spec_decode.proposer import Proposer
+from braid.spec_decode.speculator import Speculator
+
+
+def make_speculator(cfg: EngineConfig, target: ModelRunner, scheduler: Scheduler,
+                    draft: Qwen2ForCausalLM | None = None) -> Speculator | None:
+    """None without `speculative_config`."""
+    spec = cfg.spec_config
+    if spec is None:
+        return None
+    proposer: Proposer
+    if spec.method == "ngram":
+        proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    else:
+        draft = draft or _load_draft(cfg)
+        vocab = target.model.config.vocab_size
+        if draft.config.vocab_size != vocab:
+            raise ConfigError(
+                f"--speculative-config: the draft model's vocabulary ("
+                f"{draft.config.vocab_size} tokens) differs from the target's ({vocab})")
+        proposer = DraftModelProposer(draft, scheduler.blocks, cfg.block_size, target.device)
+    assert cfg.max_model_len is not None
+    speculator = Speculator(spec, proposer, cfg.max_model_len,
+                            None if cfg.target_itl_ms is None else cfg.target_itl_ms / 1e3)
+    speculator.warm_up(target, getattr(proposer, "runner", None), scheduler)
+    return speculator
+
+
+def _load_draft(cfg: EngineConfig) -> Qwen2ForCausalLM:
+    from braid.models.build import load_model
+
+    spec = cfg.spec_config
+    assert spec is not None and spec.model is not None
+    dtype = resolve_draft_dtype(spec.draft_dtype, cfg.torch_dtype, cfg.device)
+    draft, _ = load_model(spec.model, dtype, cfg.device, spec.quantization or cfg.quantization)
+    return draft
