@@ -1,7 +1,7 @@
 """Soak test of `braid serve`: open-loop load for N minutes with random client aborts, bad
 requests and n > 1 mixed in; then the checks a long-running server must pass.
 
-    python benchmarks/soak.py [--minutes 10] [--rate 0.5] [--model M]
+    python benchmarks/soak.py [--minutes 10] [--rate 0.1] [--model M]
                               [--speculative-config JSON] [--out F.json] [-- extra serve flags]
 
 Load: Poisson arrivals of HumanEval prompts (greedy, ignore EOS, random output lengths);
@@ -224,7 +224,9 @@ class Soak:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=10.0)
-    ap.add_argument("--rate", type=float, default=0.5, help="requests per second (Poisson)")
+    ap.add_argument("--rate", type=float, default=0.1,
+                    help="requests per second (Poisson); 0.5 overloads the default model on 2 "
+                    "cores")
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--speculative-config", default=None)
     ap.add_argument("--out", type=Path, default=None)
