@@ -226,12 +226,13 @@ class LLMEngine:
             out = self.sampler(logits, self._sampling_metadata(to_sample, logits))
             tokens = [[t] for t in out.sampled_token_ids.tolist()]
         logprobs = self._logprobs(to_sample, logits, tokens) if to_sample else None
-        by_request = {id(s): i for i, s in enumerate(to_sample)}
-        results = []
+        results, i = [], 0
         for s in sched.scheduled:
-            i = by_request.get(id(s))
-            results.append(_Sampled(s, [], None) if i is None else
-                           _Sampled(s, tokens[i], None if logprobs is None else logprobs[i]))
+            if not s.needs_logits:
+                results.append(_Sampled(s, [], None))
+                continue
+            results.append(_Sampled(s, tokens[i], None if logprobs is None else logprobs[i]))
+            i += 1
         return results
 
     def _score_prompts(self, sched: SchedulerOutput, logits: torch.Tensor) -> None:
@@ -272,7 +273,7 @@ class LLMEngine:
         )
 
     def _verify(self, to_sample: list[ScheduledRequest], logits: torch.Tensor) -> list[list[int]]:
-        """Rejection sampling of every window (k = 0 to_sample are plain samples)."""
+        """Rejection sampling of every window (those with k = 0 are plain samples)."""
         out = rejection_sample(
             logits,
             [s.request.spec_token_ids[: s.num_spec_tokens] for s in to_sample],

@@ -126,8 +126,7 @@ class Scheduler:
             # Classic prefill-first: whole prompts in a step of their own, ahead of decodes.
             self._admit(out, budget)
             return out
-        decoding = [r for r in self.running if not r.is_prefilling]
-        prefilling = [r for r in self.running if r.is_prefilling]
+        decoding, prefilling = self._split_running()
         budget = self._schedule_running(out, decoding, budget)
         if self.enable_chunked_prefill:
             if prefill_cap is not None:
@@ -136,6 +135,11 @@ class Scheduler:
             if not out.preempted:
                 self._admit(out, budget)
         return out
+
+    def _split_running(self) -> tuple[list[Request], list[Request]]:
+        """Running requests past their prompt (decode first), then those still prefilling."""
+        decoding = [r for r in self.running if not r.is_prefilling]
+        return decoding, [r for r in self.running if r.is_prefilling]
 
     def _schedule_running(
         self, out: SchedulerOutput, requests: Iterable[Request], budget: int
@@ -253,8 +257,7 @@ class Scheduler:
 
     def next_step(self) -> NextStep:
         """The next step as `schedule` would build it now, drafts and caps aside."""
-        decoding = [r for r in self.running if not r.is_prefilling]
-        prefilling = [r for r in self.running if r.is_prefilling]
+        decoding, prefilling = self._split_running()
         demand = 0
         if self.enable_chunked_prefill:  # otherwise prompts run in steps of their own
             demand = sum(r.num_tokens - r.num_computed_tokens for r in prefilling)

@@ -32,7 +32,7 @@ class QuantWeight:
     qtype: GGMLQuantizationType  # the values' format (what a GGUF calls the tensor's type)
     cols: int  # values per row (in_features)
     # The kernels' block layout: the GGML type's own, or braid's unpacked Q4_K
-    # (ops.Q4_K_UNPACKED, see `for_kernels`).
+    # (ops.Q4_K_UNPACKED, see `as_kernel_format`).
     layout: int = -1
 
     def __post_init__(self) -> None:
