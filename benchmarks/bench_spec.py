@@ -2,6 +2,13 @@
 
     python benchmarks/bench_spec.py --workload humaneval --num-prompts 16 --max-tokens 128 \
         --concurrency 1 --modes none,ngram4,draft1,draft2,draft3,draft4,draft5,goodput
+    python benchmarks/bench_spec.py --temperature 0.7 \
+        --modes none,draft3/greedy,draft3/coupled,draft3/rejection,goodput/coupled
+
+A mode's suffix sets how a draft model's drafts are sampled and verified (requests with
+temperature > 0): /greedy (its argmax, coupled verification), /coupled (drawn with the
+target's numbers, coupled verification; the default), /rejection (drawn with numbers of its
+own, standard rejection sampling with its probabilities).
 
 Closed loop: `concurrency` requests in flight until all prompts are done (greedy); each load
 level runs max(--num-prompts, --prompts-per-slot * concurrency) prompts, so high levels
@@ -23,14 +30,38 @@ import torch
 from tqdm.auto import tqdm
 
 from braid.bench.datasets import BenchPrompt, edit_prompts, humaneval, sharegpt
-from braid.config import DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES, EngineConfig, resolve_draft_dtype
+from braid.config import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    DTYPES,
+    QUANTIZATIONS,
+    EngineConfig,
+    resolve_draft_dtype,
+)
 from braid.engine.engine import LLMEngine
 from braid.engine.stats import SpecStats
 from braid.models.build import load_model
 from braid.sampling_params import SamplingParams
 
+SAMPLING_MODES = {
+    "greedy": {"draft_sampling": "greedy", "verification": "coupled"},
+    "coupled": {"draft_sampling": "coupled", "verification": "coupled"},
+    "rejection": {"draft_sampling": "independent", "verification": "rejection"},
+}
+
 
 def spec_config(mode: str) -> dict[str, Any] | None:
+    mode, _, sampling = mode.partition("/")
+    config = _method_config(mode)
+    if sampling:
+        if config is None or config["method"] != "draft_model" or sampling not in SAMPLING_MODES:
+            raise SystemExit(f"unknown mode {mode}/{sampling}: a draft model's mode takes "
+                             f"/{', /'.join(SAMPLING_MODES)}")
+        config.update(SAMPLING_MODES[sampling])
+    return config
+
+
+def _method_config(mode: str) -> dict[str, Any] | None:
     if mode == "none":
         return None
     if mode.startswith("ngram"):
@@ -58,8 +89,8 @@ def prompts_for(workload: str, num: int, tokenizer: Any, max_prompt_len: int = 1
 
 
 def run_mode(engine: LLMEngine, prompts: list[list[int]], concurrency: int,
-             max_tokens: int) -> dict[str, Any]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+             max_tokens: int, temperature: float = 0.0) -> dict[str, Any]:
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
     pending, in_flight, generated = list(enumerate(prompts)), 0, 0
     start = time.perf_counter()
     with tqdm(total=len(prompts), desc=f"  c={concurrency}", leave=False) as bar:
@@ -99,24 +130,31 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=128)
     parser.add_argument("--draft-dtype", default="auto", choices=DTYPES,
                         help="as speculative_config's draft_dtype")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="every request's temperature (unseeded: the engine seeds them)")
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                        help="the target's and the draft's --quantization")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of every mode per load, in alternating order (mean tok/s)")
     parser.add_argument("--out", default="docs/benchmarks")
+    parser.add_argument("--stem", default=None, help="file name of the JSON and plot "
+                        "(default spec_WORKLOAD)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    target = load_model(DEFAULT_TARGET)
+    target = load_model(DEFAULT_TARGET, quantization=args.quantization)
     modes = args.modes.split(",")
     draft_dtype = resolve_draft_dtype(args.draft_dtype, torch.float32)
-    draft = load_model(DEFAULT_DRAFT, draft_dtype)[0] if any("draft" in m or m == "goodput"
-                                                            for m in modes) else None
+    uses_draft = any("draft" in m or m.startswith("goodput") for m in modes)
+    draft = (load_model(DEFAULT_DRAFT, draft_dtype, quantization=args.quantization)[0]
+             if uses_draft else None)
     levels = [int(c) for c in args.concurrency.split(",")]
     counts = {c: max(args.num_prompts, args.prompts_per_slot * c) for c in levels}
     prompts = prompts_for(args.workload, max(counts.values()), target[1], args.max_prompt_len)
     print(f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads;"
           f" draft in {str(draft_dtype).removeprefix('torch.')};"
           f" {args.workload}: {counts} prompts per concurrency, {args.max_tokens} new tokens,"
-          " greedy")
+          f" temperature {args.temperature}, quantization {args.quantization}")
     results: list[dict[str, Any]] = []
     # Load level outside, mode inside: the modes compared at one level run back to back, so
     # a drift in machine speed over the run does not masquerade as a difference between them.
@@ -142,7 +180,7 @@ def measure(mode: str, c: int, count: int, prompts: list[list[int]], target: Any
     if engine.speculator is not None:
         engine.speculator.chosen_k.clear()
     return {"mode": mode, "concurrency": c, "prompts": count,
-            **run_mode(engine, prompts[:count], c, args.max_tokens)}
+            **run_mode(engine, prompts[:count], c, args.max_tokens, args.temperature)}
 
 
 def record(results: list[dict[str, Any]], run: dict[str, Any]) -> None:
@@ -196,7 +234,7 @@ def print_row(r: dict[str, Any], results: list[dict[str, Any]]) -> None:
 def save(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"spec_{args.workload}"
+    stem = args.stem or f"spec_{args.workload}"
     (out / f"{stem}.json").write_text(json.dumps({"args": vars(args), "results": results},
                                                  indent=1))
     levels = sorted({r["concurrency"] for r in results})

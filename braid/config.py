@@ -36,10 +36,22 @@ class SpecConfig:
     draft_dtype: str = "auto"
     # The draft model's --quantization (None: the target's).
     quantization: str | None = None
+    # How the draft model picks its tokens for requests that sample (temperature > 0):
+    # "greedy" (its argmax), "coupled" (a draw from its own distribution with the same keyed
+    # number the target's draw at that position uses, so it predicts the target's sample) or
+    # "independent" (a draw with numbers of its own). Greedy requests always draft greedily.
+    draft_sampling: str = "coupled"
+    # How drafts are verified: "coupled" (accepted iff equal to the target's own draw at that
+    # position: output identical to decoding without speculation) or "rejection" (standard
+    # rejection sampling with the draft's q; same distribution, not the same tokens). Seeded
+    # requests are always verified coupled, so their output never depends on speculation.
+    verification: str = "coupled"
 
     MAX_TOKENS = 16
     METHODS = ("ngram", "draft_model")
     POLICIES = ("fixed", "goodput")
+    DRAFT_SAMPLING = ("greedy", "coupled", "independent")
+    VERIFICATION = ("coupled", "rejection")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpecConfig:
@@ -75,6 +87,11 @@ class SpecConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"{where}: quantization must be one of "
                               f"{', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        for name, allowed in (("draft_sampling", self.DRAFT_SAMPLING),
+                              ("verification", self.VERIFICATION)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{where}: {name} must be one of {', '.join(allowed)}, "
+                                  f"got {getattr(self, name)!r}")
         if self.method == "draft_model" and self.model is None:
             self.model = DEFAULT_DRAFT
         if self.method == "ngram" and self.model is not None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 
 import torch
 
@@ -13,16 +13,15 @@ from braid.config import ConfigError, EngineConfig
 from braid.engine.block_manager import BlockManager
 from braid.engine.output import OutputProcessor
 from braid.engine.request import Request
-from braid.engine.runner import ModelRunner, kv_bytes_per_token, prompt_logprob_rows
-from braid.engine.sampler import Sampler, SamplingMetadata, gather_logprobs
-from braid.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from braid.engine.runner import ModelRunner, kv_bytes_per_token
+from braid.engine.scheduler import Scheduler, SchedulerOutput
 from braid.engine.stats import EngineStats, StepStats
 from braid.models.qwen2 import Qwen2ForCausalLM
 from braid.outputs import RequestOutput
+from braid.sample.step import StepSample, StepSampler, score_prompts
 from braid.sampling_params import SamplingParams
 from braid.spec_decode.build import make_speculator
 from braid.spec_decode.cost_model import attention_work
-from braid.spec_decode.rejection_sampler import rejection_sample
 from braid.spec_decode.speculator import SpeculatorFigures
 from braid.tokenizer import Tokenizer
 
@@ -31,15 +30,6 @@ logger = logging.getLogger("braid")
 
 class RequestError(ValueError):
     """A request the engine cannot serve (too long, bad ids); the message names the field."""
-
-
-@dataclass(slots=True)
-class _Sampled:
-    """What one step produced for one scheduled request."""
-
-    scheduled: ScheduledRequest
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
 
 
 class LLMEngine:
@@ -69,12 +59,14 @@ class LLMEngine:
             config.enable_chunked_prefill,
         )
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.device)
-        self.sampler = Sampler()
         self.outputs = OutputProcessor(tokenizer, self._eos_token_ids(model),
                                        config.max_model_len or 0)
+        spec = config.spec_config
+        self.sampler = StepSampler(self.device, self.outputs.eos_token_ids,
+                                   spec.verification if spec is not None else "coupled")
         self.speculator = make_speculator(config, self.runner, self.scheduler, draft_model)
         self.stats = EngineStats(num_kv_blocks=num_blocks)
-        self._generator = torch.Generator().manual_seed(config.seed)
+        self._seeds = random.Random(config.seed)  # unseeded requests' seeds, in arrival order
 
     def _num_kv_blocks(self, model: Qwen2ForCausalLM) -> int:
         cfg = self.config
@@ -110,7 +102,8 @@ class LLMEngine:
             raise RequestError(f"request_id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
         self._check_prompt(ids, params)
-        req = Request(request_id, ids, params, prompt=text)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
+        req = Request(request_id, ids, params, prompt=text, seed=seed)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         self.outputs.add(req)
@@ -197,9 +190,9 @@ class LLMEngine:
         inp = self.runner.prepare(sched, self.blocks)
         logits = self.runner.execute(inp)
         forward_time = time.perf_counter() - start
-        self._score_prompts(sched, logits[: inp.num_prompt_rows])
-        logits = logits[inp.num_prompt_rows :]
-        sampled = self._sample(sched, logits)
+        for rid, lp in score_prompts(sched, logits[: inp.num_prompt_rows]).items():
+            self.outputs.add_prompt_logprobs(self.requests[rid], lp)
+        sampled = self.sampler.sample(sched, logits[inp.num_prompt_rows :])
         outputs = self._update(sched, sampled)
         target_time = time.perf_counter() - start
         if self.speculator is not None:
@@ -215,107 +208,15 @@ class LLMEngine:
             return None
         return self.speculator.prefill_cap(self.scheduler)
 
-    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[_Sampled]:
-        """One result per scheduled request, in scheduling order (`logits` holds the rows
-        of those that sample, in that order)."""
-        to_sample = [s for s in sched.scheduled if s.needs_logits]
-        tokens: list[list[int]] = []
-        if to_sample and any(s.num_spec_tokens for s in to_sample):
-            tokens = self._verify(to_sample, logits)
-        elif to_sample:
-            out = self.sampler(logits, self._sampling_metadata(to_sample, logits))
-            tokens = [[t] for t in out.sampled_token_ids.tolist()]
-        logprobs = self._logprobs(to_sample, logits, tokens) if to_sample else None
-        results, i = [], 0
-        for s in sched.scheduled:
-            if not s.needs_logits:
-                results.append(_Sampled(s, [], None))
-                continue
-            results.append(_Sampled(s, tokens[i], None if logprobs is None else logprobs[i]))
-            i += 1
-        return results
-
-    def _score_prompts(self, sched: SchedulerOutput, logits: torch.Tensor) -> None:
-        """Append prompt logprobs from `logits` [P, V]: the rows `prompt_logprob_rows` chose,
-        in scheduling order (raw model logprobs, like sampled tokens' logprobs)."""
-        if not logits.shape[0]:
-            return
-        r = 0
-        for s in sched.scheduled:
-            req = s.request
-            rows = prompt_logprob_rows(req, s.num_new_tokens)
-            if not rows:
-                continue
-            first = req.num_computed_tokens + rows.start  # position scoring token first + 1
-            targets = torch.tensor(req.prompt_token_ids[first + 1 : first + 1 + len(rows)])
-            n = req.sampling_params.prompt_logprobs or 0
-            lp = gather_logprobs(logits[r : r + len(rows)].log_softmax(dim=-1), targets, n)
-            ids, values = lp.token_ids.tolist(), lp.logprobs.tolist()
-            req.prompt_logprobs += [dict(zip(i, v, strict=True)) for i, v in zip(ids, values,
-                                                                                  strict=True)]
-            r += len(rows)
-
-    def _sampling_metadata(
-        self, to_sample: list[ScheduledRequest], logits: torch.Tensor
-    ) -> SamplingMetadata:
-        """One row per window position; row j of a window sees its first j drafts as output
-        (so penalties and min_tokens apply as if those drafts had been accepted)."""
-        rows = [(s, j) for s in to_sample for j in range(1 + s.num_spec_tokens)]
-        return SamplingMetadata.build(
-            params=[s.request.sampling_params for s, _ in rows],
-            prompt_token_ids=[s.request.prompt_token_ids for s, _ in rows],
-            output_token_ids=[s.request.output_token_ids + s.request.spec_token_ids[:j]
-                              for s, j in rows],
-            generators=[s.request.generator if not s.num_spec_tokens else None for s, _ in rows],
-            vocab_size=logits.shape[-1],
-            device=self.device,
-            eos_token_ids=self.outputs.eos_token_ids,
-        )
-
-    def _verify(self, to_sample: list[ScheduledRequest], logits: torch.Tensor) -> list[list[int]]:
-        """Rejection sampling of every window (those with k = 0 are plain samples)."""
-        out = rejection_sample(
-            logits,
-            [s.request.spec_token_ids[: s.num_spec_tokens] for s in to_sample],
-            None,  # drafts are greedy / n-gram: q is one-hot
-            self._sampling_metadata(to_sample, logits),
-            [s.request.generator for s in to_sample],
-        )
-        ids = out.output_token_ids.tolist()
-        return [row[: n + 1] for row, n in zip(ids, out.num_accepted.tolist(), strict=True)]
-
-    def _logprobs(
-        self, to_sample: list[ScheduledRequest], logits: torch.Tensor, tokens: list[list[int]]
-    ) -> list[list[dict[int, float]]] | None:
-        """{token: logprob} for each emitted token (raw model logprobs) and the top-n."""
-        wanted = [s.request.sampling_params.logprobs for s in to_sample]
-        if all(n is None for n in wanted):
-            return None
-        rows: list[int] = []
-        starts = [0]
-        for s, t in zip(to_sample, tokens, strict=True):
-            rows += range(starts[-1], starts[-1] + len(t))
-            starts.append(starts[-1] + 1 + s.num_spec_tokens)
-        flat = [t for ts in tokens for t in ts]
-        top = max(n or 0 for n in wanted)
-        lp = gather_logprobs(logits[rows].log_softmax(dim=-1), torch.tensor(flat), top)
-        ids, values = lp.token_ids.tolist(), lp.logprobs.tolist()
-        out, r = [], 0
-        for n, t in zip(wanted, tokens, strict=True):
-            k = 1 + (n or 0)
-            out.append([dict(zip(ids[r + j][:k], values[r + j][:k], strict=True))
-                        for j in range(len(t))])
-            r += len(t)
-        return out
-
     def _propose(self, sched: SchedulerOutput) -> None:
         if self.speculator is None:
             return
         for rid in sched.preempted:
             self.speculator.forget(rid)
-        self.scheduler.update_draft_token_ids(self.speculator.propose(self.scheduler))
+        drafts, probs = self.speculator.propose(self.scheduler)
+        self.scheduler.update_draft_token_ids(drafts, probs)
 
-    def _update(self, sched: SchedulerOutput, sampled: list[_Sampled]) -> list[RequestOutput]:
+    def _update(self, sched: SchedulerOutput, sampled: list[StepSample]) -> list[RequestOutput]:
         """Hand the step's tokens to the scheduler, then the figures and outputs of every
         request that emitted some."""
         updates = self.scheduler.update_from_output(

@@ -39,6 +39,10 @@ class OutputProcessor:
         """Logprobs of the tokens just appended to `req` (as many as were appended)."""
         req.logprobs += logprobs
 
+    def add_prompt_logprobs(self, req: Request, logprobs: list[dict[int, float]]) -> None:
+        """Logprobs of the prompt tokens a step scored (the next ones in order)."""
+        req.prompt_logprobs += logprobs
+
     def _check_token(self, req: Request, token: int) -> str | None:
         p = req.sampling_params
         if req.num_output_tokens <= p.min_tokens - 1:

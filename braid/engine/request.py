@@ -30,10 +30,14 @@ class Request:
     num_computed_tokens: int = 0
     # Draft tokens proposed for the next step; never part of num_tokens until accepted.
     spec_token_ids: list[int] = field(default_factory=list)
+    # The draft's q [len(spec_token_ids), V] for rejection sampling; None for one-hot drafts.
+    spec_token_probs: torch.Tensor | None = None
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
-    generator: torch.Generator | None = None
+    # Keys the request's random numbers (braid/sample/sampler.py): sampling_params.seed,
+    # or one the engine drew for an unseeded request.
+    seed: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
@@ -43,9 +47,9 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
     spec_stats: SpecStats = field(default_factory=SpecStats)  # this request's speculation figures
 
-    def __post_init__(self) -> None:
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+    def set_drafts(self, token_ids: list[int], probs: torch.Tensor | None = None) -> None:
+        self.spec_token_ids = token_ids
+        self.spec_token_probs = probs
 
     @property
     def num_prompt_tokens(self) -> int:

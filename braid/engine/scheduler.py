@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+import torch
+
 from braid.engine.block_manager import BlockManager
 from braid.engine.request import Request, RequestStatus
 
@@ -174,7 +176,7 @@ class Scheduler:
         self.blocks.free(req.request_id)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
-        req.spec_token_ids = []
+        req.set_drafts([])
         req.num_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted.append(req.request_id)
@@ -212,7 +214,7 @@ class Scheduler:
         self._requests.pop(req.request_id, None)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        req.spec_token_ids = []
+        req.set_drafts([])
 
     # ---- results of a step ---------------------------------------------------------------
 
@@ -231,7 +233,7 @@ class Scheduler:
             req.num_computed_tokens += s.num_new_tokens
             if not tokens:
                 continue
-            req.spec_token_ids = []
+            req.set_drafts([])
             reason, n = None, 0
             while reason is None and n < len(tokens):
                 req.output_token_ids.append(tokens[n])
@@ -246,12 +248,14 @@ class Scheduler:
                 self.finish(req, reason)
         return updates
 
-    def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
-        """Drafts for the next step, by request id (the only way drafts enter)."""
+    def update_draft_token_ids(self, drafts: dict[str, list[int]],
+                               probs: dict[str, torch.Tensor] | None = None) -> None:
+        """Drafts for the next step, by request id (the only way drafts enter), with the
+        draft's q [k, V] for those that sampled them (rejection sampling)."""
         for request_id, draft in drafts.items():
             req = self._requests.get(request_id)
             if req is not None and req.status == RequestStatus.RUNNING:
-                req.spec_token_ids = list(draft)
+                req.set_drafts(list(draft), None if probs is None else probs.get(request_id))
 
     # ---- what the speculator asks -------------------------------------------------------
 

@@ -128,7 +128,9 @@ def braid_info(outputs: list[RequestOutput]) -> BraidInfo:
 
 def _add_counts(total: dict[str, Any], part: dict[str, Any]) -> None:
     for key, value in part.items():
-        if isinstance(value, int) and not isinstance(value, bool):
+        if isinstance(value, str):  # a mode, the same for every choice
+            total.setdefault(key, value)
+        elif isinstance(value, int) and not isinstance(value, bool):
             total[key] = total.get(key, 0) + value
         elif isinstance(value, list) and all(isinstance(v, int) for v in value):
             have = total.setdefault(key, [])

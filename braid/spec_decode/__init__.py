@@ -1,1 +1,1 @@
-"""Speculative decoding: proposers and the rejection sampler."""
+"""Speculative decoding: the speculator (policy, cost model) and its proposers."""

@@ -8,6 +8,12 @@ accepted last step, tokens emitted while its k was 0, and the recovered/bonus to
 are never computed on a stale cache. Requests with k = 0 are left behind: under load, when the
 policy turns speculation off, the draft costs nothing, and the policy weighs the catch-up (the
 `lag`) before turning it back on. Then k - 1 more single-token forwards, batched over requests.
+
+Drafts for requests that sample are the draft's argmax ("greedy"), or a draw from its own
+distribution after the request's penalties and filters: with the keyed number the target's
+draw at that output position uses ("coupled": where the two distributions agree the draft
+is the target's own sample), or with a stream of its own ("independent"). The q rows are
+kept for rejection sampling when asked (`keep_probs`).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from braid.engine.block_manager import BlockManager
 from braid.engine.request import Request
 from braid.engine.runner import ModelRunner, QuerySpan
 from braid.models.qwen2 import Qwen2ForCausalLM
+from braid.sample.sampler import DRAFT, SAMPLE, SamplingMetadata, sample_rows
 from braid.spec_decode.proposer import DraftForward, Proposal, Proposer
 
 
@@ -34,10 +41,13 @@ class DraftModelProposer(Proposer):
     needs_kv_slots = True  # drafts 1..k-1 get KV at positions num_tokens..num_tokens+k-2
 
     def __init__(
-        self, model: Qwen2ForCausalLM, blocks: BlockManager, block_size: int, device: torch.device
+        self, model: Qwen2ForCausalLM, blocks: BlockManager, block_size: int, device: torch.device,
+        sampling: str = "greedy", keep_probs: bool = False,
     ) -> None:
         self.runner = ModelRunner(model, blocks.num_blocks, block_size, device)
         self.blocks = blocks
+        self.sampling = sampling  # SpecConfig.draft_sampling
+        self.keep_probs = keep_probs and sampling != "greedy"
         self.computed: dict[str, int] = {}  # draft KV is valid for positions < computed
         self.last: dict[str, _Proposal] = {}
 
@@ -50,17 +60,23 @@ class DraftModelProposer(Proposer):
         proposal = Proposal([[] for _ in requests])
         if not any(ks):
             return proposal  # the draft catches up lazily the next time it proposes
-        first = self._catch_up(requests, ks, proposal.forwards)
-        for i, token in first.items():
-            proposal.drafts[i].append(token)
-        for j in range(1, max(ks)):
-            active = [i for i, k in enumerate(ks) if k > j]
-            tokens = self._extend(requests, proposal.drafts, active, proposal.forwards)
-            for i, token in zip(active, tokens, strict=True):
+        q_rows: list[list[torch.Tensor]] = [[] for _ in requests]
+        active = [i for i, k in enumerate(ks) if k]
+        tokens, probs = self._catch_up(requests, active, proposal)
+        for j in range(max(ks)):
+            if j:
+                active = [i for i in active if ks[i] > j]
+                tokens, probs = self._extend(requests, active, proposal)
+            for row, (i, token) in enumerate(zip(active, tokens, strict=True)):
                 proposal.drafts[i].append(token)
+                if probs is not None:
+                    q_rows[i].append(probs[row])
         for r, d in zip(requests, proposal.drafts, strict=True):
             if d:
                 self.last[r.request_id] = _Proposal(r.num_tokens, d)
+        if self.keep_probs:
+            proposal.probs = [torch.stack(q) if q and not r.sampling_params.greedy else None
+                              for r, q in zip(requests, q_rows, strict=True)]
         return proposal
 
     def lag(self, req: Request) -> int:
@@ -79,37 +95,57 @@ class DraftModelProposer(Proposer):
                     len(actual))
         return last.start + same
 
-    def _catch_up(self, requests: list[Request], ks: list[int], forwards: list[DraftForward]
-                  ) -> dict[int, int]:
-        """One forward bringing the draft cache of each request with k > 0 up to date; it
+    def _catch_up(self, requests: list[Request], active: list[int], proposal: Proposal
+                  ) -> tuple[list[int], torch.Tensor | None]:
+        """One forward bringing the draft cache of each request in `active` up to date; it
         runs through the last token and yields the first draft token."""
-        spans, sampled = [], []
-        for i, (r, k) in enumerate(zip(requests, ks, strict=True)):
-            if not k:
-                continue
+        spans = []
+        for i in active:
+            r = requests[i]
             start = min(self._valid_prefix(r), r.num_tokens - 1)
             spans.append(QuerySpan(r.token_ids(start, r.num_tokens), start,
-                                  self.blocks.block_table(r.request_id), 1))
+                                   self.blocks.block_table(r.request_id), 1))
             self.computed[r.request_id] = r.num_tokens
-            sampled.append(i)
-        tokens = self._run(spans, forwards)
-        return dict(zip(sampled, tokens, strict=True))
+        return self._run(spans, [requests[i] for i in active], proposal)
 
-    def _extend(self, requests: list[Request], drafts: list[list[int]], active: list[int],
-                forwards: list[DraftForward]) -> list[int]:
+    def _extend(self, requests: list[Request], active: list[int], proposal: Proposal
+                ) -> tuple[list[int], torch.Tensor | None]:
+        drafts = proposal.drafts
         spans = [
             QuerySpan([drafts[i][-1]], requests[i].num_tokens + len(drafts[i]) - 1,
-                   self.blocks.block_table(requests[i].request_id), 1)
+                      self.blocks.block_table(requests[i].request_id), 1)
             for i in active
         ]
-        return self._run(spans, forwards)
+        return self._run(spans, [requests[i] for i in active], proposal,
+                         [drafts[i] for i in active])
 
-    def _run(self, spans: list[QuerySpan], forwards: list[DraftForward]) -> list[int]:
-        """Greedy draft tokens (q is one-hot, which keeps rejection sampling exact); the
-        forward's size and time go to `forwards`."""
+    def _run(self, spans: list[QuerySpan], requests: list[Request], proposal: Proposal,
+             drafted: list[list[int]] | None = None) -> tuple[list[int], torch.Tensor | None]:
+        """The next draft token of each span's request (after its `drafted` tokens) and the
+        q rows they were drawn from (None when every row was an argmax); the forward's size
+        and time go to `proposal.forwards`."""
         start = time.perf_counter()
         logits = self.runner.execute(self.runner.build_input(spans))
-        tokens = logits.argmax(dim=-1).tolist()
-        forwards.append(DraftForward(sum(len(span.token_ids) for span in spans), len(spans),
-                                     time.perf_counter() - start))
-        return tokens
+        if self.sampling == "greedy" or all(r.sampling_params.greedy for r in requests):
+            tokens, probs = logits.argmax(dim=-1), None
+        else:
+            tokens, probs = sample_rows(logits, self._metadata(requests, drafted, logits))
+        proposal.forwards.append(DraftForward(sum(len(span.token_ids) for span in spans),
+                                              len(spans), time.perf_counter() - start))
+        return tokens.tolist(), probs
+
+    def _metadata(self, requests: list[Request], drafted: list[list[int]] | None,
+                  logits: torch.Tensor) -> SamplingMetadata:
+        """The target's sampling rows for these draft positions (their keyed numbers in the
+        target's stream when coupled). Greedy requests' rows take the penalized argmax."""
+        drafted = drafted or [[] for _ in requests]
+        return SamplingMetadata.build(
+            params=[r.sampling_params for r in requests],
+            prompt_token_ids=[r.prompt_token_ids for r in requests],
+            output_token_ids=[r.output_token_ids + d for r, d in zip(requests, drafted,
+                                                                     strict=True)],
+            seeds=[r.seed for r in requests],
+            vocab_size=logits.shape[-1],
+            device=logits.device,
+            stream=SAMPLE if self.sampling == "coupled" else DRAFT,
+        )

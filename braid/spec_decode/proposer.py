@@ -5,6 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+import torch
+
 from braid.engine.request import Request
 
 
@@ -21,6 +23,9 @@ class DraftForward:
 class Proposal:
     drafts: list[list[int]]  # per request, in the order asked
     forwards: list[DraftForward] = field(default_factory=list)
+    # Per request, the q [k, V] its drafts were sampled from (rejection sampling needs it);
+    # None for one-hot drafts (greedy, n-gram), or when no request has one.
+    probs: list[torch.Tensor | None] | None = None
 
 
 class Proposer(ABC):

@@ -12,6 +12,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from braid.config import SpecConfig
 from braid.engine.request import Request
 from braid.engine.runner import ModelRunner, QuerySpan
@@ -73,8 +75,10 @@ class Speculator:
 
     # ---- per step -----------------------------------------------------------------------
 
-    def propose(self, scheduler: Scheduler) -> dict[str, list[int]]:
-        """Drafts for the next step of every running request, by request id."""
+    def propose(self, scheduler: Scheduler
+                ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+        """Drafts for the next step of every running request, by request id, and the q
+        [k, V] of those the proposer sampled (for rejection sampling)."""
         running = list(scheduler.running)
         caps = [0 if r.is_prefilling else self._cap(r) for r in running]
         ks = self._choose(running, scheduler.next_step(), caps)
@@ -86,7 +90,10 @@ class Speculator:
         for r, d in zip(running, proposal.drafts, strict=True):
             if not r.is_prefilling:
                 self.chosen_k[len(d)] += 1
-        return {r.request_id: d for r, d in zip(running, proposal.drafts, strict=True)}
+        drafts = {r.request_id: d for r, d in zip(running, proposal.drafts, strict=True)}
+        probs = {} if proposal.probs is None else {
+            r.request_id: q for r, q in zip(running, proposal.probs, strict=True) if q is not None}
+        return drafts, probs
 
     def _cap(self, req: Request) -> int:
         """Drafts beyond what the request can still emit are waste."""
@@ -186,8 +193,17 @@ class Speculator:
         self.proposer.forget(request_id)
         self.acceptance.forget(request_id)
 
-    def request_figures(self, req: Request) -> dict[str, float]:
-        return {"acceptance_estimate": round(self.acceptance.alpha(req.request_id), 4)}
+    def request_figures(self, req: Request) -> dict[str, float | str]:
+        """Per-response figures: the acceptance estimate, and how this request's drafts were
+        made and verified (seeded requests are verified coupled; greedy ones draft greedily)."""
+        seeded, greedy = req.sampling_params.seed is not None, req.sampling_params.greedy
+        figures: dict[str, float | str] = {
+            "acceptance_estimate": round(self.acceptance.alpha(req.request_id), 4),
+            "verification": "coupled" if seeded else self.config.verification,
+        }
+        if self.config.method == "draft_model":
+            figures["draft_sampling"] = "greedy" if greedy else self.config.draft_sampling
+        return figures
 
     def figures(self) -> SpeculatorFigures:
         return SpeculatorFigures(dict(self.chosen_k), self.predicted_step_time,

@@ -89,3 +89,43 @@ def test_itl_target_serves_requests_after_idle_and_bursts(
         assert server.stop() == 0, server.log()
     assert pair[0]["choices"][0]["text"] == alone == joined[1]["choices"][0]["text"]
     assert all(r["usage"]["completion_tokens"] == 16 for r in burst + joined)
+
+
+def _seeded_texts(server: ServerProcess, client: httpx.Client, stream: bool) -> list[str]:
+    """Choice texts of one seeded, sampled completion with n = 4 (index order)."""
+    body = {"model": server.model, "prompt": "a b c d", "max_tokens": 20, "ignore_eos": True,
+            "temperature": 1.0, "top_p": 0.95, "seed": 1234, "n": 4, "stream": stream}
+    if not stream:
+        res = client.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert res.status_code == 200, res.text
+        return [c["text"] for c in sorted(res.json()["choices"], key=lambda c: c["index"])]
+    texts = [""] * 4
+    with client.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as res:
+        for line in res.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    texts[choice["index"]] += choice["text"]
+    return texts
+
+
+def test_seeded_requests_are_reproducible_with_goodput_speculation(
+        server: ServerProcess, tiny_model_dir: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The issue's measurement: 6 identical seeded requests (n = 4) at once, streaming and
+    not, on a goodput draft-model server, all give the same choices, and the same as a
+    server without speculation."""
+    spec = json.dumps({"method": "draft_model", "num_speculative_tokens": 3,
+                       "model": str(tiny_model_dir)})
+    spec_server = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("seeded"),
+                                *ENGINE_FLAGS, "--speculative-config", spec)
+    try:
+        with httpx.Client() as client, ThreadPoolExecutor(6) as pool:
+            plain = _seeded_texts(server, client, stream=False)
+            results = list(pool.map(lambda i: _seeded_texts(spec_server, client, i % 2 == 1),
+                                    range(6)))
+        values = scrape(spec_server.url)
+    finally:
+        assert spec_server.stop() == 0, spec_server.log()
+    assert len(set(plain)) > 1  # choices have seeds 1234 .. 1237
+    assert all(r == plain for r in results)
+    assert values["braid:spec_decode_num_drafts_total"] > 0

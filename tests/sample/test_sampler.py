@@ -7,11 +7,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from braid.engine.sampler import (
+from braid.sample.sampler import (
+    DRAFT,
+    SAMPLE,
     Sampler,
     SamplingMetadata,
     apply_penalties,
     filtered_logits,
+    inverse_cdf,
+    keyed_uniform,
     target_probs,
 )
 from braid.sampling_params import SamplingParams
@@ -24,15 +28,17 @@ def build(
     params: list[SamplingParams],
     prompts: list[list[int]] | None = None,
     outputs: list[list[int]] | None = None,
-    generators: list[torch.Generator | None] | None = None,
+    seeds: list[int] | None = None,
     vocab_size: int = V,
 ) -> SamplingMetadata:
+    """Rows without a given seed get one from torch's global generator (as the engine draws
+    one for each unseeded request), so `torch.manual_seed` fixes a test's draws."""
     n = len(params)
     return SamplingMetadata.build(
         params,
         prompts if prompts is not None else [[1, 2, 3]] * n,
         outputs if outputs is not None else [[]] * n,
-        generators if generators is not None else [None] * n,
+        seeds if seeds is not None else torch.randint(0, 2**62, (n,)).tolist(),
         vocab_size,
         "cpu",
         eos_token_ids={EOS},
@@ -239,12 +245,11 @@ def test_target_probs() -> None:
 
 
 def draws(
-    params: list[SamplingParams], logits: torch.Tensor, seeds: list[int | None]
+    params: list[SamplingParams], logits: torch.Tensor, seeds: list[int]
 ) -> list[list[int]]:
-    """Tokens over steps; row generators are made once and advance across steps."""
-    gens = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
-    meta = build(params, generators=gens)
-    return [Sampler()(logits, meta).sampled_token_ids.tolist() for _ in range(40)]
+    """Tokens at output positions 0..39 (a row's position is its number of output tokens)."""
+    return [Sampler()(logits, build(params, outputs=[[9] * pos] * len(params), seeds=seeds))
+            .sampled_token_ids.tolist() for pos in range(40)]
 
 
 @pytest.mark.parametrize("position", [0, 2, 4])
@@ -259,11 +264,28 @@ def test_seeded_rows_do_not_depend_on_the_batch(position: int) -> None:
     params = others[:position] + [target] + others[position:]
     logits = random_logits(5, seed=6)
     logits[position] = logits_row[0]
-    seeds: list[int | None] = [1, None, None, 99]
+    seeds = [1, 123 + position, 5, 99]  # the unseeded rows' seeds differ between the runs
     seeds = seeds[:position] + [7] + seeds[position:]
-    torch.manual_seed(position)  # the unseeded rows' draws differ between the runs
     in_batch = [step[position] for step in draws(params, logits, seeds)]
     assert in_batch == alone
+
+
+def test_keyed_uniforms_are_a_function_of_seed_position_and_stream() -> None:
+    u = keyed_uniform(7, 3)
+    assert u == keyed_uniform(7, 3, SAMPLE) and 0 <= u < 1
+    others = {keyed_uniform(8, 3), keyed_uniform(7, 4), keyed_uniform(7, 3, DRAFT),
+              keyed_uniform(-1, 3), keyed_uniform(2**64 - 1, 3)}
+    assert u not in others and len(others) == 4  # -1 and 2**64 - 1 are the same 64 bits
+    values = torch.tensor([keyed_uniform(seed, pos) for seed in range(100) for pos in range(100)])
+    assert abs(values.mean().item() - 0.5) < 0.01 and values.min() >= 0 and values.max() < 1
+
+
+def test_inverse_cdf_never_draws_a_zero_mass_token() -> None:
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 4)
+    u = torch.tensor([0.0, 0.4999, 0.5, 0.999999], dtype=torch.float64)
+    assert inverse_cdf(probs, u).tolist() == [1, 1, 3, 3]
+    unnormalized = torch.tensor([[0.0, 2.0, 0.0, 6.0]])
+    assert inverse_cdf(unnormalized, torch.tensor([0.3], dtype=torch.float64)).tolist() == [3]
 
 
 def empirical(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -294,9 +316,8 @@ def test_empirical_distribution_matches(params: SamplingParams) -> None:
 def test_empirical_distribution_of_seeded_rows_matches() -> None:
     params = SamplingParams(temperature=0.8, seed=0)
     logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, 2.0, 0.3, -1.0, 1.5]])
-    n = 5000  # one generator per row; standard error <= 0.0071, tolerance 0.03 > 4 sigma
-    gens: list[torch.Generator | None] = [torch.Generator().manual_seed(i) for i in range(n)]
-    meta = build([params] * n, generators=gens, vocab_size=8)
+    n = 5000  # seeds 0..n-1 at position 0; standard error <= 0.0071, tolerance 0.03 > 4 sigma
+    meta = build([params] * n, seeds=list(range(n)), vocab_size=8)
     tokens = Sampler()(logits.expand(n, -1), meta).sampled_token_ids
     expected = (logits[0].double() / 0.8).softmax(-1)
     torch.testing.assert_close(empirical(tokens, 8), expected, atol=0.03, rtol=0)
@@ -313,10 +334,9 @@ def test_min_tokens_suppresses_eos_and_stop_ids() -> None:
     logits = torch.zeros(4, V)
     logits[:, EOS] = 20.0
     logits[:, 5] = 19.0
-    meta = build(params, outputs=outputs)
     torch.manual_seed(0)
     for _ in range(50):
-        out = Sampler()(logits, meta).sampled_token_ids.tolist()
+        out = Sampler()(logits, build(params, outputs=outputs)).sampled_token_ids.tolist()
         assert out[0] not in (EOS, 5)
         assert out[2] != 5
         assert out[3] not in (EOS, 5)
@@ -359,4 +379,4 @@ def test_sampler_does_not_modify_logits() -> None:
 
 def test_build_rejects_mismatched_rows() -> None:
     with pytest.raises(ValueError, match="one entry per row"):
-        SamplingMetadata.build([SamplingParams()], [], [[]], [None], V, "cpu")
+        SamplingMetadata.build([SamplingParams()], [], [[]], [0], V, "cpu")

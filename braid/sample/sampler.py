@@ -2,14 +2,23 @@
 
 A sampling row is one row of logits: one per request for a plain decode, several per request
 for a speculative verification window. Everything here is per row; the caller repeats a
-request's params/generator for each of its rows and gives each row the output tokens that
-precede it (including the drafts before it in the window).
+request's params and seed for each of its rows and gives each row the output tokens that
+precede it (including the drafts before it in the window). The number of those tokens is
+the row's output position.
 
 Order of processing, as in vLLM V1:
   raw logits -> (logprobs are taken here: log_softmax of the raw model output)
   -> logit_bias -> repetition/frequency/presence penalties, min_tokens stop suppression
   -> greedy rows: argmax
-  -> random rows: temperature -> min_p -> top_k -> top_p -> softmax -> exponential race.
+  -> random rows: temperature -> min_p -> top_k -> top_p -> softmax -> inverse-CDF draw.
+
+Position-keyed randomness: a random row draws its token from one uniform number that is a
+pure function of (request seed, output position, stream) (`keyed_uniform`, a counter-based
+hash), never from a generator's state. So a request's token at position i does not depend
+on the batch, on how many drafts a verification window had, or on preemption; and a draft
+model that samples with the same number (a coupled draft) predicts the target's own sample.
+The draw is the inverse CDF of the row's distribution in token-id order: one number per row
+(an exponential race would need one per vocabulary entry, 152k of them here).
 """
 
 from __future__ import annotations
@@ -17,12 +26,40 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from braid.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 _NEUTRAL = SamplingParams()  # greedy rows get neutral random-only params
+_MASK64 = (1 << 64) - 1
+
+# Streams of keyed numbers: the token at a position (the target's, and a coupled draft's),
+# an independently sampled draft's, and rejection sampling's acceptance and residual draws.
+SAMPLE, DRAFT, ACCEPT, RESIDUAL = range(4)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer on uint64 arrays (numpy's unsigned arithmetic wraps mod 2^64)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def keyed_uniform_array(seeds: Sequence[int], positions: Sequence[int], stream: int = SAMPLE
+                        ) -> np.ndarray:
+    """Uniform numbers in [0, 1), float64, each a function of (seed, position, stream) only:
+    splitmix64 chained over the three (the final hash's top 53 bits)."""
+    seed = np.array([s & _MASK64 for s in seeds], dtype=np.uint64)
+    h = _splitmix64(_splitmix64(seed) + np.array(positions, dtype=np.uint64))
+    h = _splitmix64(h + np.uint64(stream))
+    return (h >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def keyed_uniform(seed: int, position: int, stream: int = SAMPLE) -> float:
+    return float(keyed_uniform_array([seed], [position], stream)[0])
 
 
 @dataclass(slots=True)
@@ -45,7 +82,9 @@ class SamplingMetadata:
     prompt_token_mask: torch.Tensor | None  # [B, V] bool; only with a repetition penalty
     suppressed: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) set to -inf
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, ids, biases)
-    generators: dict[int, torch.Generator]  # row -> its request's generator (seeded rows)
+    seeds: list[int]  # per row, its request's seed
+    positions: list[int]  # per row, its output position (output tokens before it)
+    uniforms: torch.Tensor | None  # [B] float64 keyed numbers of the draw; None if all greedy
     max_num_logprobs: int | None  # None when no row asks for logprobs
 
     @classmethod
@@ -54,16 +93,19 @@ class SamplingMetadata:
         params: Sequence[SamplingParams],
         prompt_token_ids: Sequence[Sequence[int]],
         output_token_ids: Sequence[Sequence[int]],
-        generators: Sequence[torch.Generator | None],
+        seeds: Sequence[int],
         vocab_size: int,
         device: torch.device | str,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        stream: int = SAMPLE,
     ) -> SamplingMetadata:
-        """`generators[i]` is row i's request generator (on `device`, seeded once from
-        `params.seed` by the request's owner) or None to use the batched global draw."""
-        if not len(params) == len(prompt_token_ids) == len(output_token_ids) == len(generators):
-            raise ValueError("params, token ids and generators must have one entry per row")
+        """`seeds[i]` is row i's request seed (the request's `seed`, or one the engine drew
+        for it); row i's draw uses `keyed_uniform(seeds[i], len(output_token_ids[i]),
+        stream)`."""
+        if not len(params) == len(prompt_token_ids) == len(output_token_ids) == len(seeds):
+            raise ValueError("params, token ids and seeds must have one entry per row")
         greedy = [p.greedy for p in params]
+        positions = [len(out) for out in output_token_ids]
         random_params = [_NEUTRAL if g else p for p, g in zip(params, greedy, strict=True)]
         temps = [p.temperature for p in random_params]
         top_k, max_top_k = _top_k_per_row(params, vocab_size)
@@ -83,7 +125,10 @@ class SamplingMetadata:
             **penalties,
             suppressed=_suppressed(params, output_token_ids, eos_token_ids, vocab_size, device),
             logit_bias=_logit_bias(params, vocab_size, device),
-            generators={i: g for i, g in enumerate(generators) if g is not None and not greedy[i]},
+            seeds=list(seeds),
+            positions=positions,
+            uniforms=None if all(greedy) else torch.from_numpy(
+                keyed_uniform_array(seeds, positions, stream)).to(device),
             max_num_logprobs=max(requested) if requested else None,
         )
 
@@ -288,17 +333,30 @@ def _one_hot_argmax(scores: torch.Tensor) -> torch.Tensor:
     return one_hot.scatter_(1, scores.argmax(dim=-1, keepdim=True), 1.0)
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Sample one token per row of `probs` [B, V]: argmax(probs / E), E ~ Exponential(1) iid.
-    Returns [B] int64."""
-    noise = torch.empty_like(probs)  # [B, V]
-    if len(generators) < probs.shape[0]:
-        noise.exponential_()
-    # A seeded row draws from its own generator so its tokens do not depend on which other
-    # rows share the batch; this loop runs over seeded rows only, one torch op each.
-    for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1)
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` [B, V] (unnormalized, >= 0): the first token whose
+    cumulative mass (token-id order, float64) exceeds u * total. A zero-mass token is never
+    drawn. Returns [B] int64."""
+    cdf = probs.double().cumsum(dim=-1)  # [B, V]
+    threshold = (uniforms * cdf[:, -1]).unsqueeze(1)  # [B, 1]
+    return torch.searchsorted(cdf, threshold, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+
+
+def keyed_uniforms(meta: SamplingMetadata, stream: int, device: torch.device) -> torch.Tensor:
+    """[B] float64: every row's keyed number in another stream than the draw's."""
+    return torch.from_numpy(keyed_uniform_array(meta.seeds, meta.positions, stream)).to(device)
+
+
+def sample_rows(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor,
+                                                                        torch.Tensor | None]:
+    """Each row's token [B] int64 and, unless every row is greedy, the distributions it was
+    drawn from [B, V] (`target_probs`). Greedy rows take the penalized argmax."""
+    logits = logits.float()
+    if meta.all_greedy:
+        return apply_penalties(logits, meta).argmax(dim=-1), None
+    probs = target_probs(logits, meta)  # [B, V], greedy rows one-hot
+    assert meta.uniforms is not None
+    return inverse_cdf(probs, meta.uniforms), probs
 
 
 @dataclass(slots=True)
@@ -333,12 +391,8 @@ class Sampler:
     """Samples one token per row of logits [B, V] float32."""
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        logits = logits.float()
-        if meta.all_greedy:
-            sampled = apply_penalties(logits, meta).argmax(dim=-1)
-        else:
-            sampled = exponential_race(target_probs(logits, meta), meta.generators)
+        sampled, _ = sample_rows(logits, meta)
         if meta.max_num_logprobs is None:
             return SamplerOutput(sampled_token_ids=sampled, logprobs=None)
-        raw = logits.log_softmax(dim=-1)  # [B, V]
+        raw = logits.float().log_softmax(dim=-1)  # [B, V]
         return SamplerOutput(sampled, gather_logprobs(raw, sampled, meta.max_num_logprobs))

@@ -1,0 +1,131 @@
+"""The step's sampling: from one forward's logits to each scheduled request's tokens and
+logprobs. Every request that samples is a verification window (k = 0 for a plain decode),
+verified in one batched call (verify.py); logprobs are taken once, from the raw rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from braid.engine.request import Request
+from braid.engine.runner import prompt_logprob_rows
+from braid.engine.scheduler import ScheduledRequest, SchedulerOutput
+from braid.sample.sampler import SamplingMetadata, gather_logprobs
+from braid.sample.verify import verify
+
+Logprobs = list[dict[int, float]]  # {token: logprob} per emitted token: it and the top-n
+
+
+@dataclass(slots=True)
+class StepSample:
+    """What one step produced for one scheduled request."""
+
+    scheduled: ScheduledRequest
+    token_ids: list[int]  # accepted drafts, then the target's token; empty for a chunk
+    logprobs: Logprobs | None
+
+
+class StepSampler:
+    def __init__(self, device: torch.device, eos_token_ids: frozenset[int],
+                 verification: str = "coupled") -> None:
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.verification = verification  # "coupled" or "rejection" (speculative_config)
+
+    def sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[StepSample]:
+        """One result per scheduled request, in scheduling order (`logits` holds the rows
+        of those that sample, in that order: 1 + k_i each)."""
+        to_sample = [s for s in sched.scheduled if s.needs_logits]
+        tokens = self._verify(to_sample, logits) if to_sample else []
+        logprobs = self._logprobs(to_sample, logits, tokens) if to_sample else None
+        results, i = [], 0
+        for s in sched.scheduled:
+            if not s.needs_logits:
+                results.append(StepSample(s, [], None))
+                continue
+            results.append(StepSample(s, tokens[i], None if logprobs is None else logprobs[i]))
+            i += 1
+        return results
+
+    def _verify(self, to_sample: list[ScheduledRequest], logits: torch.Tensor) -> list[list[int]]:
+        drafts = [s.request.spec_token_ids[: s.num_spec_tokens] for s in to_sample]
+        out = verify(
+            logits,
+            drafts,
+            self.metadata(to_sample, logits.shape[-1]),
+            [_draft_probs(s) for s in to_sample],
+            [self.uses_rejection(s.request) and s.num_spec_tokens > 0 for s in to_sample],
+        )
+        ids = out.output_token_ids.tolist()
+        return [row[: n + 1] for row, n in zip(ids, out.num_accepted.tolist(), strict=True)]
+
+    def uses_rejection(self, req: Request) -> bool:
+        """Seeded requests are always verified coupled, so their tokens never depend on k."""
+        return self.verification == "rejection" and req.sampling_params.seed is None
+
+    def metadata(self, to_sample: list[ScheduledRequest], vocab_size: int) -> SamplingMetadata:
+        """One row per window position; row j of a window sees its first j drafts as output
+        (so penalties, min_tokens and its keyed number apply as if they had been accepted)."""
+        rows = [(s.request, j) for s in to_sample for j in range(1 + s.num_spec_tokens)]
+        return SamplingMetadata.build(
+            params=[r.sampling_params for r, _ in rows],
+            prompt_token_ids=[r.prompt_token_ids for r, _ in rows],
+            output_token_ids=[r.output_token_ids + r.spec_token_ids[:j] for r, j in rows],
+            seeds=[r.seed for r, _ in rows],
+            vocab_size=vocab_size,
+            device=self.device,
+            eos_token_ids=self.eos_token_ids,
+        )
+
+    def _logprobs(
+        self, to_sample: list[ScheduledRequest], logits: torch.Tensor, tokens: list[list[int]]
+    ) -> list[Logprobs] | None:
+        """{token: logprob} for each emitted token (raw model logprobs) and the top-n."""
+        wanted = [s.request.sampling_params.logprobs for s in to_sample]
+        if all(n is None for n in wanted):
+            return None
+        rows: list[int] = []
+        starts = [0]
+        for s, t in zip(to_sample, tokens, strict=True):
+            rows += range(starts[-1], starts[-1] + len(t))
+            starts.append(starts[-1] + 1 + s.num_spec_tokens)
+        flat = [t for ts in tokens for t in ts]
+        lp = gather_logprobs(logits[rows].float().log_softmax(dim=-1), torch.tensor(flat),
+                             max(n or 0 for n in wanted))
+        ids, values = lp.token_ids.tolist(), lp.logprobs.tolist()
+        out, r = [], 0
+        for n, t in zip(wanted, tokens, strict=True):
+            k = 1 + (n or 0)
+            out.append([dict(zip(ids[r + j][:k], values[r + j][:k], strict=True))
+                        for j in range(len(t))])
+            r += len(t)
+        return out
+
+
+def _draft_probs(s: ScheduledRequest) -> torch.Tensor | None:
+    probs = s.request.spec_token_probs
+    return None if probs is None or not s.num_spec_tokens else probs[: s.num_spec_tokens]
+
+
+def score_prompts(sched: SchedulerOutput, logits: torch.Tensor) -> dict[str, Logprobs]:
+    """Prompt logprobs from `logits` [P, V]: the rows `prompt_logprob_rows` chose, in
+    scheduling order (raw model logprobs, like sampled tokens' logprobs), by request id."""
+    scored: dict[str, Logprobs] = {}
+    if not logits.shape[0]:
+        return scored
+    r = 0
+    for s in sched.scheduled:
+        req = s.request
+        rows = prompt_logprob_rows(req, s.num_new_tokens)
+        if not rows:
+            continue
+        first = req.num_computed_tokens + rows.start  # position scoring token first + 1
+        targets = torch.tensor(req.prompt_token_ids[first + 1 : first + 1 + len(rows)])
+        n = req.sampling_params.prompt_logprobs or 0
+        lp = gather_logprobs(logits[r : r + len(rows)].float().log_softmax(dim=-1), targets, n)
+        ids, values = lp.token_ids.tolist(), lp.logprobs.tolist()
+        scored[req.request_id] = [dict(zip(i, v, strict=True))
+                                  for i, v in zip(ids, values, strict=True)]
+        r += len(rows)
+    return scored
