@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import ENGINE_FLAGS, ServerProcess
-from tests.server.metrics_util import scrape
+from tests.server.metrics_util import scrape, wait_until_in_engine
 
 KEY = "s3cret-key"
 LIMIT_BYTES = 100_000
@@ -287,12 +287,7 @@ def test_shutdown_deadline_ends_streams_with_an_error_and_done(
             stream_futures = [pool.submit(stream, events) for events in streams]
             plain_futures = [pool.submit(plain) for _ in range(4)]
             assert started.wait(30), server.log()
-            # Every request in the engine before SIGTERM: one still in the listen backlog
-            # when the listener closes is reset, which is not what this test is about.
-            deadline = time.monotonic() + 30
-            while _in_engine(server.url) < len(streams) + len(plain_futures):
-                assert time.monotonic() < deadline, server.log()
-                time.sleep(0.05)
+            wait_until_in_engine(server.url, len(streams) + len(plain_futures), server.log())
             server.terminate()
             for f in stream_futures:
                 f.result(60)
@@ -304,8 +299,3 @@ def test_shutdown_deadline_ends_streams_with_an_error_and_done(
     errors = [json.loads(e[-2][6:])["error"] for e in streams if '"error"' in e[-2]]
     assert errors and all(err["code"] == 503 for err in errors), [e[-2:] for e in streams]
     assert set(statuses) <= {200, 503} and 503 in statuses, statuses
-
-
-def _in_engine(url: str) -> float:
-    values = scrape(url)
-    return values.get("braid:num_requests_running", 0) + values.get("braid:num_requests_waiting", 0)

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import ENGINE_FLAGS, ServerProcess
+from tests.server.metrics_util import wait_until_in_engine
 
 
 def _long_completion(url: str, model: str, max_tokens: int) -> httpx.Response:
@@ -52,6 +53,8 @@ def test_sigterm_drains_in_flight_streams_and_exits_0(
         for stream in streams:
             stream.thread.start()
         assert streams[0].started.wait(30), server.log()
+        wait_until_in_engine(server.url, len(streams), server.log(), done=lambda: sum(
+            "data: [DONE]" in s.events for s in streams))
         server.terminate()
         refused = _new_connections_refused(server.url, streams)
         for stream in streams:

@@ -17,11 +17,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
 def run(target: Any, draft: Any | None, prompts: list[str], policy: str = "fixed",
-        concurrency: int = 4) -> tuple[list[list[int]], Any]:
-    """Greedy outputs of `prompts`, at most `concurrency` in flight."""
+        concurrency: int = 4, params: SamplingParams = GREEDY, **spec_options: Any
+        ) -> tuple[list[list[int]], Any]:
+    """Outputs of `prompts` (greedy unless `params`), at most `concurrency` in flight."""
     model, tokenizer = target
-    spec = ({"method": "draft_model", "num_speculative_tokens": 3, "policy": policy}
-            if draft else None)
+    spec = ({"method": "draft_model", "num_speculative_tokens": 3, "policy": policy,
+             **spec_options} if draft else None)
     engine = LLMEngine(
         EngineConfig(max_model_len=1024, kv_cache_gib=0.25, log_stats_interval=0,
                      speculative_config=spec),
@@ -29,7 +30,7 @@ def run(target: Any, draft: Any | None, prompts: list[str], policy: str = "fixed
     done: dict[str, list[int]] = {}
     for start in range(0, len(prompts), concurrency):
         for i in range(start, min(start + concurrency, len(prompts))):
-            engine.add_request(str(i), prompts[i], GREEDY)
+            engine.add_request(str(i), prompts[i], params)
         done.update({o.request_id: o.outputs[0].token_ids for o in engine.run_until_done()
                      if o.finished})
     return [done[str(i)] for i in range(len(prompts))], engine.stats.spec_stats
@@ -63,3 +64,20 @@ def test_goodput_policy_is_lossless_on_humaneval(default_target: Any, float_targ
     spec_out, spec = run(float_target, default_draft, prompts[:2], "goodput", concurrency=1)
     assert spec_out == float_reference
     assert spec.num_drafts > 0 and spec.acceptance_rate > 0.3
+
+
+def test_seeded_sampling_is_unchanged_by_speculation(default_target: Any,
+                                                     default_draft: Any) -> None:
+    """Temperature 0.7, a seed per request: the same tokens without speculation, with the
+    draft at k = 3 (coupled and greedy drafts) and with the goodput policy."""
+    prompts = [p.prompt for p in humaneval(2)]
+    params = SamplingParams(temperature=0.7, top_p=0.95, seed=42, max_tokens=24,
+                            ignore_eos=True)
+    reference = run(default_target, None, prompts, params=params)[0]
+    for options in ({"draft_sampling": "coupled"}, {"draft_sampling": "greedy"},
+                    {"policy": "goodput"}):
+        out, spec = run(default_target, default_draft, prompts, params=params, **options)
+        print(f"seeded, temperature 0.7, {options}: {spec.as_dict()}")
+        assert out == reference, options
+        if "policy" not in options:
+            assert spec.num_drafts > 0
