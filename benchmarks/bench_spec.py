@@ -130,10 +130,13 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=128)
     parser.add_argument("--draft-dtype", default="auto", choices=DTYPES,
                         help="as speculative_config's draft_dtype")
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="every request's temperature (unseeded: the engine seeds them)")
+    parser.add_argument("--temperature", default="0",
+                        help="comma-separated: every request's temperature, one table each "
+                        "(requests are unseeded: the engine seeds them)")
     parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
-                        help="the target's and the draft's --quantization")
+                        help="the target's --quantization")
+    parser.add_argument("--draft-quantization", default=None, choices=QUANTIZATIONS,
+                        help="the draft's --quantization (default: the target's)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of every mode per load, in alternating order (mean tok/s)")
     parser.add_argument("--out", default="docs/benchmarks")
@@ -146,7 +149,8 @@ def main() -> None:
     modes = args.modes.split(",")
     draft_dtype = resolve_draft_dtype(args.draft_dtype, torch.float32)
     uses_draft = any("draft" in m or m.startswith("goodput") for m in modes)
-    draft = (load_model(DEFAULT_DRAFT, draft_dtype, quantization=args.quantization)[0]
+    draft = (load_model(DEFAULT_DRAFT, draft_dtype,
+                        quantization=args.draft_quantization or args.quantization)[0]
              if uses_draft else None)
     levels = [int(c) for c in args.concurrency.split(",")]
     counts = {c: max(args.num_prompts, args.prompts_per_slot * c) for c in levels}
@@ -154,21 +158,27 @@ def main() -> None:
     print(f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads;"
           f" draft in {str(draft_dtype).removeprefix('torch.')};"
           f" {args.workload}: {counts} prompts per concurrency, {args.max_tokens} new tokens,"
-          f" temperature {args.temperature}, quantization {args.quantization}")
+          f" temperature {args.temperature}, quantization {args.quantization} (draft "
+          f"{args.draft_quantization or args.quantization})")
     results: list[dict[str, Any]] = []
     # Load level outside, mode inside: the modes compared at one level run back to back, so
     # a drift in machine speed over the run does not masquerade as a difference between them.
-    for c in levels:
-        for rep in range(args.repeats):
-            for mode in modes if rep % 2 == 0 else modes[::-1]:
-                record(results, measure(mode, c, counts[c], prompts, target, draft,
-                                        max(levels), args))
-                save(results, args)  # after every run: a long run that stops keeps its rows
-    print(markdown_table(results))
+    temperatures = [float(t) for t in args.temperature.split(",")]
+    for temperature in temperatures:
+        for c in levels:
+            for rep in range(args.repeats):
+                for mode in modes if rep % 2 == 0 else modes[::-1]:
+                    record(results, measure(mode, c, counts[c], prompts, target, draft,
+                                            max(levels), args, temperature))
+                    save(results, args)  # after every run: a long run that stops keeps its rows
+    for temperature in temperatures:
+        print(f"\ntemperature {temperature}:")
+        print(markdown_table([r for r in results if r["temperature"] == temperature]))
 
 
 def measure(mode: str, c: int, count: int, prompts: list[list[int]], target: Any, draft: Any,
-            max_num_seqs: int, args: argparse.Namespace) -> dict[str, Any]:
+            max_num_seqs: int, args: argparse.Namespace, temperature: float = 0.0
+            ) -> dict[str, Any]:
     """One run of `mode` at concurrency c on a fresh engine (after a short warm-up)."""
     engine = LLMEngine(
         EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
@@ -179,16 +189,17 @@ def measure(mode: str, c: int, count: int, prompts: list[list[int]], target: Any
     engine.stats.spec_stats = SpecStats()
     if engine.speculator is not None:
         engine.speculator.chosen_k.clear()
-    return {"mode": mode, "concurrency": c, "prompts": count,
-            **run_mode(engine, prompts[:count], c, args.max_tokens, args.temperature)}
+    return {"mode": mode, "concurrency": c, "temperature": temperature, "prompts": count,
+            **run_mode(engine, prompts[:count], c, args.max_tokens, temperature)}
 
 
 def record(results: list[dict[str, Any]], run: dict[str, Any]) -> None:
     """One row per mode and load: a repeated run adds its tok/s to the row's runs, and the
     row's tok/s is their mean (with the order reversed on every other repeat, a steady drift
     in machine speed cancels out of the mean); the other figures are the last run's."""
-    at = next((i for i, r in enumerate(results) if (r["mode"], r["concurrency"])
-               == (run["mode"], run["concurrency"])), len(results))
+    key = ("mode", "concurrency", "temperature")
+    at = next((i for i, r in enumerate(results) if all(r.get(k) == run[k] for k in key)),
+              len(results))
     runs = [*(results[at]["tok_per_s_runs"] if at < len(results) else []), run["tok_per_s"]]
     row = {**run, "tok_per_s": sum(runs) / len(runs), "tok_per_s_runs": runs}
     results[at:at + 1] = [row]
@@ -219,15 +230,16 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
 
 
 def print_row(r: dict[str, Any], results: list[dict[str, Any]]) -> None:
-    base = next((x for x in results if x["mode"] == "none"
-                 and x["concurrency"] == r["concurrency"]), None)
+    base = next((x for x in results if x["mode"] == "none" and x["concurrency"]
+                 == r["concurrency"] and x.get("temperature") == r["temperature"]), None)
     speedup = f"{r['tok_per_s'] / base['tok_per_s']:.2f}x" if base else "-"
     spec = (f"acceptance {r['acceptance_rate']:.2f}, mean length "
             f"{r['mean_acceptance_length']:.2f}" if r["num_drafts"] else "")
     ks = f", k chosen {r['chosen_k']}" if "chosen_k" in r else ""
     runs = (f" (runs {', '.join(f'{v:.2f}' for v in r['tok_per_s_runs'])})"
             if len(r["tok_per_s_runs"]) > 1 else "")
-    print(f"{r['mode']:>9} c={r['concurrency']:<3} {r['tok_per_s']:7.2f} tok/s {speedup:>6}  "
+    print(f"{r['mode']:>16} t={r['temperature']:<4} c={r['concurrency']:<3} "
+          f"{r['tok_per_s']:7.2f} tok/s {speedup:>6}  "
           f"{spec}{ks}{runs}", flush=True)
 
 
@@ -246,14 +258,18 @@ def save(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, rel) = plt.subplots(1, 2, figsize=(12, 4))
-    base = {r["concurrency"]: r["tok_per_s"] for r in results if r["mode"] == "none"}
-    for mode in dict.fromkeys(r["mode"] for r in results):
-        rows = [r for r in results if r["mode"] == mode]
+    base = {(r["concurrency"], r["temperature"]): r["tok_per_s"] for r in results
+            if r["mode"] == "none"}
+    temperatures = sorted({r["temperature"] for r in results})
+    for mode, t in dict.fromkeys((r["mode"], r["temperature"]) for r in results):
+        label = mode if len(temperatures) == 1 else f"{mode} t={t}"
+        rows = [r for r in results if (r["mode"], r["temperature"]) == (mode, t)]
         ax.plot([r["concurrency"] for r in rows], [r["tok_per_s"] for r in rows], marker="o",
-                label=mode)
-        rows = [r for r in rows if r["concurrency"] in base]
+                label=label)
+        rows = [r for r in rows if (r["concurrency"], t) in base]
         rel.plot([r["concurrency"] for r in rows],
-                 [r["tok_per_s"] / base[r["concurrency"]] for r in rows], marker="o", label=mode)
+                 [r["tok_per_s"] / base[r["concurrency"], t] for r in rows], marker="o",
+                 label=label)
     ax.set(ylabel="output tokens/s", title=f"braid speculation modes, {args.workload}")
     rel.set(ylabel="throughput / no speculation", title="relative to no speculation")
     for a in (ax, rel):

@@ -7,8 +7,8 @@ import argparse
 from braid.bench.datasets import DATASETS
 
 MODES = "baseline,chunked,spec,chunked_fixed,chunked_dynamic"
-# TTFT within 10 s, and at least 2 tokens a second once streaming (the single-stream TPOT of the
-# 1.5B target on 2 cores is ~285 ms, so the SLO fails once batching more than doubles it).
+# TTFT within 10 s, and at least 2 tokens a second once streaming (on a 2-core CPU the SLO
+# fails once batching more than doubles the single-stream TPOT of the 1.5B target).
 SWEEP_SLOS = ("ttft:10000", "tpot:500")
 
 SWEEP_HELP = """\

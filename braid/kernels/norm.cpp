@@ -1,5 +1,5 @@
 // The small per-token ops of a decoder layer, one pass each (torch runs each as several small
-// ops: its CPU rms_norm takes ~37 us for one 1536-value row here, this one ~5 us).
+// ops, whose per-op overhead dominates at decode-sized rows; docs/benchmarks.md has timings).
 //
 // RMSNorm over the rows of a float32 matrix: y = x / sqrt(mean(x^2) + eps) * w. Each row is
 // reduced in the same order whatever the number of rows (eight partial sums, then those in

@@ -251,8 +251,7 @@ float dot_q8_0_scalar(const void* wv, const void* xv, int64_t nb) {
 
 // Software prefetch of the weight stream, this many bytes ahead of the block being read: with
 // the products' arithmetic between loads the hardware prefetcher alone keeps too few misses
-// in flight (measured on 2 threads, an AVX2 EPYC: 8 KB ahead made decode-sized Q6_K products
-// ~30% faster and Q4_K ~25%; 1 KB did nothing). Prefetches never fault past the end.
+// in flight (docs/benchmarks.md section 5 has the A/B). Prefetches never fault past the end.
 constexpr int64_t PREFETCH_BYTES = 8192;
 
 // Prefetch the cache lines of the block at `p` (of BYTES bytes) PREFETCH_BYTES ahead.

@@ -1,6 +1,6 @@
 """The tensors of a GGUF file without its metadata: names, types, shapes and memory-mapped data.
 
-gguf's GGUFReader parses every metadata field into Python objects, ~9 s for a Qwen2.5 file
+gguf's GGUFReader parses every metadata field into Python objects, seconds for a Qwen2.5 file
 (151,936 tokens and as many merges); loading weights needs none of it, so this reader skips
 the metadata values (walking over string arrays by their lengths) and reads only the tensor
 table.

@@ -216,7 +216,7 @@ def dequantize_tensor(tensor: Tensor) -> np.ndarray:
         rows, cols = hf_shape(tensor)
         qw = QuantWeight(torch.from_numpy(np.array(tensor.data).reshape(rows, -1)),
                          tensor.tensor_type, cols)
-        if runnable(qw.qtype, cols):  # the compiled kernel dequantizes ~20x faster
+        if runnable(qw.qtype, cols):  # the compiled kernel dequantizes in one pass
             return qw.dequantize().numpy()
     try:
         array = dequantize(tensor.data, tensor.tensor_type)

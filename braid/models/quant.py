@@ -70,7 +70,7 @@ def quantize_float(weight: torch.Tensor, qtype: GGMLQuantizationType) -> QuantWe
 def as_kernel_format(w: QuantWeight) -> QuantWeight:
     """A weight the kernels can run: as is, or re-quantized to Q8_0 (int8) from its values;
     Q4_K in the unpacked layout (the same values; its scales are not decoded every block,
-    which makes decode-sized products ~15% faster for 3% more bytes)."""
+    for 3% more bytes)."""
     if not runnable(w.qtype, w.cols):
         return quantize_float(w.dequantize(), Q.Q8_0)
     ops = quant_ops()

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from braid.sampling_params import SamplingParams
 
@@ -333,13 +334,29 @@ def _one_hot_argmax(scores: torch.Tensor) -> torch.Tensor:
     return one_hot.scatter_(1, scores.argmax(dim=-1, keepdim=True), 1.0)
 
 
+_CDF_BLOCK = 1024  # inverse_cdf finds the block first, then the token inside it
+
+
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row of `probs` [B, V] (unnormalized, >= 0): the first token whose
-    cumulative mass (token-id order, float64) exceeds u * total. A zero-mass token is never
-    drawn. Returns [B] int64."""
-    cdf = probs.double().cumsum(dim=-1)  # [B, V]
-    threshold = (uniforms * cdf[:, -1]).unsqueeze(1)  # [B, 1]
-    return torch.searchsorted(cdf, threshold, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    cumulative mass (token-id order, float64) exceeds u * total. Two levels, so no pass runs
+    a sequential cumulative sum over the whole vocabulary: the block whose running total
+    passes the threshold, then the token inside that block. Every row is computed on its own
+    (the same result in any batch). A zero-mass token is never drawn. Returns [B] int64."""
+    rows, width = probs.shape
+    size = min(_CDF_BLOCK, width)
+    blocks = F.pad(probs, (0, (-width) % size)).view(rows, -1, size)  # [B, nb, size]
+    block_cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # [B, nb]
+    threshold = uniforms * block_cdf[:, -1]  # [B]
+    block = torch.searchsorted(block_cdf, threshold.unsqueeze(1), right=True).squeeze(1)
+    block = block.clamp_(max=block_cdf.shape[1] - 1)  # [B]
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0).unsqueeze(1))
+                         .squeeze(1), 0.0)  # [B] mass of the blocks before
+    inner = blocks[torch.arange(rows, device=probs.device), block].double().cumsum(dim=-1)
+    # the block's own running total may round below the threshold: stay inside its mass
+    rest = torch.minimum(threshold - before, inner[:, -1] * (1 - 2.0**-40))  # [B]
+    token = torch.searchsorted(inner, rest.clamp(min=0).unsqueeze(1), right=True).squeeze(1)
+    return block * size + token.clamp_(max=size - 1)
 
 
 def keyed_uniforms(meta: SamplingMetadata, stream: int, device: torch.device) -> torch.Tensor:

@@ -17,8 +17,8 @@ Warm-up measurements stay in the fit as anchors, so a window of identical steady
 cannot make the model blind to other sizes.
 
 Small forwards are not smooth in q: on a CPU the matmul library switches kernels with the
-number of rows (here a 6-token target forward costs what a 1-token one does, a 7-token one
-15% more). Those few-token steps are where the policy decides between k = 1 and k = 2, so
+number of rows (a 6-token target forward can cost what a 1-token one does and a 7-token one
+clearly more). Those few-token steps are where the policy decides between k = 1 and k = 2, so
 the fit is corrected at q <= EXACT_UP_TO by the median residual of the forwards measured at
 each size (interpolated between measured sizes; where a smaller size looks dearer than a
 larger one, the older measurement gives way). The fit minimizes relative error: in absolute

@@ -288,6 +288,27 @@ def test_inverse_cdf_never_draws_a_zero_mass_token() -> None:
     assert inverse_cdf(unnormalized, torch.tensor([0.3], dtype=torch.float64)).tolist() == [3]
 
 
+def test_inverse_cdf_over_a_real_vocabulary_matches_one_cumulative_sum() -> None:
+    """Two-level search over 151,936 tokens (blocks, then a token): the same tokens as one
+    float64 cumulative sum, row by row the same in any batch, and never a zero-mass token
+    (mass only at a few tokens, some on block edges)."""
+    vocab = 151_936
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.rand(16, vocab, generator=gen).pow(8).softmax(dim=-1)
+    sparse = torch.zeros(4, vocab)
+    sparse[:, [0, 1023, 1024, 70_000, vocab - 1]] = torch.tensor([0.1, 0.2, 0.3, 0.25, 0.15])
+    probs = torch.cat([probs, sparse])
+    u = torch.rand(probs.shape[0], generator=gen, dtype=torch.float64)
+    u[-4:] = torch.tensor([0.0, 0.1, 0.3, 0.9999999], dtype=torch.float64)
+    cdf = probs.double().cumsum(dim=-1)
+    expected = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    tokens = inverse_cdf(probs, u)
+    assert torch.equal(tokens, expected)
+    assert tokens[-4:].tolist() == [0, 1023, 1024, vocab - 1]
+    alone = torch.cat([inverse_cdf(probs[i : i + 1], u[i : i + 1]) for i in range(len(u))])
+    assert torch.equal(alone, tokens)
+
+
 def empirical(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.bincount(tokens, minlength=vocab_size).double() / tokens.numel()
 
