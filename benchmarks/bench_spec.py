@@ -250,6 +250,8 @@ def save(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     (out / f"{stem}.json").write_text(json.dumps({"args": vars(args), "results": results},
                                                  indent=1))
     levels = sorted({r["concurrency"] for r in results})
+    if len({r["temperature"] for r in results}) > 1 and len(levels) == 1:
+        plot_vs_temperature(results, out / f"{stem}.png", args.workload)
     if len(levels) < 2:
         return
     import matplotlib
@@ -280,6 +282,33 @@ def save(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / f"{stem}.png", dpi=120)
+    plt.close(fig)
+
+
+def plot_vs_temperature(results: list[dict[str, Any]], path: Path, workload: str) -> None:
+    """Speedup over no speculation and acceptance rate against temperature, one line a mode
+    (one load level)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = {r["temperature"]: r["tok_per_s"] for r in results if r["mode"] == "none"}
+    fig, (speed, accept) = plt.subplots(1, 2, figsize=(12, 4))
+    for mode in dict.fromkeys(r["mode"] for r in results if r["mode"] != "none"):
+        rows = sorted((r for r in results if r["mode"] == mode and r["temperature"] in base),
+                      key=lambda r: r["temperature"])
+        temps = [r["temperature"] for r in rows]
+        speed.plot(temps, [r["tok_per_s"] / base[r["temperature"]] for r in rows], marker="o",
+                   label=mode)
+        accept.plot(temps, [r["acceptance_rate"] for r in rows], marker="o", label=mode)
+    speed.axhline(1.0, color="gray", linewidth=0.8)
+    speed.set(xlabel="temperature", ylabel="throughput / no speculation",
+              title=f"speculation vs temperature, {workload}, c={results[0]['concurrency']}")
+    accept.set(xlabel="temperature", ylabel="acceptance rate", title="accepted drafts")
+    speed.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
 

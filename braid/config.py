@@ -8,6 +8,8 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from braid.sampling_params import SamplingParams
+
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
@@ -36,22 +38,36 @@ class SpecConfig:
     draft_dtype: str = "auto"
     # The draft model's --quantization (None: the target's).
     quantization: str | None = None
-    # How the draft model picks its tokens for requests that sample (temperature > 0):
-    # "greedy" (its argmax), "coupled" (a draw from its own distribution with the same keyed
-    # number the target's draw at that position uses, so it predicts the target's sample) or
-    # "independent" (a draw with numbers of its own). Greedy requests always draft greedily.
-    draft_sampling: str = "coupled"
-    # How drafts are verified: "coupled" (accepted iff equal to the target's own draw at that
-    # position: output identical to decoding without speculation) or "rejection" (standard
-    # rejection sampling with the draft's q; same distribution, not the same tokens). Seeded
-    # requests are always verified coupled, so their output never depends on speculation.
-    verification: str = "coupled"
+    # How drafts are verified for requests that sample: "rejection" (standard rejection
+    # sampling with the draft's q: the target's distribution, the most accepted drafts) or
+    # "coupled" (accepted iff equal to the target's own draw at that position: output
+    # identical to decoding without speculation). Seeded requests are always verified
+    # coupled, so their output never depends on speculation.
+    verification: str = "rejection"
+    # How the draft model picks its tokens for requests that sample: "greedy" (its argmax),
+    # "coupled" (a draw from its own distribution with the keyed number the target's draw at
+    # that position uses), "independent" (a draw with numbers of its own) or "auto":
+    # independent where verification is rejection sampling, greedy where it is coupled (what
+    # accepted most in docs/benchmarks.md section 7). Greedy requests always draft greedily.
+    draft_sampling: str = "auto"
 
     MAX_TOKENS = 16
     METHODS = ("ngram", "draft_model")
     POLICIES = ("fixed", "goodput")
-    DRAFT_SAMPLING = ("greedy", "coupled", "independent")
+    DRAFT_SAMPLING = ("auto", "greedy", "coupled", "independent")
     VERIFICATION = ("coupled", "rejection")
+
+    def verification_for(self, params: SamplingParams) -> str:
+        """How one request's drafts are verified (for greedy requests both are exact)."""
+        return "coupled" if params.seed is not None or params.greedy else self.verification
+
+    def draft_sampling_for(self, params: SamplingParams) -> str:
+        """How the draft model draws one request's drafts."""
+        if params.greedy:
+            return "greedy"
+        if self.draft_sampling != "auto":
+            return self.draft_sampling
+        return "independent" if self.verification_for(params) == "rejection" else "greedy"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpecConfig:

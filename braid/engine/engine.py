@@ -61,9 +61,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.device)
         self.outputs = OutputProcessor(tokenizer, self._eos_token_ids(model),
                                        config.max_model_len or 0)
-        spec = config.spec_config
-        self.sampler = StepSampler(self.device, self.outputs.eos_token_ids,
-                                   spec.verification if spec is not None else "coupled")
+        self.sampler = StepSampler(self.device, self.outputs.eos_token_ids, config.spec_config)
         self.speculator = make_speculator(config, self.runner, self.scheduler, draft_model)
         self.stats = EngineStats(num_kv_blocks=num_blocks)
         self._seeds = random.Random(config.seed)  # unseeded requests' seeds, in arrival order

@@ -49,13 +49,13 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def keyed_uniform_array(seeds: Sequence[int], positions: Sequence[int], stream: int = SAMPLE
-                        ) -> np.ndarray:
+def keyed_uniform_array(seeds: Sequence[int], positions: Sequence[int],
+                        stream: int | Sequence[int] = SAMPLE) -> np.ndarray:
     """Uniform numbers in [0, 1), float64, each a function of (seed, position, stream) only:
     splitmix64 chained over the three (the final hash's top 53 bits)."""
     seed = np.array([s & _MASK64 for s in seeds], dtype=np.uint64)
     h = _splitmix64(_splitmix64(seed) + np.array(positions, dtype=np.uint64))
-    h = _splitmix64(h + np.uint64(stream))
+    h = _splitmix64(h + np.array(stream, dtype=np.uint64))
     return (h >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
@@ -98,11 +98,11 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device | str,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
-        stream: int = SAMPLE,
+        stream: int | Sequence[int] = SAMPLE,
     ) -> SamplingMetadata:
         """`seeds[i]` is row i's request seed (the request's `seed`, or one the engine drew
         for it); row i's draw uses `keyed_uniform(seeds[i], len(output_token_ids[i]),
-        stream)`."""
+        stream)` (`stream` one for all rows or one per row)."""
         if not len(params) == len(prompt_token_ids) == len(output_token_ids) == len(seeds):
             raise ValueError("params, token ids and seeds must have one entry per row")
         greedy = [p.greedy for p in params]

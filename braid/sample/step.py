@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from braid.config import SpecConfig
 from braid.engine.request import Request
 from braid.engine.runner import prompt_logprob_rows
 from braid.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -28,10 +29,10 @@ class StepSample:
 
 class StepSampler:
     def __init__(self, device: torch.device, eos_token_ids: frozenset[int],
-                 verification: str = "coupled") -> None:
+                 spec: SpecConfig | None = None) -> None:
         self.device = device
         self.eos_token_ids = eos_token_ids
-        self.verification = verification  # "coupled" or "rejection" (speculative_config)
+        self.spec = spec  # its verification mode, when the engine speculates
 
     def sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[StepSample]:
         """One result per scheduled request, in scheduling order (`logits` holds the rows
@@ -62,7 +63,8 @@ class StepSampler:
 
     def uses_rejection(self, req: Request) -> bool:
         """Seeded requests are always verified coupled, so their tokens never depend on k."""
-        return self.verification == "rejection" and req.sampling_params.seed is None
+        return (self.spec is not None
+                and self.spec.verification_for(req.sampling_params) == "rejection")
 
     def metadata(self, to_sample: list[ScheduledRequest], vocab_size: int) -> SamplingMetadata:
         """One row per window position; row j of a window sees its first j drafts as output

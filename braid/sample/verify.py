@@ -3,16 +3,17 @@
 A window is one request's k drafts plus the k + 1 target rows that score them (k may be 0:
 a plain decode, which is how every sampled row goes through here). Two modes per window:
 
-- coupled (the default, and always for seeded requests): every target row draws its token
-  with that position's keyed number (sampler.py), exactly as decoding without speculation
-  would; draft j is accepted iff it equals row j's token, and the first mismatch emits the
+- coupled (always for seeded requests): every target row draws its token with that
+  position's keyed number (sampler.py), exactly as decoding without speculation would;
+  draft j is accepted iff it equals row j's token, and the first mismatch emits the
   target's token. So a window emits what plain decoding emits, token for token, whatever k
   is; for a one-hot draft the acceptance probability is p(draft), as in rejection sampling.
-- rejection (Leviathan et al. 2023): draft j is accepted with probability min(1, p/q) (its
-  own keyed ACCEPT number); at the first rejection the recovered token is drawn from
-  normalize(max(p - q, 0)) of that row (its RESIDUAL number); when all k are accepted the
-  bonus token is row k's own draw. Lossless in distribution, and for drafts sampled from a
-  q of their own it accepts more than coupling them by chance.
+- rejection (Leviathan et al. 2023; the default for unseeded requests): draft j is accepted
+  with probability min(1, p/q) (its own keyed ACCEPT number); at the first rejection the
+  recovered token is drawn from normalize(max(p - q, 0)) of that row (its RESIDUAL number);
+  when all k are accepted the bonus token is row k's own draw. Lossless in distribution,
+  and for drafts sampled from a q of their own it accepts sum(min(p, q)), more than coupled
+  verification accepts.
 
 p is `target_probs` (penalties, temperature, min-p, top-k, top-p), so greedy rows are one-hot
 at the penalized argmax: drafts are accepted while they equal it and the emitted token is

@@ -30,7 +30,7 @@ def make_speculator(cfg: EngineConfig, target: ModelRunner, scheduler: Scheduler
                 f"--speculative-config: the draft model's vocabulary ("
                 f"{draft.config.vocab_size} tokens) differs from the target's ({vocab})")
         proposer = DraftModelProposer(draft, scheduler.blocks, cfg.block_size, target.device,
-                                      spec.draft_sampling, spec.verification == "rejection")
+                                      spec)
     assert cfg.max_model_len is not None
     speculator = Speculator(spec, proposer, cfg.max_model_len,
                             None if cfg.target_itl_ms is None else cfg.target_itl_ms / 1e3)

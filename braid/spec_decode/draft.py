@@ -11,9 +11,9 @@ policy turns speculation off, the draft costs nothing, and the policy weighs the
 
 Drafts for requests that sample are the draft's argmax ("greedy"), or a draw from its own
 distribution after the request's penalties and filters: with the keyed number the target's
-draw at that output position uses ("coupled": where the two distributions agree the draft
-is the target's own sample), or with a stream of its own ("independent"). The q rows are
-kept for rejection sampling when asked (`keep_probs`).
+draw at that output position uses ("coupled"), or with a stream of its own ("independent");
+`SpecConfig.draft_sampling_for` picks per request. The q rows of requests verified by
+rejection sampling are kept for it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from braid.config import SpecConfig
 from braid.engine.block_manager import BlockManager
 from braid.engine.request import Request
 from braid.engine.runner import ModelRunner, QuerySpan
@@ -42,12 +43,11 @@ class DraftModelProposer(Proposer):
 
     def __init__(
         self, model: Qwen2ForCausalLM, blocks: BlockManager, block_size: int, device: torch.device,
-        sampling: str = "greedy", keep_probs: bool = False,
+        spec: SpecConfig | None = None,
     ) -> None:
         self.runner = ModelRunner(model, blocks.num_blocks, block_size, device)
         self.blocks = blocks
-        self.sampling = sampling  # SpecConfig.draft_sampling
-        self.keep_probs = keep_probs and sampling != "greedy"
+        self.spec = spec  # how each request's drafts are drawn and verified (None: greedy)
         self.computed: dict[str, int] = {}  # draft KV is valid for positions < computed
         self.last: dict[str, _Proposal] = {}
 
@@ -69,15 +69,23 @@ class DraftModelProposer(Proposer):
                 tokens, probs = self._extend(requests, active, proposal)
             for row, (i, token) in enumerate(zip(active, tokens, strict=True)):
                 proposal.drafts[i].append(token)
-                if probs is not None:
-                    q_rows[i].append(probs[row])
+                if (q := probs[row]) is not None:
+                    q_rows[i].append(q)
         for r, d in zip(requests, proposal.drafts, strict=True):
             if d:
                 self.last[r.request_id] = _Proposal(r.num_tokens, d)
-        if self.keep_probs:
-            proposal.probs = [torch.stack(q) if q and not r.sampling_params.greedy else None
+        if any(q_rows):
+            proposal.probs = [torch.stack(q) if q and self._keeps_q(r) else None
                               for r, q in zip(requests, q_rows, strict=True)]
         return proposal
+
+    def _draws(self, req: Request) -> str:
+        """"greedy", "coupled" or "independent"."""
+        return "greedy" if self.spec is None else self.spec.draft_sampling_for(req.sampling_params)
+
+    def _keeps_q(self, req: Request) -> bool:
+        return self.spec is not None and self.spec.verification_for(
+            req.sampling_params) == "rejection"
 
     def lag(self, req: Request) -> int:
         return req.num_tokens - min(self._valid_prefix(req, keep=True), req.num_tokens - 1)
@@ -96,7 +104,7 @@ class DraftModelProposer(Proposer):
         return last.start + same
 
     def _catch_up(self, requests: list[Request], active: list[int], proposal: Proposal
-                  ) -> tuple[list[int], torch.Tensor | None]:
+                  ) -> tuple[list[int], list[torch.Tensor | None]]:
         """One forward bringing the draft cache of each request in `active` up to date; it
         runs through the last token and yields the first draft token."""
         spans = []
@@ -109,7 +117,7 @@ class DraftModelProposer(Proposer):
         return self._run(spans, [requests[i] for i in active], proposal)
 
     def _extend(self, requests: list[Request], active: list[int], proposal: Proposal
-                ) -> tuple[list[int], torch.Tensor | None]:
+                ) -> tuple[list[int], list[torch.Tensor | None]]:
         drafts = proposal.drafts
         spans = [
             QuerySpan([drafts[i][-1]], requests[i].num_tokens + len(drafts[i]) - 1,
@@ -120,25 +128,34 @@ class DraftModelProposer(Proposer):
                          [drafts[i] for i in active])
 
     def _run(self, spans: list[QuerySpan], requests: list[Request], proposal: Proposal,
-             drafted: list[list[int]] | None = None) -> tuple[list[int], torch.Tensor | None]:
+             drafted: list[list[int]] | None = None
+             ) -> tuple[list[int], list[torch.Tensor | None]]:
         """The next draft token of each span's request (after its `drafted` tokens) and the
-        q rows they were drawn from (None when every row was an argmax); the forward's size
-        and time go to `proposal.forwards`."""
+        q row it was drawn from (None for an argmax); the forward's size and time go to
+        `proposal.forwards`."""
         start = time.perf_counter()
-        logits = self.runner.execute(self.runner.build_input(spans))
-        if self.sampling == "greedy" or all(r.sampling_params.greedy for r in requests):
-            tokens, probs = logits.argmax(dim=-1), None
-        else:
-            tokens, probs = sample_rows(logits, self._metadata(requests, drafted, logits))
+        logits = self.runner.execute(self.runner.build_input(spans))  # [R, V]
+        tokens = logits.argmax(dim=-1)
+        probs: list[torch.Tensor | None] = [None] * len(requests)
+        draws = [self._draws(r) for r in requests]
+        sampled = [i for i, d in enumerate(draws) if d != "greedy"]
+        if sampled:
+            drafted = drafted or [[] for _ in requests]
+            meta = self._metadata([requests[i] for i in sampled], [drafted[i] for i in sampled],
+                                  [draws[i] for i in sampled], logits)
+            picked, q = sample_rows(logits[sampled], meta)
+            assert q is not None  # every sampled row is a random one
+            tokens[sampled] = picked
+            for row, i in enumerate(sampled):
+                probs[i] = q[row]
         proposal.forwards.append(DraftForward(sum(len(span.token_ids) for span in spans),
                                               len(spans), time.perf_counter() - start))
         return tokens.tolist(), probs
 
-    def _metadata(self, requests: list[Request], drafted: list[list[int]] | None,
+    def _metadata(self, requests: list[Request], drafted: list[list[int]], draws: list[str],
                   logits: torch.Tensor) -> SamplingMetadata:
-        """The target's sampling rows for these draft positions (their keyed numbers in the
-        target's stream when coupled). Greedy requests' rows take the penalized argmax."""
-        drafted = drafted or [[] for _ in requests]
+        """The target's sampling rows for these draft positions, keyed in the target's
+        stream for coupled draws and in the draft's own for independent ones."""
         return SamplingMetadata.build(
             params=[r.sampling_params for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
@@ -147,5 +164,5 @@ class DraftModelProposer(Proposer):
             seeds=[r.seed for r in requests],
             vocab_size=logits.shape[-1],
             device=logits.device,
-            stream=SAMPLE if self.sampling == "coupled" else DRAFT,
+            stream=[SAMPLE if d == "coupled" else DRAFT for d in draws],
         )

@@ -195,14 +195,13 @@ class Speculator:
 
     def request_figures(self, req: Request) -> dict[str, float | str]:
         """Per-response figures: the acceptance estimate, and how this request's drafts were
-        made and verified (seeded requests are verified coupled; greedy ones draft greedily)."""
-        seeded, greedy = req.sampling_params.seed is not None, req.sampling_params.greedy
+        verified and (draft model) drawn."""
         figures: dict[str, float | str] = {
             "acceptance_estimate": round(self.acceptance.alpha(req.request_id), 4),
-            "verification": "coupled" if seeded else self.config.verification,
+            "verification": self.config.verification_for(req.sampling_params),
         }
         if self.config.method == "draft_model":
-            figures["draft_sampling"] = "greedy" if greedy else self.config.draft_sampling
+            figures["draft_sampling"] = self.config.draft_sampling_for(req.sampling_params)
         return figures
 
     def figures(self) -> SpeculatorFigures:

@@ -162,7 +162,7 @@ def _chi_square_p(a: torch.Tensor, b: torch.Tensor, vocab: int) -> float:
 
 
 MODES = [("greedy", "coupled"), ("coupled", "coupled"), ("independent", "rejection"),
-         ("coupled", "rejection"), ("greedy", "rejection")]
+         ("coupled", "rejection"), ("greedy", "rejection"), ("auto", "rejection")]
 
 
 @pytest.mark.parametrize(("draft_sampling", "verification"), MODES)
@@ -331,3 +331,26 @@ def test_itl_target_serves_batches_after_idle_and_bursts(reference, method: str)
 def test_itl_target_needs_goodput_speculation() -> None:
     with pytest.raises(ConfigError, match="--target-itl-ms"):
         make_engine(target_itl_ms=100)
+
+
+@pytest.mark.parametrize(("key", "value"), [("draft_sampling", "random"),
+                                            ("verification", "exact")])
+def test_bad_sampling_modes_are_config_errors(key: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=f"--speculative-config: {key} must be one of"):
+        EngineConfig(model="tiny", speculative_config={
+            "method": "draft_model", "num_speculative_tokens": 3, key: value})
+
+
+def test_each_request_drafts_and_verifies_by_one_rule() -> None:
+    spec = EngineConfig(model="tiny", speculative_config={
+        "method": "draft_model", "num_speculative_tokens": 3}).spec_config
+    assert spec is not None and (spec.verification, spec.draft_sampling) == ("rejection", "auto")
+    sampled, seeded = SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, seed=1)
+    greedy = SamplingParams(temperature=0)
+    assert [spec.verification_for(p) for p in (sampled, seeded, greedy)] == [
+        "rejection", "coupled", "coupled"]
+    assert [spec.draft_sampling_for(p) for p in (sampled, seeded, greedy)] == [
+        "independent", "greedy", "greedy"]
+    spec.draft_sampling = "coupled"
+    assert [spec.draft_sampling_for(p) for p in (sampled, seeded, greedy)] == [
+        "coupled", "coupled", "greedy"]
