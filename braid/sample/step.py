@@ -12,7 +12,7 @@ from braid.config import SpecConfig
 from braid.engine.request import Request
 from braid.engine.runner import prompt_logprob_rows
 from braid.engine.scheduler import ScheduledRequest, SchedulerOutput
-from braid.sample.sampler import SamplingMetadata, gather_logprobs
+from braid.sample.sampler import SAMPLE, SamplingMetadata, gather_logprobs
 from braid.sample.verify import verify
 
 Logprobs = list[dict[int, float]]  # {token: logprob} per emitted token: it and the top-n
@@ -69,16 +69,9 @@ class StepSampler:
     def metadata(self, to_sample: list[ScheduledRequest], vocab_size: int) -> SamplingMetadata:
         """One row per window position; row j of a window sees its first j drafts as output
         (so penalties, min_tokens and its keyed number apply as if they had been accepted)."""
-        rows = [(s.request, j) for s in to_sample for j in range(1 + s.num_spec_tokens)]
-        return SamplingMetadata.build(
-            params=[r.sampling_params for r, _ in rows],
-            prompt_token_ids=[r.prompt_token_ids for r, _ in rows],
-            output_token_ids=[r.output_token_ids + r.spec_token_ids[:j] for r, j in rows],
-            seeds=[r.seed for r, _ in rows],
-            vocab_size=vocab_size,
-            device=self.device,
-            eos_token_ids=self.eos_token_ids,
-        )
+        rows = [(s.request, s.request.spec_token_ids[:j]) for s in to_sample
+                for j in range(1 + s.num_spec_tokens)]
+        return rows_metadata(rows, vocab_size, self.device, self.eos_token_ids)
 
     def _logprobs(
         self, to_sample: list[ScheduledRequest], logits: torch.Tensor, tokens: list[list[int]]
@@ -103,6 +96,24 @@ class StepSampler:
                         for j in range(len(t))])
             r += len(t)
         return out
+
+
+def rows_metadata(
+    rows: list[tuple[Request, list[int]]], vocab_size: int, device: torch.device,
+    eos_token_ids: frozenset[int] = frozenset(), stream: int | list[int] = SAMPLE,
+) -> SamplingMetadata:
+    """Sampling rows of (request, drafts before the row): the request's params and seed, its
+    output followed by those drafts (the row's output position is their count)."""
+    return SamplingMetadata.build(
+        params=[r.sampling_params for r, _ in rows],
+        prompt_token_ids=[r.prompt_token_ids for r, _ in rows],
+        output_token_ids=[r.output_token_ids + drafts for r, drafts in rows],
+        seeds=[r.seed for r, _ in rows],
+        vocab_size=vocab_size,
+        device=device,
+        eos_token_ids=eos_token_ids,
+        stream=stream,
+    )
 
 
 def _draft_probs(s: ScheduledRequest) -> torch.Tensor | None:

@@ -28,7 +28,8 @@ from braid.engine.block_manager import BlockManager
 from braid.engine.request import Request
 from braid.engine.runner import ModelRunner, QuerySpan
 from braid.models.qwen2 import Qwen2ForCausalLM
-from braid.sample.sampler import DRAFT, SAMPLE, SamplingMetadata, sample_rows
+from braid.sample.sampler import DRAFT, SAMPLE, sample_rows
+from braid.sample.step import rows_metadata
 from braid.spec_decode.proposer import DraftForward, Proposal, Proposer
 
 
@@ -61,6 +62,7 @@ class DraftModelProposer(Proposer):
         if not any(ks):
             return proposal  # the draft catches up lazily the next time it proposes
         q_rows: list[list[torch.Tensor]] = [[] for _ in requests]
+        keeps_q = [self._keeps_q(r) for r in requests]
         active = [i for i, k in enumerate(ks) if k]
         tokens, probs = self._catch_up(requests, active, proposal)
         for j in range(max(ks)):
@@ -69,14 +71,13 @@ class DraftModelProposer(Proposer):
                 tokens, probs = self._extend(requests, active, proposal)
             for row, (i, token) in enumerate(zip(active, tokens, strict=True)):
                 proposal.drafts[i].append(token)
-                if (q := probs[row]) is not None:
+                if (q := probs[row]) is not None and keeps_q[i]:
                     q_rows[i].append(q)
         for r, d in zip(requests, proposal.drafts, strict=True):
             if d:
                 self.last[r.request_id] = _Proposal(r.num_tokens, d)
         if any(q_rows):
-            proposal.probs = [torch.stack(q) if q and self._keeps_q(r) else None
-                              for r, q in zip(requests, q_rows, strict=True)]
+            proposal.probs = [torch.stack(q) if q else None for q in q_rows]
         return proposal
 
     def _draws(self, req: Request) -> str:
@@ -141,8 +142,11 @@ class DraftModelProposer(Proposer):
         sampled = [i for i, d in enumerate(draws) if d != "greedy"]
         if sampled:
             drafted = drafted or [[] for _ in requests]
-            meta = self._metadata([requests[i] for i in sampled], [drafted[i] for i in sampled],
-                                  [draws[i] for i in sampled], logits)
+            # the target's sampling rows at these positions: keyed in the target's stream for
+            # coupled draws, in the draft's own for independent ones
+            meta = rows_metadata([(requests[i], drafted[i]) for i in sampled], logits.shape[-1],
+                                 logits.device, stream=[SAMPLE if draws[i] == "coupled" else DRAFT
+                                                        for i in sampled])
             picked, q = sample_rows(logits[sampled], meta)
             assert q is not None  # every sampled row is a random one
             tokens[sampled] = picked
@@ -152,17 +156,3 @@ class DraftModelProposer(Proposer):
                                               len(spans), time.perf_counter() - start))
         return tokens.tolist(), probs
 
-    def _metadata(self, requests: list[Request], drafted: list[list[int]], draws: list[str],
-                  logits: torch.Tensor) -> SamplingMetadata:
-        """The target's sampling rows for these draft positions, keyed in the target's
-        stream for coupled draws and in the draft's own for independent ones."""
-        return SamplingMetadata.build(
-            params=[r.sampling_params for r in requests],
-            prompt_token_ids=[r.prompt_token_ids for r in requests],
-            output_token_ids=[r.output_token_ids + d for r, d in zip(requests, drafted,
-                                                                     strict=True)],
-            seeds=[r.seed for r in requests],
-            vocab_size=logits.shape[-1],
-            device=logits.device,
-            stream=[SAMPLE if d == "coupled" else DRAFT for d in draws],
-        )
