@@ -86,7 +86,6 @@ class SamplingMetadata:
     seeds: list[int]  # per row, its request's seed
     positions: list[int]  # per row, its output position (output tokens before it)
     uniforms: torch.Tensor | None  # [B] float64 keyed numbers of the draw; None if all greedy
-    max_num_logprobs: int | None  # None when no row asks for logprobs
 
     @classmethod
     def build(
@@ -111,7 +110,6 @@ class SamplingMetadata:
         temps = [p.temperature for p in random_params]
         top_k, max_top_k = _top_k_per_row(params, vocab_size)
         penalties = _penalty_fields(params, prompt_token_ids, output_token_ids, vocab_size, device)
-        requested = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             temperature=torch.tensor(temps, dtype=torch.float32, device=device),
             all_greedy=all(greedy),
@@ -130,7 +128,6 @@ class SamplingMetadata:
             positions=positions,
             uniforms=None if all(greedy) else torch.from_numpy(
                 keyed_uniform_array(seeds, positions, stream)).to(device),
-            max_num_logprobs=max(requested) if requested else None,
         )
 
 
@@ -380,16 +377,10 @@ def sample_rows(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Ten
 class LogprobsTensors:
     """Logprobs of the raw model output (log_softmax before penalties and temperature, like
     vLLM's default). Column 0 is the sampled token, columns 1..n the row's top-n (a row that
-    asked for n < max_num_logprobs uses only its first 1 + n columns)."""
+    asked for fewer than n uses only its first columns)."""
 
-    token_ids: torch.Tensor  # [B, 1 + max_num_logprobs] int64
-    logprobs: torch.Tensor  # [B, 1 + max_num_logprobs] float32
-
-
-@dataclass(slots=True)
-class SamplerOutput:
-    sampled_token_ids: torch.Tensor  # [B] int64
-    logprobs: LogprobsTensors | None  # None when no row asks for logprobs
+    token_ids: torch.Tensor  # [B, 1 + n] int64
+    logprobs: torch.Tensor  # [B, 1 + n] float32
 
 
 def gather_logprobs(
@@ -403,13 +394,3 @@ def gather_logprobs(
         logprobs=torch.cat([sampled_logprob, top_logprobs], dim=1),
     )
 
-
-class Sampler:
-    """Samples one token per row of logits [B, V] float32."""
-
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        sampled, _ = sample_rows(logits, meta)
-        if meta.max_num_logprobs is None:
-            return SamplerOutput(sampled_token_ids=sampled, logprobs=None)
-        raw = logits.float().log_softmax(dim=-1)  # [B, V]
-        return SamplerOutput(sampled, gather_logprobs(raw, sampled, meta.max_num_logprobs))

@@ -110,3 +110,30 @@ def test_logit_bias_with_speculation_is_lossless() -> None:
 def test_bad_logit_bias_is_refused(bias: dict[int, float]) -> None:
     with pytest.raises((RequestError, ValueError), match="logit_bias"):
         make_engine().add_request("a", [1, 2], SamplingParams(logit_bias=bias))
+
+
+@pytest.mark.parametrize("name", ["one chunk", "ngram speculation", "draft speculation"])
+def test_sampled_logprobs_match_transformers(name: str) -> None:
+    """Each emitted token's logprob and the top-n are the raw model's at its position, also
+    for tokens that came from accepted drafts; a request that asks for none gets None."""
+    engine = ENGINES[name]()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=TOP)
+    ps = prompts()[:4]
+    for i, ids in enumerate(ps):
+        engine.add_request(str(i), ids, params)
+    engine.add_request("plain", ps[0], SamplingParams(temperature=0, max_tokens=4))
+    done = {o.request_id: o.outputs[0] for o in engine.run_until_done() if o.finished}
+    assert done["plain"].logprobs is None
+    model = hf_model(CFG, seed=0)
+    for i, ids in enumerate(ps):
+        out = done[str(i)]
+        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == 8
+        with torch.no_grad():
+            full = model(torch.tensor([ids + out.token_ids])).logits[0].float().log_softmax(-1)
+        for j, (token, got) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+            row = full[len(ids) - 1 + j]
+            top = row.topk(TOP)
+            want = {token: row[token].item(),
+                    **dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))}
+            assert got.keys() == want.keys()
+            assert all(math.isclose(got[t], want[t], abs_tol=1e-3) for t in want)

@@ -10,12 +10,13 @@ from hypothesis import strategies as st
 from braid.sample.sampler import (
     DRAFT,
     SAMPLE,
-    Sampler,
     SamplingMetadata,
     apply_penalties,
     filtered_logits,
+    gather_logprobs,
     inverse_cdf,
     keyed_uniform,
+    sample_rows,
     target_probs,
 )
 from braid.sampling_params import SamplingParams
@@ -202,7 +203,7 @@ def test_build_skips_unused_tensors() -> None:
     meta = build([SamplingParams(), SamplingParams(temperature=0, top_p=0.5)])
     assert meta.top_k is None and meta.top_p is None and meta.min_p is None
     assert meta.repetition_penalty is None and meta.output_token_counts is None
-    assert meta.suppressed is None and meta.max_num_logprobs is None
+    assert meta.suppressed is None and meta.logit_bias is None
     meta = build([SamplingParams(frequency_penalty=0.5)], outputs=[[]])
     assert meta.output_token_counts is not None and meta.prompt_token_mask is None
     assert meta.output_token_counts.shape == (1, V) and meta.output_token_counts.sum() == 0
@@ -214,7 +215,7 @@ def test_greedy_is_argmax_after_penalties() -> None:
     logits[1, 12] = 100.0  # wins unpenalized; the penalty makes it lose
     logits[1, 13] = 50.0
     meta = build(params, prompts=[[], []], outputs=[[], [12]])
-    out = Sampler()(logits, meta).sampled_token_ids
+    out = sample_rows(logits, meta)[0]
     assert out.dtype == torch.int64 and out.shape == (2,)
     assert out.tolist() == [int(logits[0].argmax()), 13]
 
@@ -225,7 +226,7 @@ def test_mixed_batch_greedy_rows_are_argmax() -> None:
     torch.manual_seed(0)
     for seed in range(20):
         logits = random_logits(len(params), seed=seed)
-        out = Sampler()(logits, meta).sampled_token_ids
+        out = sample_rows(logits, meta)[0]
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         assert torch.equal(out[greedy_rows], logits[greedy_rows].argmax(-1))
 
@@ -248,8 +249,8 @@ def draws(
     params: list[SamplingParams], logits: torch.Tensor, seeds: list[int]
 ) -> list[list[int]]:
     """Tokens at output positions 0..39 (a row's position is its number of output tokens)."""
-    return [Sampler()(logits, build(params, outputs=[[9] * pos] * len(params), seeds=seeds))
-            .sampled_token_ids.tolist() for pos in range(40)]
+    return [sample_rows(logits, build(params, outputs=[[9] * pos] * len(params), seeds=seeds))[0]
+            .tolist() for pos in range(40)]
 
 
 @pytest.mark.parametrize("position", [0, 2, 4])
@@ -330,7 +331,7 @@ def test_empirical_distribution_matches(params: SamplingParams) -> None:
     logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, 2.0, 0.3, -1.0, 1.5]])
     expected = ref_filter(logits[0], params).softmax(-1)
     torch.manual_seed(0)
-    tokens = Sampler()(logits.expand(N, -1), build([params] * N, vocab_size=8)).sampled_token_ids
+    tokens = sample_rows(logits.expand(N, -1), build([params] * N, vocab_size=8))[0]
     torch.testing.assert_close(empirical(tokens, 8), expected, atol=TOL, rtol=0)
 
 
@@ -339,7 +340,7 @@ def test_empirical_distribution_of_seeded_rows_matches() -> None:
     logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, 2.0, 0.3, -1.0, 1.5]])
     n = 5000  # seeds 0..n-1 at position 0; standard error <= 0.0071, tolerance 0.03 > 4 sigma
     meta = build([params] * n, seeds=list(range(n)), vocab_size=8)
-    tokens = Sampler()(logits.expand(n, -1), meta).sampled_token_ids
+    tokens = sample_rows(logits.expand(n, -1), meta)[0]
     expected = (logits[0].double() / 0.8).softmax(-1)
     torch.testing.assert_close(empirical(tokens, 8), expected, atol=0.03, rtol=0)
 
@@ -357,7 +358,7 @@ def test_min_tokens_suppresses_eos_and_stop_ids() -> None:
     logits[:, 5] = 19.0
     torch.manual_seed(0)
     for _ in range(50):
-        out = Sampler()(logits, build(params, outputs=outputs)).sampled_token_ids.tolist()
+        out = sample_rows(logits, build(params, outputs=outputs))[0].tolist()
         assert out[0] not in (EOS, 5)
         assert out[2] != 5
         assert out[3] not in (EOS, 5)
@@ -365,36 +366,24 @@ def test_min_tokens_suppresses_eos_and_stop_ids() -> None:
 
 
 def test_logprobs_are_raw_log_softmax() -> None:
-    params = [
-        SamplingParams(logprobs=3, repetition_penalty=2.0),
-        SamplingParams(logprobs=0),
-        SamplingParams(),
-        SamplingParams(temperature=0, logprobs=1),
-    ]
     logits = random_logits(4, seed=8)
-    out = Sampler()(logits, build(params, outputs=[[1, 2]] * 4))
-    assert out.logprobs is not None
-    lp = out.logprobs
+    sampled = torch.tensor([3, 0, 7, 31])
     raw = logits.log_softmax(-1)
+    lp = gather_logprobs(raw, sampled, 3)
     assert lp.token_ids.shape == lp.logprobs.shape == (4, 4)
-    assert torch.equal(lp.token_ids[:, 0], out.sampled_token_ids)
-    sampled_raw = raw.gather(1, out.sampled_token_ids[:, None])  # [B, 1]
-    torch.testing.assert_close(lp.logprobs[:, :1], sampled_raw)
+    assert torch.equal(lp.token_ids[:, 0], sampled)
+    torch.testing.assert_close(lp.logprobs[:, :1], raw.gather(1, sampled[:, None]))
     top = raw.topk(3, dim=-1)
     assert torch.equal(lp.token_ids[:, 1:], top.indices)
     torch.testing.assert_close(lp.logprobs[:, 1:], top.values)
-
-
-def test_no_logprobs_when_not_requested() -> None:
-    out = Sampler()(random_logits(2, seed=9), build([SamplingParams()] * 2))
-    assert out.logprobs is None
+    assert gather_logprobs(raw, sampled, 0).token_ids.shape == (4, 1)
 
 
 def test_sampler_does_not_modify_logits() -> None:
     params = PENALTY_PARAMS + [SamplingParams(top_k=3, top_p=0.5, min_p=0.1, min_tokens=9)]
     logits = random_logits(len(params), seed=10)
     original = logits.clone()
-    Sampler()(logits, build(params, PROMPTS + [[]], OUTPUTS + [[]]))
+    sample_rows(logits, build(params, PROMPTS + [[]], OUTPUTS + [[]]))
     assert torch.equal(logits, original)
 
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from braid.sample.sampler import (
-    Sampler,
     SamplingMetadata,
     inverse_cdf,
     keyed_uniform_array,
+    sample_rows,
     target_probs,
 )
 from braid.sample.verify import verify
@@ -213,7 +213,7 @@ def greedy_token(
     logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]
 ) -> int:
     meta = build([params], outputs=[output], prompts=[prompt])
-    return int(Sampler()(logits.unsqueeze(0), meta).sampled_token_ids[0])
+    return int(sample_rows(logits.unsqueeze(0), meta)[0][0])
 
 
 def greedy_case(
@@ -363,7 +363,7 @@ def test_coupled_window_emits_what_plain_decoding_emits_for_any_k() -> None:
     plain = [3]
     for _ in range(6):
         meta = build([params], outputs=[plain[1:]], seeds=[77])
-        plain.append(int(Sampler()(table[plain[-1]].unsqueeze(0), meta).sampled_token_ids[0]))
+        plain.append(int(sample_rows(table[plain[-1]].unsqueeze(0), meta)[0][0]))
     for k in (1, 2, 3, 5):
         for wrong_at in (None, 0, 1):
             emitted = [3]
@@ -385,7 +385,7 @@ def test_k0_window_samples_like_plain_sampler() -> None:
     logits = random_logits(3, seed=16)
     for seed in range(10):
         meta = build([params] * 3, seeds=[seed + row for row in range(3)])
-        plain = Sampler()(logits, meta).sampled_token_ids
+        plain = sample_rows(logits, meta)[0]
         out = verify(logits, [[], [], []], meta)
         assert out.output_token_ids[:, 0].tolist() == plain.tolist()
         assert out.num_accepted.tolist() == [0, 0, 0]
