@@ -153,6 +153,9 @@ class EngineConfig:
     num_kv_blocks: int | None = _opt(None, "KV cache size in blocks")
     enable_chunked_prefill: bool = _opt(True, "split prompts into chunks that ride along with "
                                         "decodes (off: classic prefill-first scheduling)")
+    enable_prefix_caching: bool = _opt(True, "reuse the KV of full blocks another request "
+                                       "computed with the same prefix (automatic prefix "
+                                       "caching; off: --no-enable-prefix-caching)")
     seed: int = _opt(0, "seed of the engine's random generator (unseeded requests)")
     num_threads: int | None = _opt(None, "torch CPU threads (default: the cores available)")
     speculative_config: dict[str, Any] | None = _opt(

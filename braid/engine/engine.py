@@ -52,7 +52,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.device = torch.device(config.device)
         num_blocks = self._num_kv_blocks(model)
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         assert config.max_num_batched_tokens is not None
         self.scheduler = Scheduler(
             self.blocks, config.max_num_batched_tokens, config.max_num_seqs,
@@ -185,8 +185,12 @@ class LLMEngine:
         attention = sum(attention_work(s.num_new_tokens, s.request.num_computed_tokens)
                         for s in sched.scheduled)
         rows = sum(1 + s.num_spec_tokens for s in sched.scheduled if s.needs_logits)
-        inp = self.runner.prepare(sched, self.blocks)
-        logits = self.runner.execute(inp)
+        try:
+            inp = self.runner.prepare(sched, self.blocks)
+            logits = self.runner.execute(inp)
+        except BaseException:
+            self.scheduler.discard_published(sched)  # their KV was never written
+            raise
         forward_time = time.perf_counter() - start
         for rid, lp in score_prompts(sched, logits[: inp.num_prompt_rows]).items():
             self.outputs.add_prompt_logprobs(self.requests[rid], lp)
@@ -263,6 +267,8 @@ class LLMEngine:
             kv_usage=self.kv_usage,
             num_preemptions=len(sched.preempted),
             num_waiting=self.num_waiting,
+            num_cache_queries=sched.num_cache_queries,
+            num_cache_hits=sched.num_cache_hits,
         ))
         self.stats.maybe_log(self.config.log_stats_interval)
 

@@ -102,6 +102,7 @@ class OutputProcessor:
             outputs=[completion],
             finished=req.is_finished,
             prompt_logprobs=_prompt_logprobs(req),
+            num_cached_tokens=req.num_cached_tokens or 0,
             metrics=RequestMetrics(
                 arrival_time=req.arrival_time,
                 first_token_time=req.first_token_time,

@@ -41,6 +41,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    # Prompt tokens found in the prefix cache at the first admission (None until admitted).
+    num_cached_tokens: int | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # With sampling_params.prompt_logprobs: one entry per prompt token scored so far (the
     # first token has none), {token_id: logprob} holding the prompt token and the top-n.

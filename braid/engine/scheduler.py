@@ -42,6 +42,10 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # Blocks published for KV this step computes (withdrawn if the step fails).
+    published: list[int] = field(default_factory=list)
+    num_cache_queries: int = 0  # prompt tokens looked up in the prefix cache this step
+    num_cache_hits: int = 0  # of which found cached
 
     @property
     def num_batched_tokens(self) -> int:
@@ -134,9 +138,23 @@ class Scheduler:
             if prefill_cap is not None:
                 budget = min(budget, prefill_cap)
             budget = self._schedule_running(out, prefilling, budget)
-            if not out.preempted:
-                self._admit(out, budget)
+        # Preemptions are settled: publish before admissions, so a request admitted now
+        # (another choice of the same prompt, say) shares what this step computes.
+        for s in out.scheduled:
+            self._publish(s, out)
+        if self.enable_chunked_prefill and not out.preempted:
+            self._admit(out, budget)
         return out
+
+    def _publish(self, s: ScheduledRequest, out: SchedulerOutput) -> None:
+        """Publish the request's full blocks whose KV is final once this step ran: tokens
+        before min(num_computed + span, num_tokens), never drafts. A layer writes every
+        token's KV before any attention reads it, so a request admitted into this very step
+        may read them."""
+        req = s.request
+        final = min(req.num_computed_tokens + s.num_new_tokens, req.num_tokens)
+        if final - self.blocks.num_published_tokens(req.request_id) >= self.blocks.block_size:
+            out.published += self.blocks.publish(req.request_id, req.token_ids, final)
 
     def _split_running(self) -> tuple[list[Request], list[Request]]:
         """Running requests past their prompt (decode first), then those still prefilling."""
@@ -186,22 +204,39 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.max_num_seqs:
             return False
         req = self.waiting[0]
-        return self.blocks.can_allocate(req.request_id, req.num_tokens)
+        return self.blocks.can_allocate(req.request_id, req.num_tokens, self._cached_prefix(req))
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """Published blocks of the request's prefix. The last token is always computed (its
+        logits sample), and prompt logprobs need every prompt position's logits."""
+        if req.sampling_params.prompt_logprobs is not None:
+            return []
+        return self.blocks.find_cached(req.request_id, req.token_ids, req.num_tokens - 1)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting requests FCFS while seats, budget and KV blocks allow."""
+        """Admit waiting requests FCFS while seats, budget and KV blocks allow; a cached
+        prefix costs neither budget nor new blocks."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = req.num_tokens - req.num_computed_tokens
+            cached = self._cached_prefix(req)
+            num_cached = len(cached) * self.blocks.block_size
+            n = req.num_tokens - num_cached
             if not self.enable_chunked_prefill and n > budget:
                 break
             n = min(n, budget)
-            if not self.blocks.allocate(req.request_id, req.num_computed_tokens + n):
+            if not self.blocks.allocate(req.request_id, num_cached + n, cached):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens is None:  # the first admission's figure, as vLLM's
+                req.num_cached_tokens = num_cached
+            out.num_cache_queries += req.num_tokens
+            out.num_cache_hits += num_cached
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n, 0))
+            scheduled = ScheduledRequest(req, n, 0)
+            out.scheduled.append(scheduled)
+            self._publish(scheduled, out)
             budget -= n
 
     def finish(self, req: Request, reason: str) -> None:
@@ -244,9 +279,15 @@ class Scheduler:
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
             accepted = len(tokens) - 1 if s.num_spec_tokens else 0
             updates.append(RequestUpdate(req, n, s.num_spec_tokens, accepted, reason))
+            if s.num_spec_tokens:  # blocks that accepted drafts filled are final now
+                self.blocks.publish(req.request_id, req.token_ids, req.num_computed_tokens)
             if reason is not None:
                 self.finish(req, reason)
         return updates
+
+    def discard_published(self, sched: SchedulerOutput) -> None:
+        """The step failed before its KV was final: withdraw the blocks it published."""
+        self.blocks.unpublish(sched.published)
 
     def update_draft_token_ids(self, drafts: dict[str, list[int]],
                                probs: dict[str, torch.Tensor] | None = None) -> None:
@@ -265,7 +306,10 @@ class Scheduler:
         demand = 0
         if self.enable_chunked_prefill:  # otherwise prompts run in steps of their own
             demand = sum(r.num_tokens - r.num_computed_tokens for r in prefilling)
-            demand += sum(r.num_tokens for r in self.waiting)
+            # a waiting request's cached prefix costs nothing (the policy's cost model and
+            # the ITL cap see only the tokens that will be computed)
+            bs = self.blocks.block_size
+            demand += sum(r.num_tokens - bs * len(self._cached_prefix(r)) for r in self.waiting)
         demand = min(demand, max(0, self.max_num_batched_tokens - len(decoding)))
         pending = min(len(prefilling) + len(self.waiting), self.max_num_seqs - len(decoding))
         return NextStep(self.max_num_batched_tokens, decoding, prefilling, demand, max(0, pending),
@@ -307,5 +351,9 @@ class Scheduler:
             slots = self.blocks.num_slots(req.request_id)
             assert slots >= req.num_computed_tokens, f"{req.request_id}: KV of computed " \
                 "tokens has no blocks"
+            published = self.blocks.num_published_tokens(req.request_id)
+            assert published <= req.num_computed_tokens, (
+                f"{req.request_id}: published blocks past its computed tokens ({published} > "
+                f"{req.num_computed_tokens})")
             if req.status == RequestStatus.WAITING:
                 assert not req.spec_token_ids, f"{req.request_id} waits with drafts"

@@ -22,6 +22,8 @@ class StepStats:
     kv_usage: float
     num_preemptions: int
     num_waiting: int
+    num_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    num_cache_hits: int = 0  # of which found cached
 
 
 @dataclass
@@ -73,6 +75,8 @@ class EngineStats:
     prompt_tokens: int = 0  # prefill tokens computed (recompute after preemption included)
     generation_tokens: int = 0
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
+    prefix_cache_hits: int = 0  # prompt tokens found cached
     spec_stats: SpecStats = field(default_factory=SpecStats)
     _last_log: float = field(default_factory=time.monotonic)
     _tokens_at_last_log: int = 0
@@ -84,6 +88,13 @@ class EngineStats:
         self.num_steps += 1
         self.prompt_tokens += s.num_prefill_tokens
         self.num_preemptions += s.num_preemptions
+        self.prefix_cache_queries += s.num_cache_queries
+        self.prefix_cache_hits += s.num_cache_hits
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queries
+        return self.prefix_cache_hits / q if q else 0.0
 
     def add_generated(self, n: int) -> None:
         self.generation_tokens += n
@@ -97,10 +108,11 @@ class EngineStats:
         spec = self.spec_stats
         logger.info(
             "step %d: %d scheduled, %d waiting, gen %.1f tok/s, last step %.0f ms "
-            "(%d prefill + %d decode tokens, %d drafts), KV %.0f%%, preemptions %d%s",
+            "(%d prefill + %d decode tokens, %d drafts), KV %.0f%%, prefix cache hit rate "
+            "%.1f%%, preemptions %d%s",
             self.num_steps, last.num_requests, last.num_waiting, rate, last.step_time * 1e3,
             last.num_prefill_tokens, last.num_decode_tokens, last.num_spec_tokens,
-            last.kv_usage * 100, self.num_preemptions,
+            last.kv_usage * 100, self.prefix_cache_hit_rate * 100, self.num_preemptions,
             f", spec acceptance {spec.acceptance_rate:.2f} mean length "
             f"{spec.mean_acceptance_length:.2f}" if spec.num_drafts else "",
         )

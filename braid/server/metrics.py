@@ -37,6 +37,8 @@ class _Seen:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -65,6 +67,9 @@ class ServerMetrics:
                              lb, registry=r).labels(self._model)
         self.kv_usage = Gauge("braid:kv_cache_usage_perc", "KV cache usage (1 = 100%)",
                               lb, registry=r).labels(self._model)
+        self.prefix_cache_hit_rate = Gauge(
+            "braid:prefix_cache_hit_rate", "Prompt tokens found cached / looked up, since start",
+            lb, registry=r).labels(self._model)
 
     def _gauge(self, name: str, doc: str) -> Gauge:
         return Gauge(name, doc, self._labels(), registry=self.registry).labels(self._model)
@@ -76,6 +81,10 @@ class ServerMetrics:
         self.prompt_tokens = self._counter("braid:prompt_tokens", "Prefill tokens computed")
         self.generation_tokens = self._counter("braid:generation_tokens", "Tokens generated")
         self.preemptions = self._counter("braid:num_preemptions", "Preemptions")
+        self.prefix_cache_queries = self._counter(
+            "braid:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_cache_hits = self._counter(
+            "braid:prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.num_drafts = self._counter("braid:spec_decode_num_drafts",
                                         "Verification windows with at least one draft token")
         self.num_draft_tokens = self._counter("braid:spec_decode_num_draft_tokens",
@@ -134,6 +143,8 @@ class ServerMetrics:
             (self.prompt_tokens, "prompt_tokens", stats.prompt_tokens),
             (self.generation_tokens, "generation_tokens", stats.generation_tokens),
             (self.preemptions, "num_preemptions", stats.num_preemptions),
+            (self.prefix_cache_queries, "prefix_cache_queries", stats.prefix_cache_queries),
+            (self.prefix_cache_hits, "prefix_cache_hits", stats.prefix_cache_hits),
             (self.num_drafts, "num_drafts", spec.num_drafts),
             (self.num_draft_tokens, "num_draft_tokens", spec.num_draft_tokens),
             (self.num_accepted_tokens, "num_accepted_tokens", spec.num_accepted_tokens),
@@ -142,6 +153,7 @@ class ServerMetrics:
                 counter.inc(value - getattr(seen, attr))
                 setattr(seen, attr, value)
         self._record_per_position(spec.accepted_per_position)
+        self.prefix_cache_hit_rate.set(stats.prefix_cache_hit_rate)
 
     def _record_speculator(self, figures: SpeculatorFigures) -> None:
         for k, count in figures.chosen_k.items():

@@ -12,6 +12,7 @@ from braid.server.protocol import (
     CompletionLogprobs,
     PromptLogprob,
     PromptLogprobs,
+    PromptTokensDetails,
     TokenLogprob,
     TopLogprob,
     UsageInfo,
@@ -107,11 +108,18 @@ def _top_logprob(tokenizer: Tokenizer, token_id: int, logprob: float) -> TopLogp
 
 
 def usage(prompts: list[list[int]], choices: list[ChoiceState]) -> UsageInfo:
-    """Each prompt counts once however many choices it has (OpenAI's n semantics)."""
+    """Each prompt counts once however many choices it has (OpenAI's n semantics), and so do
+    its cached tokens (its first choice's: the others share that choice's blocks)."""
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(c.sent_tokens for c in choices)
+    first: dict[int, ChoiceState] = {}
+    for c in choices:
+        if c.prompt_index not in first or c.index < first[c.prompt_index].index:
+            first[c.prompt_index] = c
+    cached = sum(c.final.num_cached_tokens for c in first.values() if c.final is not None)
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def braid_info(outputs: list[RequestOutput]) -> BraidInfo:

@@ -2,6 +2,8 @@
 
 The draft cache uses the target's block tables (same slot layout, its own tensors), so it needs
 no block manager of its own; when the target frees a request's blocks the draft forgets it.
+Prefix caching covers the draft too: a published block records whether the draft's KV in it
+is valid, and a request's catch-up starts after the leading blocks that say so.
 Each call first catches every request that drafts up from the draft's own progress to the
 request's tokens in one flat forward (its prompt if the draft has not seen it yet, tokens
 accepted last step, tokens emitted while its k was 0, and the recovered/bonus token), so drafts
@@ -94,7 +96,9 @@ class DraftModelProposer(Proposer):
     def _valid_prefix(self, req: Request, keep: bool = False) -> int:
         """Positions whose draft KV matches the request's tokens: earlier proposals' KV stays
         valid for the drafts that were accepted (consumed unless `keep`)."""
-        done = self.computed.get(req.request_id, 0)
+        done = self.computed.get(req.request_id)
+        if done is None:  # a prefix cached with the draft's KV needs no catch-up
+            done = self.blocks.num_draft_cached_tokens(req.request_id)
         last = self.last.get(req.request_id) if keep else self.last.pop(req.request_id, None)
         if last is None:
             return done
@@ -115,7 +119,10 @@ class DraftModelProposer(Proposer):
             spans.append(QuerySpan(r.token_ids(start, r.num_tokens), start,
                                    self.blocks.block_table(r.request_id), 1))
             self.computed[r.request_id] = r.num_tokens
-        return self._run(spans, [requests[i] for i in active], proposal)
+        out = self._run(spans, [requests[i] for i in active], proposal)
+        for i in active:  # shared blocks now serve the draft too
+            self.blocks.mark_draft_computed(requests[i].request_id, requests[i].num_tokens)
+        return out
 
     def _extend(self, requests: list[Request], active: list[int], proposal: Proposal
                 ) -> tuple[list[int], list[torch.Tensor | None]]:

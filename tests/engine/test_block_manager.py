@@ -7,7 +7,109 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from braid.engine.block_manager import BlockManager
+from braid.engine.block_manager import BlockManager, block_hash
+
+
+def tokens(ids: list[int]):
+    """A request's token getter (Request.token_ids) over a fixed list."""
+    return lambda start, end: ids[start:end]
+
+
+def cached_request(bm: BlockManager, rid: str, ids: list[int], num_final: int) -> list[int]:
+    """Admit `rid` the way the scheduler does: share its cached prefix, allocate the rest,
+    publish its final blocks. Returns the blocks it shared."""
+    hit = bm.find_cached(rid, tokens(ids), len(ids) - 1)
+    assert bm.allocate(rid, len(ids), hit)
+    bm.publish(rid, tokens(ids), num_final)
+    return hit
+
+
+def test_block_hash_chains_the_prefix() -> None:
+    a = block_hash(None, [1, 2, 3, 4])
+    assert a == block_hash(None, [1, 2, 3, 4]) and a != block_hash(None, [1, 2, 3, 5])
+    assert block_hash(a, [5, 6]) != block_hash(block_hash(None, [9, 9, 9, 9]), [5, 6])
+
+
+def test_requests_share_a_published_prefix() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4, enable_caching=True)
+    prompt = list(range(10))
+    assert cached_request(bm, "a", prompt, 10) == []  # two full blocks published
+    hit = cached_request(bm, "b", prompt[:8] + [77, 78, 79], 11)
+    assert hit == bm.block_table("a")[:2] and bm.block_table("b")[:2] == hit
+    assert bm.num_used_blocks == 3 + 1  # a's three, b's own third
+    bm.check_invariants()
+    # the last token is always computed: a prompt of exactly two blocks shares only one
+    assert len(bm.find_cached("c", tokens(prompt[:8]), 7)) == 1
+    assert bm.find_cached("d", tokens([5] + prompt[1:]), 9) == []  # first block differs
+    bm.check_invariants()
+
+
+def test_only_final_tokens_are_published() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4, enable_caching=True)
+    ids = list(range(12))
+    bm.allocate("a", 12)
+    assert bm.publish("a", tokens(ids), 7) == bm.block_table("a")[:1]  # 7 final: block 0
+    assert bm.num_published_tokens("a") == 4
+    assert len(bm.find_cached("b", tokens(ids), 11)) == 1
+    bm.publish("a", tokens(ids), 12)
+    assert len(bm.find_cached("c", tokens(ids), 12)) == 3
+
+
+def test_freed_blocks_stay_cached_and_are_evicted_least_recently_freed() -> None:
+    bm = BlockManager(num_blocks=4, block_size=2, enable_caching=True)
+    first, second = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]
+    cached_request(bm, "a", first, 4)  # blocks of a: 2 published, 1 private
+    bm.free("a")
+    assert bm.num_free_blocks == 4 and bm.num_cached_blocks == 2
+    cached_request(bm, "b", second, 4)  # takes the private block first, then one cached
+    bm.free("b")
+    bm.check_invariants()
+    # a's prefix lost its tail block (freed first), b's is intact
+    assert len(bm.find_cached("c", tokens(first), 4)) == 1
+    assert len(bm.find_cached("d", tokens(second), 4)) == 2
+    assert bm.num_cached_blocks == 3
+    bm.check_invariants()
+
+
+def test_a_shared_block_counts_against_the_pool_only_when_no_table_holds_it() -> None:
+    bm = BlockManager(num_blocks=3, block_size=2, enable_caching=True)
+    ids = [1, 2, 3, 4, 5]
+    cached_request(bm, "a", ids, 4)
+    hit = bm.find_cached("b", tokens(ids), 4)
+    assert len(hit) == 2 and bm.num_free_blocks == 0
+    assert not bm.allocate("b", 5, hit)  # needs one fresh block, none free
+    assert bm.allocate("b", 4, hit)  # the shared blocks alone cost nothing
+    bm.free("a")
+    assert bm.num_free_blocks == 1  # a's private block; the shared ones are b's too
+    bm.free("b")
+    hit = bm.find_cached("c", tokens(ids), 4)
+    assert bm.can_allocate("c", 5, hit) and not bm.can_allocate("c", 7, hit)
+    bm.check_invariants()
+
+
+def test_draft_validity_and_unpublish() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4, enable_caching=True)
+    ids = list(range(13))
+    cached_request(bm, "a", ids, 12)
+    bm.mark_draft_computed("a", 9)  # the draft computed 9 tokens: block 0 and 1 of 3
+    assert bm.num_draft_cached_tokens("a") == 8
+    hit = cached_request(bm, "b", ids, 12)
+    assert len(hit) == 3 and bm.num_draft_cached_tokens("b") == 8
+    bm.unpublish(bm.block_table("a")[1:2])  # as if that step failed
+    assert bm.num_published_tokens("a") == 4 and bm.num_draft_cached_tokens("a") == 4
+    assert len(bm.find_cached("c", tokens(ids), 12)) == 1
+    bm.free("a")
+    bm.free("b")
+    assert bm.reset_prefix_cache() == 2 and bm.num_cached_blocks == 0
+    bm.check_invariants()
+
+
+def test_caching_off_publishes_nothing() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    ids = list(range(9))
+    bm.allocate("a", 9)
+    assert bm.publish("a", tokens(ids), 9) == []
+    assert bm.find_cached("b", tokens(ids), 8) == []
 
 
 def test_fresh_manager_is_empty() -> None:
@@ -88,12 +190,20 @@ def test_check_invariants_detects_corruption() -> None:
     bm.allocate("a", 4)
     bm.allocate("b", 4)
     bm._tables["b"].append(bm._tables["a"][0])
-    with pytest.raises(AssertionError, match="tables of"):
+    with pytest.raises(AssertionError, match="reference counts"):
         bm.check_invariants()
 
     bm = BlockManager(num_blocks=4, block_size=4)
-    bm._free.append(0)
-    with pytest.raises(AssertionError, match="duplicates"):
+    bm.allocate("a", 4)
+    bm._free[bm._tables["a"][0]] = None
+    with pytest.raises(AssertionError, match="also free"):
+        bm.check_invariants()
+
+    bm = BlockManager(num_blocks=4, block_size=4, enable_caching=True)
+    bm.allocate("a", 8)
+    bm.publish("a", tokens(list(range(8))), 8)
+    bm._hash[bm._tables["a"][0]] = None
+    with pytest.raises(AssertionError, match="out of step"):
         bm.check_invariants()
 
 
@@ -105,6 +215,8 @@ def test_invalid_construction() -> None:
 
 
 REQUEST_IDS = st.sampled_from([f"r{i}" for i in range(6)])
+# a few prompt families sharing prefixes, so lookups hit, miss and hit partially
+PROMPTS = [[1] * 12 + [2] * 8, [1] * 12 + [3] * 8, [1] * 4 + [4] * 16, [5] * 20]
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -153,3 +265,77 @@ BlockManagerMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None
 )
 test_block_manager_state_machine = BlockManagerMachine.TestCase
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    """Random admit (find cached + allocate) / publish / grow / free / evict sequences with
+    prefix caching: invariants after every rule, and every lookup returns only blocks whose
+    published content equals the prefix asked for (a model of what each block holds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(num_blocks=10, block_size=4, enable_caching=True)
+        self.ids: dict[str, list[int]] = {}  # admitted request -> its tokens
+        self.final: dict[str, int] = {}  # tokens whose KV it computed
+        self.content: dict[int, tuple[int, ...]] = {}  # block -> the prefix it ends
+
+    @rule(rid=REQUEST_IDS, prompt=st.sampled_from(range(len(PROMPTS))),
+          cut=st.integers(2, 20))
+    def admit(self, rid: str, prompt: int, cut: int) -> None:
+        if rid in self.ids:
+            return
+        ids = PROMPTS[prompt][:cut]
+        hit = self.bm.find_cached(rid, tokens(ids), len(ids) - 1)
+        for i, block in enumerate(hit):
+            assert self.content.get(block) == tuple(ids[: (i + 1) * 4]), "stale or foreign hit"
+        enough = self.bm.can_allocate(rid, len(ids), hit)
+        assert self.bm.allocate(rid, len(ids), hit) == enough
+        if enough:
+            self.ids[rid], self.final[rid] = ids, len(hit) * 4
+            assert self.bm.block_table(rid)[: len(hit)] == hit
+            self._fresh(self.bm.block_table(rid)[len(hit):])
+        else:
+            assert self.bm.block_table(rid) == []
+            self.bm.free(rid)  # this id may come back with other tokens: forget its hashes
+
+    def _fresh(self, blocks: list[int]) -> None:
+        for block in blocks:  # new content: whatever the block held is gone
+            self.content.pop(block, None)
+
+    @rule(rid=REQUEST_IDS, extra=st.integers(1, 12))
+    def compute(self, rid: str, extra: int) -> None:
+        if rid not in self.ids:
+            return
+        ids = self.ids[rid]
+        self.final[rid] = min(len(ids), self.final[rid] + extra)
+        for block in self.bm.publish(rid, tokens(ids), self.final[rid]):
+            i = self.bm.block_table(rid).index(block)
+            self.content[block] = tuple(ids[: (i + 1) * 4])
+
+    @rule(rid=REQUEST_IDS, extra=st.integers(1, 9))
+    def grow(self, rid: str, extra: int) -> None:
+        if rid in self.ids:
+            before = self.bm.block_table(rid)
+            if self.bm.allocate(rid, self.bm.num_slots(rid) + extra):
+                assert self.bm.block_table(rid)[: len(before)] == before
+                self._fresh(self.bm.block_table(rid)[len(before):])
+
+    @rule(rid=REQUEST_IDS)
+    def free(self, rid: str) -> None:
+        self.bm.free(rid)
+        self.ids.pop(rid, None)
+        self.final.pop(rid, None)
+
+    @invariant()
+    def consistent(self) -> None:
+        self.bm.check_invariants()
+        for rid in self.ids:
+            assert self.bm.num_published_tokens(rid) <= self.final[rid]
+        held = {b for rid in self.ids for b in self.bm.block_table(rid)}
+        assert self.bm.num_used_blocks == len(held)
+
+
+PrefixCacheMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None
+)
+test_prefix_cache_state_machine = PrefixCacheMachine.TestCase
