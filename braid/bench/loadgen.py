@@ -110,8 +110,9 @@ async def _read_stream(res: httpx.Response, send: float, clock: Clock, t0: float
         if any(_text(c) for c in event.get("choices") or []):
             chunks.append(clock() - t0)
         usage = event.get("usage") or usage
+    details = usage.get("prompt_tokens_details") or {}
     return record_from_chunks(send, chunks, clock() - t0, usage.get("completion_tokens"),
-                              usage.get("prompt_tokens", 0))
+                              usage.get("prompt_tokens", 0), details.get("cached_tokens") or 0)
 
 
 def _text(choice: dict[str, Any]) -> str:

@@ -30,6 +30,7 @@ class RequestRecord:
     ttft: float | None = None
     latency: float | None = None  # send to end of stream
     itl: list[float] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens the server found in its prefix cache
 
     @property
     def tpot(self) -> float | None:
@@ -44,7 +45,8 @@ class RequestRecord:
 
 
 def record_from_chunks(send_time: float, chunk_times: list[float], end_time: float,
-                       output_tokens: int | None = None, prompt_tokens: int = 0) -> RequestRecord:
+                       output_tokens: int | None = None, prompt_tokens: int = 0,
+                       cached_tokens: int = 0) -> RequestRecord:
     """A successful request from its content chunks' arrival times. Without a usage count the
     chunks are taken as one token each."""
     if not chunk_times:
@@ -52,7 +54,8 @@ def record_from_chunks(send_time: float, chunk_times: list[float], end_time: flo
     tokens = output_tokens if output_tokens is not None else len(chunk_times)
     itl = np.diff(chunk_times).tolist() if len(chunk_times) > 1 else []
     return RequestRecord(send_time, True, "", prompt_tokens, tokens,
-                         ttft=chunk_times[0] - send_time, latency=end_time - send_time, itl=itl)
+                         ttft=chunk_times[0] - send_time, latency=end_time - send_time, itl=itl,
+                         cached_tokens=cached_tokens)
 
 
 def failed_record(send_time: float, error: str, prompt_tokens: int = 0) -> RequestRecord:
@@ -108,6 +111,7 @@ def summarize(records: list[RequestRecord], duration_s: float,
         "failure_reasons": dict(Counter(r.error for r in records if not r.success)),
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
+        "cached_input_tokens": sum(r.cached_tokens for r in ok),
         "request_throughput": per_s(len(ok)),
         "output_throughput": per_s(out_tokens),
         "total_token_throughput": per_s(in_tokens + out_tokens),

@@ -56,11 +56,12 @@ def test_request_bodies_stream_with_usage_and_cap_tokens() -> None:
 
 DIST_KEYS = {"mean", "median", "p90", "p99"}
 TOP_KEYS = {"schema", "date", "config", "duration_s", "num_requests", "completed", "failed",
-            "failure_reasons", "total_input_tokens", "total_output_tokens", "request_throughput",
+            "failure_reasons", "total_input_tokens", "total_output_tokens", "cached_input_tokens",
+            "request_throughput",
             "output_throughput", "total_token_throughput", "goodput", "ttft_ms", "tpot_ms",
             "itl_ms", "e2el_ms", "spec", "requests"}
 REQUEST_KEYS = {"send_time", "success", "error", "prompt_tokens", "output_tokens", "ttft",
-                "latency", "itl", "tpot"}
+                "latency", "itl", "tpot", "cached_tokens"}
 
 
 def check_schema(result: dict) -> None:
