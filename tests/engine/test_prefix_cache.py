@@ -236,3 +236,32 @@ def test_next_step_counts_a_cached_prefix_as_free() -> None:
     assert engine.scheduler.next_step().num_prefill_tokens == len(SYSTEM) + 9 - 40
     engine.add_request("c", QUESTIONS[1], GREEDY)
     assert engine.scheduler.next_step().num_prefill_tokens == len(SYSTEM) + 9 - 40 + 9
+
+
+def test_a_preempted_request_refinds_its_blocks() -> None:
+    """Prompts that share nothing, a pool too small for all: a preempted request is
+    re-admitted past the blocks it computed before (they were not evicted yet)."""
+    many = {f"u{i}": random_ids(60, seed=300 + i) for i in range(4)}
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = finish(make_engine(enable_prefix_caching=False), many, params)
+    engine = make_engine(num_kv_blocks=64, max_num_batched_tokens=32)
+    got = finish(engine, many, params)
+    assert {rid: t for rid, (t, _) in got.items()} == {rid: t for rid, (t, _) in want.items()}
+    assert engine.stats.num_preemptions > 0
+    assert all(c == 0 for _, c in got.values())  # the first admissions found nothing
+    assert engine.stats.prefix_cache_hits > 0  # the re-admissions did
+
+
+def test_aborting_a_sharer_leaves_the_others_intact() -> None:
+    engine = make_engine(max_num_batched_tokens=32)
+    ids = {f"s{i}": SYSTEM + QUESTIONS[i] for i in range(3)}
+    for rid, prompt in ids.items():
+        engine.add_request(rid, prompt, GREEDY)
+    for _ in range(4):
+        engine.step()
+    engine.abort("s0")  # the first: the others share the blocks it published
+    done = {o.request_id: o.outputs[0].token_ids for o in engine.run_until_done() if o.finished}
+    want = finish(make_engine(enable_prefix_caching=False), {k: ids[k] for k in ("s1", "s2")})
+    assert done == {rid: t for rid, (t, _) in want.items()}
+    engine.scheduler.check_invariants()
+    assert engine.blocks.num_used_blocks == 0 and engine.blocks.num_cached_blocks > 0
