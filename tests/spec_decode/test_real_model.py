@@ -81,3 +81,32 @@ def test_seeded_sampling_is_unchanged_by_speculation(default_target: Any,
         assert out == reference, options
         if "policy" not in options:
             assert spec.num_drafts > 0
+
+
+def test_prefix_cache_with_the_draft_is_lossless(default_target: Any, default_draft: Any
+                                                 ) -> None:
+    """A second turn resending the first with its answer: with prefix caching and the draft
+    it shares the first turn's blocks (target and draft KV) and equals a run without either."""
+    model, tokenizer = default_target
+    first = tokenizer.encode(humaneval(1)[0].prompt)
+
+    def engine(caching: bool, draft: bool) -> LLMEngine:
+        spec = {"method": "draft_model", "num_speculative_tokens": 3, "policy": "fixed"}
+        return LLMEngine(EngineConfig(max_model_len=1024, kv_cache_gib=0.25, log_stats_interval=0,
+                                      enable_prefix_caching=caching,
+                                      speculative_config=spec if draft else None),
+                         model=model, tokenizer=tokenizer,
+                         draft_model=default_draft[0] if draft else None)
+
+    def turn(e: LLMEngine, rid: str, ids: list[int]) -> Any:
+        e.add_request(rid, ids, GREEDY)
+        return [o for o in e.run_until_done() if o.finished][0]
+
+    cached = engine(caching=True, draft=True)
+    answer = turn(cached, "1", first).outputs[0].token_ids
+    second = first + answer + tokenizer.encode("\n\n# Now test it:\n")
+    got = turn(cached, "2", second)
+    want = turn(engine(caching=False, draft=False), "2", second)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.num_cached_tokens >= (len(first) + len(answer) - 1) // 16 * 16 - 16
+    assert cached.stats.spec_stats.num_drafts > 0
