@@ -1,7 +1,7 @@
 """Prefix caching over a real server: multi-turn ShareGPT (each conversation replayed turn by
-turn, each turn's prompt the conversation so far, with the server's own earlier answers) and one ~1,000-token system prompt with
-short questions, open-loop at several rates, with caching on and off and speculation on and
-off. Prints a markdown table; writes JSON and a plot.
+turn, each turn's prompt the conversation so far, with the server's own earlier answers) and
+one ~1,000-token system prompt with short questions, open-loop at several rates, with caching
+on and off and speculation on and off. Prints a markdown table; writes JSON and a plot.
 
     python benchmarks/bench_prefix.py                       # the default sizes (~1 h here)
     python benchmarks/bench_prefix.py --rates 0.05 --num-conversations 2 --modes cache,nocache
