@@ -117,3 +117,29 @@ def test_max_concurrency_one_is_a_closed_loop(server: ServerProcess) -> None:
     assert all(r.success for r in records)
     for before, after in zip(records, records[1:], strict=False):
         assert after.send_time >= before.send_time + (before.latency or 0)
+
+
+def test_send_one_collects_the_streamed_text_and_cached_tokens(server: ServerProcess) -> None:
+    """What a multi-turn replay resends: the streamed text equals the non-streamed answer,
+    and a repeated prompt reports its cached tokens from the usage chunk."""
+    import httpx
+
+    from braid.bench.loadgen import send_one
+
+    cfg = LoadConfig(server.url, server.model, endpoint="completions", progress=False)
+    prompt = BenchPrompt("the same words again and again " * 4, 6)
+
+    async def twice() -> tuple[list, list[str]]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            text: list[str] = []
+            records = [await send_one(client, cfg, request_body(cfg, prompt), lambda: 0.0, 0.0,
+                                      text if i == 1 else None) for i in range(2)]
+            return records, text
+
+    records, text = asyncio.run(twice())
+    plain = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": server.model, "prompt": prompt.prompt, "max_tokens": 6, "temperature": 0,
+        "ignore_eos": True}).json()
+    assert "".join(text) == plain["choices"][0]["text"]
+    assert records[1].cached_tokens > 0
+    assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] == records[1].cached_tokens
