@@ -2,7 +2,39 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrain the output to a grammar, with vLLM's field names: exactly one of a JSON
+    schema (`json`, a dict or its JSON text), a regular expression, a list of choices, a
+    grammar (Lark, or GBNF as llama.cpp writes it) or any JSON object (`json_object`).
+    `disable_any_whitespace` makes JSON compact (no whitespace between tokens)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of "
+                             f"{', '.join(STRUCTURED_KINDS)}, got {kinds or 'none'}")
+        if self.choice is not None and (not self.choice or not all(
+                isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"choice must be a non-empty list of strings, got {self.choice!r}")
+
+    @property
+    def kinds(self) -> list[str]:
+        return [f.name for f in fields(self) if f.name in STRUCTURED_KINDS
+                and getattr(self, f.name) not in (None, False)]
 
 
 @dataclass(slots=True)
@@ -13,7 +45,8 @@ class SamplingParams:
     top-n logprobs per position (0: only the sampled token's); `prompt_logprobs=n` the same for
     every prompt token after the first. `logit_bias` maps token ids to a bias added to their
     logits before penalties and sampling (greedy included). After `__post_init__`, `stop` and
-    `stop_token_ids` are always lists (possibly empty).
+    `stop_token_ids` are always lists (possibly empty). `structured_outputs` constrains the
+    output to a grammar (braid/structured/); the request finishes when the grammar is complete.
     """
 
     n: int = 1
@@ -35,6 +68,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -45,6 +79,10 @@ class SamplingParams:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
+        if self.structured_outputs is not None:
+            from braid.structured.grammar import grammar_for
+
+            grammar_for(self.structured_outputs)  # ValueError naming the field if invalid
 
     @property
     def greedy(self) -> bool:

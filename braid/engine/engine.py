@@ -6,6 +6,7 @@ import logging
 import random
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import FIRST_COMPLETED, wait
 
 import torch
 
@@ -23,6 +24,7 @@ from braid.sampling_params import SamplingParams
 from braid.spec_decode.build import make_speculator
 from braid.spec_decode.cost_model import attention_work
 from braid.spec_decode.speculator import SpeculatorFigures
+from braid.structured.manager import StructuredOutputManager
 from braid.tokenizer import Tokenizer
 
 logger = logging.getLogger("braid")
@@ -64,6 +66,9 @@ class LLMEngine:
         self.sampler = StepSampler(self.device, self.outputs.eos_token_ids, config.spec_config)
         self.speculator = make_speculator(config, self.runner, self.scheduler, draft_model)
         self.stats = EngineStats(num_kv_blocks=num_blocks)
+        self.structured = None if tokenizer is None else StructuredOutputManager(
+            tokenizer, model.config.vocab_size, self.outputs.eos_token_ids, self.stats.grammar)
+        self._compiling: list[Request] = []  # requests whose grammar is not compiled yet
         self._seeds = random.Random(config.seed)  # unseeded requests' seeds, in arrival order
 
     def _num_kv_blocks(self, model: Qwen2ForCausalLM) -> int:
@@ -104,6 +109,12 @@ class LLMEngine:
         req = Request(request_id, ids, params, prompt=text, seed=seed)
         if arrival_time is not None:
             req.arrival_time = arrival_time
+        if params.structured_outputs is not None:
+            if self.structured is None:
+                raise RequestError("structured_outputs needs a tokenizer: this engine has none")
+            req.grammar_future = self.structured.submit(params.structured_outputs,
+                                                        params.ignore_eos)
+            self._compiling.append(req)
         self.outputs.add(req)
         self.scheduler.add(req)
         return req
@@ -178,9 +189,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample, update; return outputs of requests that moved."""
         start = time.perf_counter()
+        failed = self._check_grammars()
         sched = self.scheduler.schedule(self._prefill_cap())
         if sched.is_empty:
-            return []
+            if self._compiling:  # nothing else can run: let a compilation finish
+                wait([r.grammar_future for r in self._compiling if r.grammar_future],
+                     timeout=0.05, return_when=FIRST_COMPLETED)
+            return failed
         context = sum(s.request.num_computed_tokens for s in sched.scheduled)
         attention = sum(attention_work(s.num_new_tokens, s.request.num_computed_tokens)
                         for s in sched.scheduled)
@@ -201,7 +216,25 @@ class LLMEngine:
             self.speculator.observe_step(sched.num_batched_tokens, attention, rows, target_time)
         self._propose(sched)
         self._record(sched, context, forward_time, time.perf_counter() - start)
-        return outputs
+        return failed + outputs
+
+    def _check_grammars(self) -> list[RequestOutput]:
+        """Forget compiled grammars' requests; finish those whose grammar failed to compile
+        (with reason "error"; grammars are validated when their SamplingParams are made, so
+        this is a bug or a resource limit)."""
+        failed, still = [], []
+        for req in self._compiling:
+            future = req.grammar_future
+            assert future is not None
+            if not future.done():
+                still.append(req)
+            elif future.exception() is not None and not req.is_finished:
+                logger.error("request %s: %s", req.request_id, future.exception())
+                self.scheduler.finish(req, "error")
+                self._release(req)
+                failed.append(self.outputs.make_output(req))
+        self._compiling = still
+        return failed
 
     def _prefill_cap(self) -> int | None:
         """The ITL target's prefill cap, computed for the step about to be scheduled (from
@@ -234,7 +267,12 @@ class LLMEngine:
             if u.num_drafts and self.speculator is not None:
                 req.spec_stats.record(u.num_drafts, u.num_accepted)
                 self.stats.spec_stats.record(u.num_drafts, u.num_accepted)
-                self.speculator.on_verified(req, u.num_drafts, u.num_accepted)
+            if (u.num_drafts or u.num_grammar_rejected) and self.speculator is not None:
+                # the policy learns from what it proposed: drafts a grammar cut count as
+                # rejected
+                self.speculator.on_verified(req, u.num_drafts + u.num_grammar_rejected,
+                                            u.num_accepted)
+                self.stats.grammar.num_rejected_drafts += u.num_grammar_rejected
             self.stats.add_generated(u.num_new_tokens)
             if u.finish_reason is not None:
                 self._release(req)

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from braid.engine.stats import SpecStats
 from braid.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from braid.structured.grammar import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -48,10 +53,27 @@ class Request:
     # first token has none), {token_id: logprob} holding the prompt token and the top-n.
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
     spec_stats: SpecStats = field(default_factory=SpecStats)  # this request's speculation figures
+    # With sampling_params.structured_outputs: its grammar, compiled off the engine loop; the
+    # scheduler admits the request once it is done.
+    grammar_future: Future[GrammarState] | None = None
+    # Drafts of the current proposal cut because the grammar refused them.
+    num_grammar_rejected: int = 0
 
-    def set_drafts(self, token_ids: list[int], probs: torch.Tensor | None = None) -> None:
+    def set_drafts(self, token_ids: list[int], probs: torch.Tensor | None = None,
+                   num_grammar_rejected: int = 0) -> None:
         self.spec_token_ids = token_ids
         self.spec_token_probs = probs
+        self.num_grammar_rejected = num_grammar_rejected
+
+    @property
+    def grammar(self) -> GrammarState | None:
+        """The compiled grammar (None without structured output, or while compiling)."""
+        f = self.grammar_future
+        return f.result() if f is not None and f.done() and f.exception() is None else None
+
+    @property
+    def grammar_ready(self) -> bool:
+        return self.grammar_future is None or self.grammar_future.done()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -87,6 +87,7 @@ class RequestUpdate:
     num_drafts: int  # drafts its window verified (0: plain step)
     num_accepted: int
     finish_reason: str | None  # set when this step finished it
+    num_grammar_rejected: int = 0  # drafts proposed for it that its grammar cut
 
 
 # (request, the token just appended) -> finish reason or None: the output processor's stop
@@ -203,8 +204,15 @@ class Scheduler:
     def _can_admit_whole(self) -> bool:
         if not self.waiting or len(self.running) >= self.max_num_seqs:
             return False
-        req = self.waiting[0]
-        return self.blocks.can_allocate(req.request_id, req.num_tokens, self._cached_prefix(req))
+        req = self._next_waiting()
+        return req is not None and self.blocks.can_allocate(req.request_id, req.num_tokens,
+                                                            self._cached_prefix(req))
+
+    def _next_waiting(self) -> Request | None:
+        """The first waiting request that can run: FCFS, passing over those whose grammar
+        is still compiling or failed (they keep their place; the engine ends failed ones)."""
+        return next((r for r in self.waiting if r.grammar is not None
+                     or r.grammar_future is None), None)
 
     def _cached_prefix(self, req: Request) -> list[int]:
         """Published blocks of the request's prefix. The last token is always computed (its
@@ -216,8 +224,10 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests FCFS while seats, budget and KV blocks allow; a cached
         prefix costs neither budget nor new blocks."""
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self._next_waiting()
+            if req is None:
+                break
             cached = self._cached_prefix(req)
             num_cached = len(cached) * self.blocks.block_size
             n = req.num_tokens - num_cached
@@ -226,7 +236,7 @@ class Scheduler:
             n = min(n, budget)
             if not self.blocks.allocate(req.request_id, num_cached + n, cached):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens is None:  # the first admission's figure, as vLLM's
@@ -268,17 +278,22 @@ class Scheduler:
             req.num_computed_tokens += s.num_new_tokens
             if not tokens:
                 continue
+            rejected = req.num_grammar_rejected
             req.set_drafts([])
             reason, n = None, 0
+            grammar = req.grammar
             while reason is None and n < len(tokens):
                 req.output_token_ids.append(tokens[n])
                 n += 1
                 reason = check_stop(req, tokens[n - 1])
+                if reason is None and grammar is not None:
+                    reason = grammar.advance(tokens[n - 1])  # "stop" once it is complete
             # Only the last appended token lacks KV. Rejected drafts' KV stays in their slots
             # and is overwritten by the next step, which starts at num_computed_tokens.
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
             accepted = len(tokens) - 1 if s.num_spec_tokens else 0
-            updates.append(RequestUpdate(req, n, s.num_spec_tokens, accepted, reason))
+            updates.append(RequestUpdate(req, n, s.num_spec_tokens, accepted, reason,
+                                         rejected))
             if s.num_spec_tokens:  # blocks that accepted drafts filled are final now
                 self.blocks.publish(req.request_id, req.token_ids, req.num_computed_tokens)
             if reason is not None:
@@ -292,11 +307,27 @@ class Scheduler:
     def update_draft_token_ids(self, drafts: dict[str, list[int]],
                                probs: dict[str, torch.Tensor] | None = None) -> None:
         """Drafts for the next step, by request id (the only way drafts enter), with the
-        draft's q [k, V] for those that sampled them (rejection sampling)."""
+        draft's q [k, V] for those that sampled them (rejection sampling). A request with a
+        grammar keeps its drafts up to the first one the grammar refuses."""
         for request_id, draft in drafts.items():
             req = self._requests.get(request_id)
-            if req is not None and req.status == RequestStatus.RUNNING:
-                req.set_drafts(list(draft), None if probs is None else probs.get(request_id))
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            q = None if probs is None else probs.get(request_id)
+            draft, rejected = list(draft), 0
+            grammar = req.grammar
+            if grammar is not None and draft:
+                n = grammar.num_valid(draft)
+                # A sampled draft keeps the refused token: rejection sampling always rejects
+                # it (the target gives it p = 0) and draws from the residual, which the
+                # distribution needs (cutting there would be selecting on the draft's own
+                # sample); a deterministic draft is cut before it (verification would draw
+                # from p there anyway).
+                keep = n + 1 if n < len(draft) and q is not None else n
+                rejected = len(draft) - keep
+                draft = draft[:keep]
+                q = None if q is None else q[:keep]
+            req.set_drafts(draft, q, rejected)
 
     # ---- what the speculator asks -------------------------------------------------------
 

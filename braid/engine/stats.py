@@ -66,6 +66,15 @@ class SpecStats:
         }
 
 
+@dataclass(slots=True)
+class GrammarStats:
+    """Structured output's figures (every request's grammar adds to one of these)."""
+
+    num_masks: int = 0  # token masks computed (one per constrained sampling row)
+    mask_time: float = 0.0  # seconds spent computing them
+    num_rejected_drafts: int = 0  # draft tokens a grammar refused before verification
+
+
 @dataclass
 class EngineStats:
     num_kv_blocks: int
@@ -78,6 +87,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
     prefix_cache_hits: int = 0  # prompt tokens found cached
     spec_stats: SpecStats = field(default_factory=SpecStats)
+    grammar: GrammarStats = field(default_factory=GrammarStats)
     _last_log: float = field(default_factory=time.monotonic)
     _tokens_at_last_log: int = 0
 

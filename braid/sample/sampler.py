@@ -9,6 +9,7 @@ the row's output position.
 Order of processing, as in vLLM V1:
   raw logits -> (logprobs are taken here: log_softmax of the raw model output)
   -> logit_bias -> repetition/frequency/presence penalties, min_tokens stop suppression
+  -> grammar masks (structured output: the tokens a row's grammar state allows)
   -> greedy rows: argmax
   -> random rows: temperature -> min_p -> top_k -> top_p -> softmax -> inverse-CDF draw.
 
@@ -86,6 +87,8 @@ class SamplingMetadata:
     seeds: list[int]  # per row, its request's seed
     positions: list[int]  # per row, its output position (output tokens before it)
     uniforms: torch.Tensor | None  # [B] float64 keyed numbers of the draw; None if all greedy
+    # (rows, their allowed tokens [R, V] bool) of rows under a grammar
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -98,10 +101,12 @@ class SamplingMetadata:
         device: torch.device | str,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
         stream: int | Sequence[int] = SAMPLE,
+        allowed: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SamplingMetadata:
         """`seeds[i]` is row i's request seed (the request's `seed`, or one the engine drew
         for it); row i's draw uses `keyed_uniform(seeds[i], len(output_token_ids[i]),
-        stream)` (`stream` one for all rows or one per row)."""
+        stream)` (`stream` one for all rows or one per row). `allowed` (rows, [R, V] bool)
+        restricts those rows to a grammar's tokens."""
         if not len(params) == len(prompt_token_ids) == len(output_token_ids) == len(seeds):
             raise ValueError("params, token ids and seeds must have one entry per row")
         greedy = [p.greedy for p in params]
@@ -128,6 +133,7 @@ class SamplingMetadata:
             positions=positions,
             uniforms=None if all(greedy) else torch.from_numpy(
                 keyed_uniform_array(seeds, positions, stream)).to(device),
+            allowed=allowed,
         )
 
 
@@ -241,9 +247,9 @@ def _logit_bias(
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """logit_bias, repetition/frequency/presence penalties (vLLM semantics) and min_tokens
-    suppression: everything a greedy argmax sees. Never modifies `logits` [B, V] (may return
-    it as is)."""
+    """logit_bias, repetition/frequency/presence penalties (vLLM semantics), min_tokens
+    suppression and grammar masks: everything a greedy argmax sees. Never modifies `logits`
+    [B, V] (may return it as is)."""
     if meta.logit_bias is not None:
         rows, tokens, biases = meta.logit_bias
         logits = logits.index_put((rows, tokens), biases, accumulate=True)
@@ -260,6 +266,9 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
         logits = logits - meta.presence_penalty.unsqueeze(1) * seen
     if meta.suppressed is not None:
         logits = logits.index_put(meta.suppressed, torch.tensor(_NEG_INF, device=logits.device))
+    if meta.allowed is not None:  # last, so no bias or penalty brings a refused token back
+        rows, allowed = meta.allowed
+        logits = logits.index_put((rows,), logits[rows].masked_fill(~allowed, _NEG_INF))
     return logits
 
 

@@ -14,6 +14,7 @@ from braid.engine.runner import prompt_logprob_rows
 from braid.engine.scheduler import ScheduledRequest, SchedulerOutput
 from braid.sample.sampler import SAMPLE, SamplingMetadata, gather_logprobs
 from braid.sample.verify import verify
+from braid.structured.grammar import allowed_tokens, bitmask_width
 
 Logprobs = list[dict[int, float]]  # {token: logprob} per emitted token: it and the top-n
 
@@ -103,7 +104,8 @@ def rows_metadata(
     eos_token_ids: frozenset[int] = frozenset(), stream: int | list[int] = SAMPLE,
 ) -> SamplingMetadata:
     """Sampling rows of (request, drafts before the row): the request's params and seed, its
-    output followed by those drafts (the row's output position is their count)."""
+    output followed by those drafts (the row's output position is their count), and for a
+    request with a grammar the tokens its grammar allows after them."""
     return SamplingMetadata.build(
         params=[r.sampling_params for r, _ in rows],
         prompt_token_ids=[r.prompt_token_ids for r, _ in rows],
@@ -113,7 +115,32 @@ def rows_metadata(
         device=device,
         eos_token_ids=eos_token_ids,
         stream=stream,
+        allowed=_grammar_masks(rows, vocab_size, device),
     )
+
+
+def grammar_masked(logits: torch.Tensor, rows: list[tuple[Request, list[int]]]
+                   ) -> torch.Tensor:
+    """`logits` [R, V] with what each row's grammar refuses at -inf (rows as for
+    `rows_metadata`, each with a grammar)."""
+    masks = _grammar_masks(rows, logits.shape[-1], logits.device)
+    assert masks is not None and len(masks[0]) == len(rows)
+    return logits.masked_fill(~masks[1], float("-inf"))
+
+
+def _grammar_masks(rows: list[tuple[Request, list[int]]], vocab_size: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row indices, [R, V] bool allowed tokens) of the rows whose request has a grammar."""
+    constrained = [(i, r.grammar, drafts) for i, (r, drafts) in enumerate(rows)
+                   if r.grammar is not None]
+    if not constrained:
+        return None
+    bitmask = torch.empty(len(constrained), bitmask_width(vocab_size), dtype=torch.int32)
+    for j, (_, grammar, drafts) in enumerate(constrained):
+        assert grammar is not None
+        grammar.fill_mask(drafts, bitmask[j])
+    rows_index = torch.tensor([i for i, _, _ in constrained], dtype=torch.int64, device=device)
+    return rows_index, allowed_tokens(bitmask, vocab_size).to(device)
 
 
 def _draft_probs(s: ScheduledRequest) -> torch.Tensor | None:

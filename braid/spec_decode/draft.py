@@ -31,7 +31,7 @@ from braid.engine.request import Request
 from braid.engine.runner import ModelRunner, QuerySpan
 from braid.models.qwen2 import Qwen2ForCausalLM
 from braid.sample.sampler import DRAFT, SAMPLE, sample_rows
-from braid.sample.step import rows_metadata
+from braid.sample.step import grammar_masked, rows_metadata
 from braid.spec_decode.proposer import DraftForward, Proposal, Proposer
 
 
@@ -146,9 +146,14 @@ class DraftModelProposer(Proposer):
         tokens = logits.argmax(dim=-1)
         probs: list[torch.Tensor | None] = [None] * len(requests)
         draws = [self._draws(r) for r in requests]
+        drafted = drafted or [[] for _ in requests]
+        constrained = [i for i, r in enumerate(requests)
+                       if r.grammar is not None and draws[i] == "greedy"]
+        if constrained:  # a greedy draft under a grammar takes the best token it allows
+            rows = [(requests[i], drafted[i]) for i in constrained]
+            tokens[constrained] = grammar_masked(logits[constrained], rows).argmax(dim=-1)
         sampled = [i for i, d in enumerate(draws) if d != "greedy"]
         if sampled:
-            drafted = drafted or [[] for _ in requests]
             # the target's sampling rows at these positions: keyed in the target's stream for
             # coupled draws, in the draft's own for independent ones
             meta = rows_metadata([(requests[i], drafted[i]) for i in sampled], logits.shape[-1],

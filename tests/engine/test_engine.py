@@ -16,11 +16,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPT_LENS = [3, 70, 1, 25, 140, 9, 40, 17]
 
 
-def make_engine(draft_model=None, **options) -> LLMEngine:
+def make_engine(draft_model=None, tokenizer=None, **options) -> LLMEngine:
     options = {"block_size": 4, "num_kv_blocks": 256, "max_model_len": 256,
                "log_stats_interval": 0, **options}
     return LLMEngine(EngineConfig(model="tiny", **options), model=braid_model(CFG, WEIGHTS),
-                     draft_model=draft_model)
+                     tokenizer=tokenizer, draft_model=draft_model)
 
 
 def prompts() -> list[list[int]]:

@@ -1,0 +1,1 @@
+"""Structured output: grammars (llguidance) that mask each sampled position, drafts included."""
