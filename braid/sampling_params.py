@@ -13,7 +13,9 @@ class StructuredOutputsParams:
     """Constrain the output to a grammar, with vLLM's field names: exactly one of a JSON
     schema (`json`, a dict or its JSON text), a regular expression, a list of choices, a
     grammar (Lark, or GBNF as llama.cpp writes it) or any JSON object (`json_object`).
-    `disable_any_whitespace` makes JSON compact (no whitespace between tokens)."""
+    JSON may have whitespace between its tokens as llama.cpp's JSON grammars allow it (one
+    space, or a newline and up to 20 spaces or tabs), so a model cannot run on in whitespace;
+    `whitespace_pattern` (a regex) replaces that rule, `disable_any_whitespace` allows none."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
@@ -21,6 +23,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
         kinds = self.kinds

@@ -317,16 +317,16 @@ class Scheduler:
             draft, rejected = list(draft), 0
             grammar = req.grammar
             if grammar is not None and draft:
+                # Cutting is exact for deterministic drafts (n-gram, greedy: verification
+                # draws from p where the cut draft stood). Sampled drafts are drawn under the
+                # same grammar (the draft model's rows are masked too), so none is cut but
+                # after an EOS (where nothing can matter): cutting one would select on the
+                # draft's own sample and bias rejection sampling.
                 n = grammar.num_valid(draft)
-                # A sampled draft keeps the refused token: rejection sampling always rejects
-                # it (the target gives it p = 0) and draws from the residual, which the
-                # distribution needs (cutting there would be selecting on the draft's own
-                # sample); a deterministic draft is cut before it (verification would draw
-                # from p there anyway).
-                keep = n + 1 if n < len(draft) and q is not None else n
-                rejected = len(draft) - keep
-                draft = draft[:keep]
-                q = None if q is None else q[:keep]
+                after_eos = n > 0 and grammar.is_eos(draft[n - 1])
+                assert q is None or n == len(draft) or after_eos, "a sampled draft broke " \
+                    "its grammar"
+                draft, rejected = draft[:n], len(draft) - n
             req.set_drafts(draft, q, rejected)
 
     # ---- what the speculator asks -------------------------------------------------------

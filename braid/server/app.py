@@ -131,6 +131,8 @@ def run_server(args: argparse.Namespace) -> int:
     engine = LLMEngine(config)
     if engine.tokenizer is None:
         raise ConfigError(f"--model {config.model}: the server needs a model with a tokenizer")
+    assert engine.structured is not None
+    engine.structured.warm_up()  # the grammar engine's tokenizer view, before any request
     names = args.served_model_name or [config.model]
     metrics = ServerMetrics(names[0])
     ctx = ServerContext(AsyncEngine(engine, metrics), engine.tokenizer, names,

@@ -42,6 +42,9 @@ class _Seen:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    grammar_rejected_drafts: int = 0
+    grammar_masks: int = 0
+    grammar_mask_time: float = 0.0
 
 
 class ServerMetrics:
@@ -91,6 +94,13 @@ class ServerMetrics:
                                               "Draft tokens proposed and verified")
         self.num_accepted_tokens = self._counter("braid:spec_decode_num_accepted_tokens",
                                                  "Draft tokens accepted")
+        self.grammar_rejected_drafts = self._counter(
+            "braid:structured_output_rejected_draft_tokens",
+            "Draft tokens cut before verification because the request's grammar refused them")
+        self.grammar_masks = self._counter("braid:structured_output_masks",
+                                           "Token masks computed for grammar-constrained rows")
+        self.grammar_mask_time = self._counter("braid:structured_output_mask_seconds",
+                                               "Time spent computing grammar token masks")
         self.accepted_per_pos = Counter(
             "braid:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position",
             [*self._labels(), "position"], registry=self.registry)
@@ -148,6 +158,10 @@ class ServerMetrics:
             (self.num_drafts, "num_drafts", spec.num_drafts),
             (self.num_draft_tokens, "num_draft_tokens", spec.num_draft_tokens),
             (self.num_accepted_tokens, "num_accepted_tokens", spec.num_accepted_tokens),
+            (self.grammar_rejected_drafts, "grammar_rejected_drafts",
+             stats.grammar.num_rejected_drafts),
+            (self.grammar_masks, "grammar_masks", stats.grammar.num_masks),
+            (self.grammar_mask_time, "grammar_mask_time", stats.grammar.mask_time),
         ):
             if value > getattr(seen, attr):
                 counter.inc(value - getattr(seen, attr))

@@ -1,8 +1,9 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
 Every request field is honoured or refused: unknown fields get 400 naming them, and the
-known ones braid does not implement yet (`best_of` > 1, `suffix`, JSON `response_format`,
-`tools`, guided decoding) get 400 from `unsupported_field`. `user` is accepted and unused.
+known ones braid does not implement yet (`best_of` > 1, `suffix`, `tools`, vLLM's removed
+`guided_*` fields) get 400 from `unsupported_field`. `user` is accepted and unused.
+Structured output comes as OpenAI's `response_format` or vLLM's `structured_outputs`.
 Text that cannot be UTF-8 (a lone surrogate such as "\ud800") is refused where it enters.
 Responses carry one extra field, `braid`: per-response speculation figures and preemptions.
 """
@@ -28,6 +29,41 @@ Text = Annotated[str, AfterValidator(_utf8)]
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's `structured_outputs` request field: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: Text | None = None
+
+    def as_params_dict(self) -> dict[str, Any]:
+        return {"json": self.json_, **self.model_dump(exclude={"json_"})}
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: OpenAI's named schema (`strict` is always honoured)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Text = "response"
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingRequest(BaseModel):
@@ -56,9 +92,10 @@ class SamplingRequest(BaseModel):
     user: str | None = None  # accepted, unused
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
     # Known fields refused until implemented (see `unsupported_field`).
     best_of: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -66,7 +103,6 @@ class SamplingRequest(BaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    structured_outputs: Any = None
 
     @property
     def include_usage(self) -> bool:
@@ -76,16 +112,31 @@ class SamplingRequest(BaseModel):
         """(field, why) for the first field set to something braid does not do yet."""
         if self.best_of not in (None, 1):
             return "best_of", "best_of > 1 is not supported; use n"
-        if self.response_format not in (None, {"type": "text"}):
-            return "response_format", "structured output (JSON) is not supported yet"
         if self.tools:
             return "tools", "tool calling is not supported yet"
         if self.tool_choice not in (None, "none"):
             return "tool_choice", "tool calling is not supported yet"
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "structured_outputs"):
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
             if getattr(self, name) is not None:
-                return name, "guided decoding is not supported yet"
+                return name, (f"use structured_outputs.{name.removeprefix('guided_')} "
+                              "(vLLM's current name)")
+        return None
+
+    def structured(self) -> tuple[str, dict[str, Any]] | None:
+        """(the field it came from, StructuredOutputsParams fields), or None; ValueError
+        naming the field when both ways are used or a json_schema has no schema."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            if self.structured_outputs is not None:
+                raise ValueError("response_format: set it or structured_outputs, not both")
+            if fmt.type == "json_object":
+                return "response_format", {"json_object": True}
+            if fmt.json_schema is None:
+                raise ValueError("response_format.json_schema is required when type is "
+                                 "json_schema")
+            return "response_format.json_schema.schema", {"json": fmt.json_schema.schema_}
+        if self.structured_outputs is not None:
+            return "structured_outputs", self.structured_outputs.as_params_dict()
         return None
 
     def token_bias(self) -> dict[int, float] | None:

@@ -21,11 +21,12 @@ from pydantic import BaseModel
 
 from braid.engine.engine import RequestError
 from braid.outputs import RequestOutput
-from braid.sampling_params import SamplingParams
+from braid.sampling_params import SamplingParams, StructuredOutputsParams
 from braid.server.engine_loop import AsyncEngine, OutputQueue, RequestFailed, ShuttingDown
 from braid.server.errors import APIError, bad_request, field_of
 from braid.server.protocol import SamplingRequest
 from braid.server.responses import ChoiceState, Delta
+from braid.structured.grammar import grammar_for
 from braid.tokenizer import Tokenizer
 
 logger = logging.getLogger("braid.server")
@@ -108,7 +109,26 @@ def request_params(body: SamplingRequest, max_tokens: int | None, logprobs: int 
     if prompt_logprobs is None:
         prompt_logprobs = body.prompt_logprobs
     return build_params(rename, max_tokens=max_tokens, logprobs=logprobs, logit_bias=bias,
-                        prompt_logprobs=prompt_logprobs, **shared)
+                        prompt_logprobs=prompt_logprobs, structured_outputs=structured(body),
+                        **shared)
+
+
+def structured(body: SamplingRequest) -> StructuredOutputsParams | None:
+    """The request's structured output constraint, its grammar checked (400 naming the
+    field otherwise)."""
+    try:
+        found = body.structured()
+    except ValueError as e:
+        raise bad_request(str(e), field_of(str(e))) from None
+    if found is None:
+        return None
+    where, fields = found
+    try:
+        params = StructuredOutputsParams(**fields)
+        grammar_for(params)
+    except ValueError as e:
+        raise bad_request(f"{where}: {e}", where) from None
+    return params
 
 
 def make_job(prefix: str, prompts: list[list[int]], params: SamplingParams, n: int) -> Job:

@@ -15,12 +15,16 @@ import json
 import time
 from collections.abc import Collection, Sequence
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import llguidance
 import torch
 
 from braid.engine.stats import GrammarStats
 from braid.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 
 def grammar_for(params: StructuredOutputsParams) -> str:
@@ -30,21 +34,27 @@ def grammar_for(params: StructuredOutputsParams) -> str:
     value = getattr(params, kind)
     text = json.dumps(value) if kind in ("json", "choice") and not isinstance(
         value, str) else value
-    return _grammar(kind, text, params.disable_any_whitespace)
+    whitespace = None if params.disable_any_whitespace else (
+        params.whitespace_pattern or JSON_WHITESPACE)
+    return _grammar(kind, text, whitespace)
+
+
+# What llama.cpp's JSON grammars allow between tokens: nothing, a space, or a newline and an
+# indentation of up to 20 spaces or tabs (unbounded whitespace lets a model loop in it).
+JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
 
 
 @lru_cache(maxsize=256)
-def _grammar(kind: str, text: str | bool, compact: bool) -> str:
-    options = {"whitespace_flexible": not compact}
+def _grammar(kind: str, text: str | bool, whitespace: str | None) -> str:
+    options: JsonCompileOptions = {"whitespace_flexible": whitespace is not None,
+                                   "whitespace_pattern": whitespace}
     try:
-        if kind == "json":
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=options)
-        elif kind == "json_object":
-            grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}',
-                                                                   defaults=options)
-        else:  # regex, choice, grammar (Lark or GBNF)
-            assert isinstance(text, str)
-            grammar = llguidance.grammar_from(kind, text)
+        if kind in ("json", "json_object"):
+            schema = text if isinstance(text, str) else '{"type": "object"}'
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        else:
+            assert isinstance(text, str) and kind in ("regex", "choice", "grammar")
+            grammar = llguidance.grammar_from(kind, text)  # type: ignore[arg-type]
     except ValueError as e:
         raise ValueError(f"{kind} is not valid: {e}") from None
     error = llguidance.LLMatcher.validate_grammar(grammar)
@@ -71,16 +81,31 @@ class GrammarState:
         return "stop" if self._matcher.is_stopped() else None
 
     def num_valid(self, drafts: Sequence[int]) -> int:
-        """How many leading drafts the grammar accepts from the current state."""
-        return self._matcher.validate_tokens(list(drafts)) if drafts else 0
+        """How many leading drafts the grammar accepts from the current state: up to the
+        first it refuses, or up to and including an EOS where the grammar may end (nothing
+        after it can matter)."""
+        n = self._matcher.validate_tokens(list(drafts)) if drafts else 0
+        if n < len(drafts) and self.is_eos(drafts[n]):
+            prefix = list(drafts[:n])
+            if prefix:
+                self._matcher.consume_tokens(prefix)
+            accepting = self._matcher.is_accepting()
+            if prefix:
+                self._matcher.rollback(n)
+            n += accepting
+        return n
+
+    def is_eos(self, token: int) -> bool:
+        return token in self._eos_token_ids
 
     def fill_mask(self, drafts: Sequence[int], out: torch.Tensor) -> None:
         """The allowed tokens after the output and then `drafts`, as a bitmask into `out`
         [ceil(V / 32)] int32 (bit i of word w: token 32 w + i). A position after a draft the
-        grammar refuses is never used (the draft is rejected); it gets everything allowed."""
+        grammar refuses, or after an EOS, is never used (the draft is rejected, or the
+        output ends there); it gets everything allowed."""
         start = time.perf_counter()
-        n = self.num_valid(drafts)
-        if n < len(drafts):
+        n = self._matcher.validate_tokens(list(drafts)) if drafts else 0
+        if n < len(drafts) or any(map(self.is_eos, drafts)):
             out.fill_(-1)
             return
         if n:

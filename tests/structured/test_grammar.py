@@ -1,0 +1,130 @@
+"""Grammars from StructuredOutputsParams, and a request's grammar state: masks after drafts,
+draft validation, completion."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+import torch
+
+from braid.engine.stats import GrammarStats
+from braid.sampling_params import SamplingParams, StructuredOutputsParams
+from braid.structured.grammar import (
+    GrammarState,
+    allowed_tokens,
+    bitmask_width,
+    grammar_for,
+)
+from tests.tiny import VOCAB, byte_tokenizer
+
+EOS = 256
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+          "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def ll_tokenizer() -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(byte_tokenizer().to_str(), n_vocab=VOCAB, eos_token=EOS)
+
+
+def state(ll_tokenizer: llguidance.LLTokenizer, **spec: object) -> GrammarState:
+    grammar = grammar_for(StructuredOutputsParams(**spec))  # type: ignore[arg-type]
+    return GrammarState(llguidance.LLMatcher(ll_tokenizer, grammar), {EOS, 258}, GrammarStats())
+
+
+def mask(g: GrammarState, drafts: list[int]) -> torch.Tensor:
+    out = torch.zeros(bitmask_width(VOCAB), dtype=torch.int32)
+    g.fill_mask(drafts, out)
+    return allowed_tokens(out.unsqueeze(0), VOCAB)[0]
+
+
+def ids(text: str) -> list[int]:
+    return list(text.encode())  # the byte tokenizer: one token per byte
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({"json": {"type": "objectx"}}, "json"),
+    ({"regex": "a[b"}, "regex"),
+    ({"grammar": "start: foo"}, "grammar"),
+    ({"grammar": "root ::= (("}, "grammar"),
+])
+def test_invalid_specs_name_their_field(spec: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=f"^{field} is not valid"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(**spec))
+
+
+@pytest.mark.parametrize("spec", [{}, {"regex": "a", "choice": ["b"]}, {"choice": []},
+                                  {"choice": ["a", 1]}, {"json_object": False}])
+def test_exactly_one_constraint(spec: dict) -> None:
+    with pytest.raises(ValueError, match="structured_outputs|choice"):
+        StructuredOutputsParams(**spec)
+
+
+def test_the_mask_after_drafts_is_the_mask_after_consuming_them(ll_tokenizer) -> None:
+    g = state(ll_tokenizer, json=SCHEMA, disable_any_whitespace=True)
+    prefix = ids('{"ok":')
+    after = mask(g, prefix)
+    assert after.nonzero().flatten().tolist() == sorted(ids("tf"))  # true or false
+    assert mask(g, []).nonzero().flatten().tolist() == ids("{")  # drafts were rolled back
+    for token in prefix:
+        assert g.advance(token) is None
+    assert torch.equal(mask(g, []), after)
+
+
+def test_drafts_are_valid_up_to_the_first_refused_token(ll_tokenizer) -> None:
+    g = state(ll_tokenizer, choice=["yes", "no"])
+    assert g.num_valid(ids("yes")) == 3
+    assert g.num_valid(ids("yep")) == 2
+    assert g.num_valid(ids("x")) == 0
+    assert mask(g, ids("yx")).all()  # after a refused draft: unused, everything allowed
+    # any of the model's EOS ids is valid where the grammar may end, and nothing after it
+    assert g.num_valid([*ids("no"), 258, *ids("no")]) == 3
+    assert g.num_valid([*ids("n"), 258]) == 1
+    assert mask(g, [*ids("no"), 258]).all()
+
+
+def test_the_grammar_stops_the_request_when_complete(ll_tokenizer) -> None:
+    g = state(ll_tokenizer, regex="ab|abc")
+    assert [g.advance(t) for t in ids("ab")] == [None, None]
+    allowed = mask(g, [])
+    assert allowed[ord("c")] and allowed[EOS] and allowed[258]  # every EOS id once accepting
+    assert g.advance(ord("c")) == "stop"
+    assert state(ll_tokenizer, regex="ab").advance(ord("x")) == "error"
+
+
+def test_json_whitespace_is_bounded_unless_disabled(ll_tokenizer) -> None:
+    pretty = json.dumps({"ok": True}, indent=2)
+    assert state(ll_tokenizer, json=SCHEMA).num_valid(ids(pretty)) == len(pretty)
+    runaway = "{" + " " * 30
+    assert state(ll_tokenizer, json=SCHEMA).num_valid(ids(runaway)) < len(runaway)
+    assert state(ll_tokenizer, json=SCHEMA, disable_any_whitespace=True).num_valid(
+        ids(pretty)) == 1
+    loose = state(ll_tokenizer, json=SCHEMA, whitespace_pattern=r"[ ]*")
+    assert loose.num_valid(ids(runaway)) == len(runaway)
+
+
+def test_grammar_kinds(ll_tokenizer) -> None:
+    lark = state(ll_tokenizer, grammar='start: "a" ("b" | "c")+')
+    assert lark.num_valid(ids("abcb")) == 4 and lark.num_valid(ids("aa")) == 1
+    gbnf = state(ll_tokenizer, grammar='root ::= "x" [0-9]+')
+    assert gbnf.num_valid(ids("x12")) == 3 and gbnf.num_valid(ids("xa")) == 1
+    anything = state(ll_tokenizer, json_object=True)
+    text = '{"a": [1, {"b": null}]}'
+    assert anything.num_valid(ids(text)) == len(text)
+    assert anything.num_valid(ids("[1]")) == 0  # an object, not any JSON value
+
+
+def test_allowed_tokens_unpacks_llguidance_bitmasks(ll_tokenizer) -> None:
+    """Bit i of word w is token 32 w + i, as llguidance's own masking reads it."""
+    import llguidance.torch as lgt
+
+    g = state(ll_tokenizer, regex="[a-z_]+")
+    bitmask = torch.zeros(1, bitmask_width(VOCAB), dtype=torch.int32)
+    g.fill_mask([], bitmask[0])
+    logits = torch.zeros(1, VOCAB)
+    lgt.apply_token_bitmask_inplace(logits, bitmask)
+    assert torch.equal(allowed_tokens(bitmask, VOCAB), logits > float("-inf"))
+    assert allowed_tokens(bitmask, VOCAB)[0].nonzero().flatten().tolist() == sorted(
+        ids("abcdefghijklmnopqrstuvwxyz_"))
