@@ -1,8 +1,8 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
 Every request field is honoured or refused: unknown fields get 400 naming them, and the
-known ones braid does not implement yet (`best_of` > 1, `suffix`, `tools`, vLLM's removed
-`guided_*` fields) get 400 from `unsupported_field`. `user` is accepted and unused.
+known ones braid does not implement (`best_of` > 1, `suffix`, `tools` on completions, vLLM's
+removed `guided_*` fields) get 400 from `unsupported_field`. `user` is accepted and unused.
 Structured output comes as OpenAI's `response_format` or vLLM's `structured_outputs`.
 Text that cannot be UTF-8 (a lone surrogate such as "\ud800") is refused where it enters.
 Responses carry one extra field, `braid`: per-response speculation figures and preemptions.
@@ -96,9 +96,6 @@ class SamplingRequest(BaseModel):
     structured_outputs: StructuredOutputsRequest | None = None
     # Known fields refused until implemented (see `unsupported_field`).
     best_of: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -112,10 +109,6 @@ class SamplingRequest(BaseModel):
         """(field, why) for the first field set to something braid does not do yet."""
         if self.best_of not in (None, 1):
             return "best_of", "best_of > 1 is not supported; use n"
-        if self.tools:
-            return "tools", "tool calling is not supported yet"
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice", "tool calling is not supported yet"
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
             if getattr(self, name) is not None:
                 return name, (f"use structured_outputs.{name.removeprefix('guided_')} "
@@ -156,10 +149,15 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
 
     def unsupported_field(self) -> tuple[str, str] | None:
         if self.suffix:
             return "suffix", "suffix (fill in the middle) is not supported"
+        for name in ("tools", "tool_choice"):
+            if getattr(self, name) is not None:
+                return name, "tool calling is on /v1/chat/completions"
         return super().unsupported_field()
 
 
@@ -184,6 +182,31 @@ class ChatMessage(BaseModel):
         return message
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Text
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # accepted; required and named choices always obey the schema
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -191,6 +214,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 # ---- responses ----------------------------------------------------------------------------
@@ -254,9 +280,33 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = "function"
+    function: DeltaFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -271,6 +321,7 @@ class ChatChoice(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -94,9 +94,11 @@ _SHARED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "sto
 
 def request_params(body: SamplingRequest, max_tokens: int | None, logprobs: int | None,
                    rename: dict[str, str] | None = None,
-                   prompt_logprobs: int | None = None) -> SamplingParams:
+                   prompt_logprobs: int | None = None,
+                   constraint: StructuredOutputsParams | None = None) -> SamplingParams:
     """SamplingParams from the fields completions and chat requests share (same names); 400
-    for a field braid does not implement."""
+    for a field braid does not implement. `constraint`: a tool choice's grammar, which the
+    request's own structured output may not contradict."""
     unsupported = body.unsupported_field()
     if unsupported is not None:
         name, why = unsupported
@@ -108,8 +110,13 @@ def request_params(body: SamplingRequest, max_tokens: int | None, logprobs: int 
     shared = {name: getattr(body, name) for name in _SHARED_FIELDS}
     if prompt_logprobs is None:
         prompt_logprobs = body.prompt_logprobs
+    own = structured(body)
+    if own is not None and constraint is not None:
+        raise bad_request("tool_choice: a required or named tool choice sets the output's "
+                          "format; leave response_format and structured_outputs out",
+                          "tool_choice")
     return build_params(rename, max_tokens=max_tokens, logprobs=logprobs, logit_bias=bias,
-                        prompt_logprobs=prompt_logprobs, structured_outputs=structured(body),
+                        prompt_logprobs=prompt_logprobs, structured_outputs=own or constraint,
                         **shared)
 
 

@@ -39,6 +39,7 @@ from braid.server.serving import (
     sse,
     submit,
 )
+from braid.server.tools import ChoiceTools, template_messages, tool_constraint, tool_mode
 from braid.tokenizer import PromptTooLong, Tokenizer
 
 
@@ -46,24 +47,34 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
                                  raw: Request) -> Response:
     model = check_model(ctx, body.model)
     use_new_name = body.max_completion_tokens is not None
+    try:
+        mode, constraint = tool_mode(body), tool_constraint(body)
+    except ValueError as e:
+        raise bad_request(f"tool_choice: {e}", "tool_choice") from None
     params = request_params(
         body, body.max_completion_tokens if use_new_name else body.max_tokens,
         (body.top_logprobs or 0) if body.logprobs else None,
-        {"max_tokens": "max_completion_tokens"} if use_new_name else None)
+        {"max_tokens": "max_completion_tokens"} if use_new_name else None,
+        constraint=constraint)
     prompt = await asyncio.to_thread(render_chat, ctx.tokenizer, body, ctx.max_model_len)
     job = make_job("chatcmpl", [prompt], params, body.n)
     await submit(ctx, job, prompt_field="messages")
-    return await respond(ctx, job, raw, body.stream, lambda: _stream(ctx, job, body, model),
-                         lambda finals: _response(ctx, job, body, model, finals))
+    tools = {c.index: ChoiceTools(mode, body) for c in job.choices} if mode else {}
+    return await respond(ctx, job, raw, body.stream,
+                         lambda: _stream(ctx, job, body, model, tools),
+                         lambda finals: _response(ctx, job, body, model, finals, tools))
 
 
 def render_chat(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeChatRequest,
                 max_model_len: int | None = None) -> list[int]:
     """The conversation through the chat template, as token ids (400 naming `messages` when
     the template refuses it or it leaves no room in `max_model_len` for a generated token)."""
-    messages = [m.as_template_dict() for m in body.messages]
+    tools = getattr(body, "tools", None)
+    messages = template_messages(body)
     try:
-        text = tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+        text = tokenizer.apply_chat_template(
+            messages, body.add_generation_prompt,
+            [t.model_dump(exclude_none=True) for t in tools] if tools else None)
     except Exception as e:  # template errors are the conversation's fault (jinja raise_exception)
         raise bad_request(f"messages: the chat template rejected them: {e}", "messages") from None
     try:
@@ -81,31 +92,44 @@ def _logprobs(ctx: ServerContext, body: ChatCompletionRequest, delta: Delta) -> 
 
 
 def _response(ctx: ServerContext, job: Job, body: ChatCompletionRequest, model: str,
-              finals: list[RequestOutput]) -> ChatCompletionResponse:
+              finals: list[RequestOutput], tools: dict[int, ChoiceTools]
+              ) -> ChatCompletionResponse:
     choices = []
     for choice, out in zip(job.choices, finals, strict=True):
         c = out.outputs[0]
+        message, reason = ChatResponseMessage(content=c.text), c.finish_reason
+        if (t := tools.get(choice.index)) is not None:
+            content, calls = t.whole(c.text)
+            message, reason = ChatResponseMessage(content=content, tool_calls=calls), \
+                t.finish_reason(reason)
         choices.append(ChatChoice(
-            index=choice.index, message=ChatResponseMessage(content=c.text),
+            index=choice.index, message=message,
             logprobs=_logprobs(ctx, body, Delta(c.text, c.token_ids, c.logprobs)),
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            finish_reason=reason, stop_reason=c.stop_reason,
             prompt_logprobs=prompt_logprobs(ctx.tokenizer, out)))
     return ChatCompletionResponse(id=job.id, model=model, choices=choices,
                                   usage=usage(job.prompts, job.choices), braid=braid_info(finals))
 
 
-def _stream(ctx: ServerContext, job: Job, body: ChatCompletionRequest, model: str):  # noqa: ANN202
+def _stream(ctx: ServerContext, job: Job, body: ChatCompletionRequest, model: str,  # noqa: ANN202
+            tools: dict[int, ChoiceTools]):
     def chunk(index: int, delta: DeltaMessage, **fields: object) -> ChatCompletionStreamResponse:
         return ChatCompletionStreamResponse(id=job.id, model=model, choices=[
             ChatStreamChoice(index=index, delta=delta, **fields)])  # type: ignore[arg-type]
 
     def render(choice: ChoiceState, delta: Delta, out: RequestOutput) -> list[str]:
-        if not delta.text and not out.finished and not body.logprobs:
-            return []
         c = out.outputs[0]
-        body_chunk = chunk(choice.index, DeltaMessage(content=delta.text),
+        message, reason = DeltaMessage(content=delta.text), c.finish_reason
+        if (t := tools.get(choice.index)) is not None:
+            content, calls = t.delta(delta.text, out.finished)
+            message = DeltaMessage(content=content or None, tool_calls=calls or None)
+            reason = t.finish_reason(reason)
+        if not (message.content or message.tool_calls) and not out.finished \
+                and not body.logprobs:
+            return []
+        body_chunk = chunk(choice.index, message,
                            logprobs=_logprobs(ctx, body, delta),
-                           finish_reason=c.finish_reason if out.finished else None,
+                           finish_reason=reason if out.finished else None,
                            stop_reason=c.stop_reason if out.finished else None)
         if out.finished:
             body_chunk.braid = braid_info([out])

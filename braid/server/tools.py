@@ -1,0 +1,237 @@
+"""Tool calling for chat completions, as vLLM's hermes parser does it for Qwen2.5.
+
+The tools go to the model through its chat template; a call comes back as
+`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` in the text, parsed into
+`tool_calls` (streamed as one delta per call once its closing tag arrives; text before and
+between calls streams as content). `tool_choice`:
+- "none": the model sees the tools, its text stays text.
+- "auto": the model decides; calls are parsed out of its text.
+- "required": the grammar forces a JSON array of one or more calls of the given functions,
+  each with arguments valid for that function's parameters (vLLM's format).
+- a named function: the grammar forces that function's arguments, the whole output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from braid.sampling_params import StructuredOutputsParams
+from braid.server.protocol import (
+    ChatCompletionRequest,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    TokenizeChatRequest,
+    ToolCall,
+)
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def tool_mode(body: ChatCompletionRequest) -> str | None:
+    """"auto", "required", "named" or None (no tools, or tool_choice "none"); ValueError
+    naming the field for a choice that does not fit the tools."""
+    choice = body.tool_choice
+    names = [t.function.name for t in body.tools or []]
+    if choice is None:
+        return "auto" if names else None
+    if isinstance(choice, str):
+        if choice != "none" and not names:
+            raise ValueError(f"tool_choice {choice!r} needs tools")
+        return None if choice == "none" else choice
+    if choice.function.name not in names:
+        raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools "
+                         f"({', '.join(map(repr, names)) or 'none given'})")
+    return "named"
+
+
+def tool_constraint(body: ChatCompletionRequest) -> StructuredOutputsParams | None:
+    """The grammar that makes "required" and named tool choices valid calls."""
+    mode = tool_mode(body)
+    tools = body.tools or []
+    if mode == "named":
+        assert not isinstance(body.tool_choice, str) and body.tool_choice is not None
+        fn = next(t.function for t in tools if t.function.name == body.tool_choice.function.name)
+        return StructuredOutputsParams(json=_parameters(fn.parameters))
+    if mode != "required":
+        return None
+    calls = [{"type": "object", "properties": {
+        "name": {"type": "string", "enum": [t.function.name]},
+        "parameters": _parameters(t.function.parameters)},
+        "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if body.parallel_tool_calls is False:
+        array["maxItems"] = 1
+    return StructuredOutputsParams(json=array)
+
+
+def _parameters(schema: dict[str, Any] | None) -> dict[str, Any]:
+    return schema if schema else {"type": "object", "properties": {}}
+
+
+def template_messages(body: ChatCompletionRequest | TokenizeChatRequest) -> list[dict[str, Any]]:
+    """Messages for the chat template: an assistant's earlier calls carry their arguments as
+    objects (OpenAI sends JSON strings; Qwen's template writes them with tojson)."""
+    messages = [m.as_template_dict() for m in body.messages]
+    for m in messages:
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function", {})
+            if isinstance(fn.get("arguments"), str):
+                with contextlib.suppress(json.JSONDecodeError):  # else written as it came
+                    fn["arguments"] = json.loads(fn["arguments"])
+    return messages
+
+
+def new_call(name: str, arguments: str) -> ToolCall:
+    return ToolCall(id=f"chatcmpl-tool-{secrets.token_hex(12)}",
+                    function=FunctionCall(name=name, arguments=arguments))
+
+
+def as_delta(index: int, call: ToolCall, arguments: str | None = None) -> DeltaToolCall:
+    return DeltaToolCall(index=index, id=call.id, function=DeltaFunctionCall(
+        name=call.function.name, arguments=call.function.arguments if arguments is None
+        else arguments))
+
+
+@dataclass
+class HermesParser:
+    """`<tool_call>` blocks out of a growing text: `feed` returns the new content (text
+    outside calls, holding back what may be the start of a tag) and the calls completed.
+    A block that is not a JSON call stays content, as the model wrote it."""
+
+    limit: int | None = None  # at most this many calls (parallel_tool_calls false: 1)
+    calls: list[ToolCall] = field(default_factory=list)
+    _buffer: str = ""
+    _in_call: bool = False
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._buffer += text
+        content, done = [], []
+        while True:
+            if not self._in_call:
+                i = self._buffer.find(CALL_OPEN)
+                if i < 0:
+                    keep = _partial_tag(self._buffer, CALL_OPEN)
+                    content.append(self._buffer[:len(self._buffer) - keep])
+                    self._buffer = self._buffer[len(self._buffer) - keep:]
+                    break
+                content.append(self._buffer[:i])
+                self._buffer, self._in_call = self._buffer[i + len(CALL_OPEN):], True
+            else:
+                j = self._buffer.find(CALL_CLOSE)
+                if j < 0:
+                    break
+                block, self._buffer = self._buffer[:j], self._buffer[j + len(CALL_CLOSE):]
+                self._in_call = False
+                call = self._parse(block)
+                if call is None:
+                    content.append(CALL_OPEN + block + CALL_CLOSE)
+                elif self.limit is None or len(self.calls) < self.limit:
+                    self.calls.append(call)
+                    done.append(call)
+        return "".join(content), done
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """At the end of the output: an unclosed call (cut by max_tokens) is still parsed if
+        its JSON is complete; anything else held back is content."""
+        if self._in_call:
+            call = self._parse(self._buffer)
+            if call is not None and (self.limit is None or len(self.calls) < self.limit):
+                self.calls.append(call)
+                self._buffer, self._in_call = "", False
+                return "", [call]
+            rest = CALL_OPEN + self._buffer
+        else:
+            rest = self._buffer
+        self._buffer, self._in_call = "", False
+        return rest, []
+
+    @staticmethod
+    def _parse(block: str) -> ToolCall | None:
+        try:
+            value = json.loads(block)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return None
+        arguments = value.get("arguments", value.get("parameters", {}))
+        return new_call(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that begins `tag`."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def required_calls(text: str) -> list[ToolCall]:
+    """The calls of a "required" output (a JSON array of {name, parameters})."""
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
+        return []  # cut short by max_tokens
+    return [new_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+            for c in items]
+
+
+class ChoiceTools:
+    """One choice's text turned into content and tool calls, whole or as stream deltas."""
+
+    def __init__(self, mode: str, body: ChatCompletionRequest) -> None:
+        self.mode = mode
+        self._name = None if isinstance(body.tool_choice, str) or body.tool_choice is None \
+            else body.tool_choice.function.name
+        self._parser = HermesParser(limit=1 if body.parallel_tool_calls is False else None)
+        self._text: list[str] = []
+        self._named: ToolCall | None = None
+        self.calls: list[ToolCall] = []
+
+    def whole(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a finished choice."""
+        if self.mode == "named":
+            assert self._name is not None
+            self.calls = [new_call(self._name, text)]
+            return None, self.calls
+        if self.mode == "required":
+            self.calls = required_calls(text)
+            return None, self.calls
+        content, _ = self._parser.feed(text)
+        rest, _ = self._parser.finish()
+        self.calls = self._parser.calls
+        content += rest
+        return (content.strip() or None) if self.calls else content, self.calls
+
+    def delta(self, text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
+        """(content delta, tool call deltas) for the text a stream chunk adds."""
+        if self.mode == "named":
+            assert self._name is not None
+            if self._named is None:
+                self._named = new_call(self._name, "")
+                self.calls = [self._named]
+                return "", [as_delta(0, self._named, text)]
+            return "", [DeltaToolCall(index=0, type=None, function=DeltaFunctionCall(
+                arguments=text))] if text else []
+        if self.mode == "required":
+            self._text.append(text)
+            if not finished:
+                return "", []
+            self.calls = required_calls("".join(self._text))
+            return "", [as_delta(i, c) for i, c in enumerate(self.calls)]
+        first = len(self._parser.calls)
+        content, _ = self._parser.feed(text)
+        if finished:
+            rest, _ = self._parser.finish()
+            content += rest
+        self.calls = self._parser.calls
+        return content, [as_delta(first + i, c) for i, c in enumerate(self.calls[first:])]
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """OpenAI's: "tool_calls" when the model chose to call (a named call is "stop")."""
+        return "tool_calls" if self.calls and reason == "stop" and self.mode != "named" \
+            else reason

@@ -1,0 +1,157 @@
+"""Tool calling over a real server with the openai client (tiny random model: required and
+named tool choices, which the grammar makes valid calls), and the hermes parser that reads
+`<tool_call>` blocks out of a model's text, whole and in stream pieces."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from braid.server.protocol import ChatCompletionRequest
+from braid.server.tools import HermesParser, template_messages
+from tests.server.conftest import ServerProcess
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+        "required": ["zone"], "additionalProperties": False}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Forecast",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def chat(server: ServerProcess, stream: bool, **kwargs: Any) -> tuple[Any, list[dict], str]:
+    """(content, tool calls as dicts, finish reason), from one response or a whole stream."""
+    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    kwargs = dict(model=server.model, messages=MESSAGES, tools=TOOLS, max_tokens=150,
+                  temperature=0, **kwargs)
+    if not stream:
+        res = c.chat.completions.create(**kwargs)
+        m = res.choices[0].message
+        return m.content, [t.model_dump() for t in m.tool_calls or []], \
+            res.choices[0].finish_reason
+    content, calls, finish = "", {}, None
+    for ch in c.chat.completions.create(stream=True, **kwargs):
+        if not ch.choices:
+            continue
+        d = ch.choices[0].delta
+        content += d.content or ""
+        for t in d.tool_calls or []:
+            call = calls.setdefault(t.index, {"id": t.id, "type": "function",
+                                              "function": {"name": "", "arguments": ""}})
+            call["function"]["name"] += t.function.name or ""
+            call["function"]["arguments"] += t.function.arguments or ""
+        finish = ch.choices[0].finish_reason or finish
+    return content or None, [calls[i] for i in sorted(calls)], finish
+
+
+def check_calls(calls: list[dict]) -> None:
+    assert calls
+    for call in calls:
+        assert call["id"] and call["type"] == "function"
+        jsonschema.validate(json.loads(call["function"]["arguments"]),
+                            SCHEMAS[call["function"]["name"]])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_tool_choice_gives_valid_arguments(server: ServerProcess, stream: bool) -> None:
+    content, calls, finish = chat(server, stream, tool_choice={
+        "type": "function", "function": {"name": "get_time"}})
+    assert content is None and finish == "stop"  # OpenAI's reason for a forced call
+    assert [c["function"]["name"] for c in calls] == ["get_time"]
+    check_calls(calls)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_tool_choice_gives_valid_calls(server: ServerProcess, stream: bool) -> None:
+    """One call or more (a random model would add calls until max_tokens, so a logit bias
+    toward "]" ends the array as soon as the grammar allows); at most one when parallel
+    tool calls are off."""
+    content, calls, finish = chat(server, stream, tool_choice="required",
+                                  logit_bias={str(ord("]")): 8})
+    assert content is None and finish == "tool_calls"
+    check_calls(calls)
+    _, one, finish = chat(server, stream, tool_choice="required", parallel_tool_calls=False)
+    assert len(one) == 1 and finish == "tool_calls"
+    check_calls(one)
+
+
+def test_stream_and_whole_agree(server: ServerProcess) -> None:
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        kwargs: dict[str, Any] = {"tool_choice": choice, "parallel_tool_calls": False}
+        whole, streamed = chat(server, False, **kwargs), chat(server, True, **kwargs)
+        assert [c["function"] for c in whole[1]] == [c["function"] for c in streamed[1]]
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice"),
+])
+def test_bad_tool_requests_are_400_naming_the_field(server: ServerProcess, body: dict,
+                                                    field: str) -> None:
+    res = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                     json={"model": server.model, "messages": MESSAGES, **body})
+    assert res.status_code == 400, res.text
+    assert res.json()["error"]["param"] == field, res.json()
+    res = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                     json={"model": server.model, "prompt": "hi", "tools": TOOLS})
+    assert res.status_code == 400 and res.json()["error"]["param"] == "tools"
+
+
+TEXT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+        '"days": 2}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
+        '{"zone": "UTC"}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, len(TEXT)])
+def test_hermes_parser_reads_calls_in_any_pieces(piece: int) -> None:
+    parser, content, calls = HermesParser(), "", []
+    for i in range(0, len(TEXT), piece):
+        text, done = parser.feed(TEXT[i:i + piece])
+        assert "<" not in text  # a tag is never leaked as content, even split
+        content += text
+        calls += done
+    rest, done = parser.finish()
+    content, calls = content + rest, calls + done
+    assert content.strip() == "Let me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {"zone": "UTC"})]
+
+
+def test_hermes_parser_keeps_what_is_not_a_call() -> None:
+    parser = HermesParser(limit=1)
+    text = "a < b\n<tool_call>\nnot json\n</tool_call>" + TEXT
+    content, calls = parser.feed(text)
+    rest, more = parser.finish()
+    assert (content + rest).startswith("a < b\n<tool_call>\nnot json\n</tool_call>")
+    assert [c.function.name for c in calls + more] == ["get_weather"]  # limit 1
+    cut = HermesParser()
+    assert cut.feed('<tool_call>\n{"name": "f", "arguments": {}}')[1] == []
+    assert cut.finish()[1][0].function.name == "f"  # complete JSON, closing tag cut off
+
+
+def test_earlier_calls_reach_the_template_with_object_arguments() -> None:
+    body = ChatCompletionRequest(messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}])
+    messages = template_messages(body)
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"zone": "UTC"}
+    assert messages[2] == {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}
