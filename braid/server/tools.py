@@ -3,7 +3,8 @@
 The tools go to the model through its chat template; a call comes back as
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` in the text, parsed into
 `tool_calls` (streamed as one delta per call once its closing tag arrives; text before and
-between calls streams as content). `tool_choice`:
+between calls streams as content). An output that is nothing but such a call without the
+tags (or a ```json block of one) is a call too (`bare_calls`). `tool_choice`:
 - "none": the model sees the tools, its text stays text.
 - "auto": the model decides; calls are parsed out of its text.
 - "required": the grammar forces a JSON array of one or more calls of the given functions,
@@ -170,6 +171,34 @@ def _partial_tag(text: str, tag: str) -> int:
     return 0
 
 
+def bare_calls(text: str, names: set[str], limit: int | None) -> list[ToolCall]:
+    """Calls written without `<tool_call>` tags, as small models often do (Qwen2.5-Coder-1.5B
+    answers with a ```json block): the whole output, fences aside, is one call or a list of
+    calls, each {"name": a tool's name, "arguments": an object}. vLLM's llama3_json parser
+    reads such output; anything else stays text."""
+    body = text.strip()
+    if body.startswith("```"):
+        body = body.removeprefix("```json").removeprefix("```").removesuffix("```").strip()
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError:
+        return []
+    items = value if isinstance(value, list) else [value]
+    if not items or not all(isinstance(c, dict) and c.get("name") in names
+                            and isinstance(c.get("arguments", {}), dict) for c in items):
+        return []
+    calls = [new_call(c["name"], json.dumps(c.get("arguments", {}), ensure_ascii=False))
+             for c in items]
+    return calls[:limit]
+
+
+def _may_be_bare(text: str) -> bool:
+    """The output so far could still be a bare call (whitespace, or it opens with JSON or a
+    fence)."""
+    head = text.lstrip()
+    return not head or head[0] in "{[`"
+
+
 def required_calls(text: str) -> list[ToolCall]:
     """The calls of a "required" output (a JSON array of {name, parameters})."""
     try:
@@ -188,7 +217,9 @@ class ChoiceTools:
         self._name = None if isinstance(body.tool_choice, str) or body.tool_choice is None \
             else body.tool_choice.function.name
         self._parser = HermesParser(limit=1 if body.parallel_tool_calls is False else None)
+        self._names = {t.function.name for t in body.tools or []}
         self._text: list[str] = []
+        self._held: str | None = ""  # auto: the start of the output, while it may be bare
         self._named: ToolCall | None = None
         self.calls: list[ToolCall] = []
 
@@ -201,6 +232,10 @@ class ChoiceTools:
         if self.mode == "required":
             self.calls = required_calls(text)
             return None, self.calls
+        bare = bare_calls(text, self._names, self._parser.limit)
+        if bare:
+            self.calls = bare
+            return None, bare
         content, _ = self._parser.feed(text)
         rest, _ = self._parser.finish()
         self.calls = self._parser.calls
@@ -223,6 +258,14 @@ class ChoiceTools:
                 return "", []
             self.calls = required_calls("".join(self._text))
             return "", [as_delta(i, c) for i, c in enumerate(self.calls)]
+        if self._held is not None:  # the output may be a bare call: hold it until known
+            self._held += text
+            if _may_be_bare(self._held) and not finished:
+                return "", []
+            text, self._held = self._held, None
+            if finished and (bare := bare_calls(text, self._names, self._parser.limit)):
+                self.calls = bare
+                return "", [as_delta(i, c) for i, c in enumerate(bare)]
         first = len(self._parser.calls)
         content, _ = self._parser.feed(text)
         if finished:

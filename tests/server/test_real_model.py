@@ -1,9 +1,13 @@
-"""`braid serve` with the default target model: one chat request answered sensibly."""
+"""`braid serve` with the default target model: one chat request answered sensibly, a JSON
+schema response, and a tool call round trip with the openai client, streaming and not."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+from typing import Any
 
+import jsonschema
 import openai
 import pytest
 
@@ -44,3 +48,65 @@ def test_real_model_chat(real_server: ServerProcess) -> None:
     spec = braid["spec"]
     assert spec["num_drafts"] > 0 and 0 < spec["acceptance_rate"] <= 1, spec
     assert spec["mean_acceptance_length"] > 1
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "The city's name"},
+        "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}}
+
+
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                         timeout=600)
+
+
+def test_real_model_json_schema(real_server: ServerProcess) -> None:
+    schema = {"type": "object", "properties": {
+        "function_name": {"type": "string"},
+        "arguments": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        "returns": {"enum": ["int", "str", "bool", "None"]}},
+        "required": ["function_name", "arguments", "returns"]}
+    res = client(real_server).chat.completions.create(
+        model=real_server.model, temperature=0, max_tokens=96,
+        messages=[{"role": "user", "content": "Describe a Python function that adds two "
+                                              "numbers, as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "f", "schema": schema}})
+    jsonschema.validate(json.loads(res.choices[0].message.content or ""), schema)
+
+
+def _call(server: ServerProcess, messages: list[dict[str, Any]], stream: bool
+          ) -> tuple[str, list[dict[str, Any]], str | None]:
+    kwargs: dict[str, Any] = dict(model=server.model, temperature=0, max_tokens=96,
+                                  messages=messages, tools=[WEATHER])
+    if not stream:
+        res = client(server).chat.completions.create(**kwargs)
+        m = res.choices[0].message
+        return m.content or "", [t.model_dump() for t in m.tool_calls or []], \
+            res.choices[0].finish_reason
+    content, calls, finish = "", {}, None
+    for ch in client(server).chat.completions.create(stream=True, **kwargs):
+        if ch.choices:
+            d = ch.choices[0].delta
+            content += d.content or ""
+            for t in d.tool_calls or []:
+                calls[t.index] = {"id": t.id, "type": "function", "function": {
+                    "name": t.function.name, "arguments": t.function.arguments}}
+            finish = ch.choices[0].finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_real_model_tool_call_round_trip(real_server: ServerProcess, stream: bool) -> None:
+    """The model calls the tool (tool_choice auto), gets its result, and answers with it."""
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "What is the weather in Paris right now?"}]
+    _, calls, finish = _call(real_server, messages, stream)
+    assert finish == "tool_calls" and [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert "paris" in json.loads(calls[0]["function"]["arguments"])["city"].lower()
+    messages += [{"role": "assistant", "content": None, "tool_calls": calls},
+                 {"role": "tool", "tool_call_id": calls[0]["id"],
+                  "content": json.dumps({"temperature": 31, "unit": "celsius"})}]
+    answer, more, finish = _call(real_server, messages, stream)
+    assert not more and finish in ("stop", "length") and "31" in answer, answer

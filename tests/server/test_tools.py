@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from braid.server.protocol import ChatCompletionRequest
-from braid.server.tools import HermesParser, template_messages
+from braid.server.tools import ChoiceTools, HermesParser, template_messages
 from tests.server.conftest import ServerProcess
 
 WEATHER = {"type": "object", "properties": {
@@ -155,3 +155,31 @@ def test_earlier_calls_reach_the_template_with_object_arguments() -> None:
     messages = template_messages(body)
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"zone": "UTC"}
     assert messages[2] == {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}
+
+
+BARE = '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris", "days": 1}\n}\n```'
+
+
+@pytest.mark.parametrize("text, is_call", [
+    (BARE, True), ('{"name": "get_time", "arguments": {"zone": "CET"}}', True),
+    ('[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {}}]', True),
+    ('{"name": "unknown_tool", "arguments": {}}', False),
+    ('{"city": "Paris"}', False), ("Sure: " + BARE, False), ("It is sunny.", False),
+])
+def test_a_bare_call_without_tags_is_a_call(text: str, is_call: bool) -> None:
+    """Small models (the default Qwen2.5-Coder-1.5B among them) write the call as bare JSON or
+    a ```json block: a call when that is the whole output and names a tool; the stream holds
+    such an output back until it is known, so a call never also arrives as content."""
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TOOLS)
+    content, calls = ChoiceTools("auto", body).whole(text)
+    stream, streamed, deltas = ChoiceTools("auto", body), "", []
+    for i in range(0, len(text), 4):
+        piece, d = stream.delta(text[i:i + 4], i + 4 >= len(text))
+        streamed, deltas = streamed + piece, deltas + d
+    if is_call:
+        assert content is None and calls and not streamed
+        assert [(d.function.name, d.function.arguments) for d in deltas] == [
+            (c.function.name, c.function.arguments) for c in calls]
+        assert stream.finish_reason("stop") == "tool_calls"
+    else:
+        assert content == text and not calls and streamed == text and not deltas
