@@ -16,3 +16,24 @@ def test_n_completions_per_prompt(tmp_path) -> None:
     assert len({tuple(c.token_ids) for c in out[0].outputs}) > 1  # seeds 7, 8, 9 differ
     again = llm.generate("hello", params, use_tqdm=False)[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out[0].outputs]
+
+
+def test_structured_output_offline(tmp_path) -> None:
+    """SamplingParams(structured_outputs=...) through LLM.generate and LLM.chat, n = 2."""
+    import re
+
+    from braid import LLM, SamplingParams
+    from braid.sampling_params import StructuredOutputsParams
+    from tests.tiny import save_tiny_model
+
+    llm = LLM(str(save_tiny_model(tmp_path)), num_kv_blocks=256, block_size=4,
+              max_model_len=256, log_stats_interval=0)
+    regex = StructuredOutputsParams(regex=r"[a-f]{3}\d")
+    out = llm.generate(["hello"], SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=20,
+                                                 structured_outputs=regex), use_tqdm=False)
+    assert all(re.fullmatch(r"[a-f]{3}\d", c.text) for c in out[0].outputs)
+    choice = StructuredOutputsParams(choice=["alpha", "beta"])
+    chat = llm.chat([{"role": "user", "content": "pick"}],
+                    SamplingParams(temperature=0, max_tokens=20, structured_outputs=choice),
+                    use_tqdm=False)
+    assert chat[0].outputs[0].text in ("alpha", "beta")

@@ -72,10 +72,6 @@ class Request:
         return f.result() if f is not None and f.done() and f.exception() is None else None
 
     @property
-    def grammar_ready(self) -> bool:
-        return self.grammar_future is None or self.grammar_future.done()
-
-    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
