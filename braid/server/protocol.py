@@ -155,9 +155,10 @@ class CompletionRequest(SamplingRequest):
     def unsupported_field(self) -> tuple[str, str] | None:
         if self.suffix:
             return "suffix", "suffix (fill in the middle) is not supported"
-        for name in ("tools", "tool_choice"):
-            if getattr(self, name) is not None:
-                return name, "tool calling is on /v1/chat/completions"
+        if self.tools:
+            return "tools", "tool calling is on /v1/chat/completions"
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice", "tool calling is on /v1/chat/completions"
         return super().unsupported_field()
 
 

@@ -2,9 +2,10 @@
 
 The tools go to the model through its chat template; a call comes back as
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` in the text, parsed into
-`tool_calls` (streamed as one delta per call once its closing tag arrives; text before and
-between calls streams as content). An output that is nothing but such a call without the
-tags (or a ```json block of one) is a call too (`bare_calls`). `tool_choice`:
+`tool_calls` (streamed as vLLM's hermes parser does: a call's id and name once its head is
+in, then its arguments text as it grows; text before and between calls streams as content).
+An output that is nothing but such a call without the tags (or a ```json block of one) is a
+call too (`bare_calls`). `tool_choice`:
 - "none": the model sees the tools, its text stays text.
 - "auto": the model decides; calls are parsed out of its text.
 - "required": the grammar forces a JSON array of one or more calls of the given functions,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -151,6 +153,16 @@ class HermesParser:
         self._buffer, self._in_call = "", False
         return rest, []
 
+    def partial(self) -> tuple[str, str] | None:
+        """(name, arguments text so far) of the call being written, once its name and the
+        start of its arguments are in; the arguments text is always a prefix of the finished
+        call's (what may be the block's closing brace or tag is held back)."""
+        if not self._in_call or (m := _CALL_HEAD.match(self._buffer)) is None:
+            return None
+        text = self._buffer[m.end():]
+        text = text[:len(text) - _partial_tag(text, CALL_CLOSE)].rstrip()
+        return m.group(1), text[:-1].rstrip() if text.endswith("}") else text
+
     @staticmethod
     def _parse(block: str) -> ToolCall | None:
         try:
@@ -160,7 +172,25 @@ class HermesParser:
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return None
         arguments = value.get("arguments", value.get("parameters", {}))
-        return new_call(value["name"], json.dumps(arguments, ensure_ascii=False))
+        return new_call(value["name"], _arguments_text(block, arguments))
+
+
+# A call's head as Qwen writes it; its arguments then stream as the model writes them.
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*')
+
+
+def _arguments_text(block: str, arguments: Any) -> str:
+    """The arguments as the model wrote them when the block has the usual head (so a stream
+    of its text and the finished call agree), else as JSON."""
+    if (m := _CALL_HEAD.match(block)) is not None:
+        text = block[m.end():].rstrip()
+        text = text[:-1].rstrip() if text.endswith("}") else text
+        try:
+            if json.loads(text) == arguments:
+                return text
+        except json.JSONDecodeError:
+            pass
+    return json.dumps(arguments, ensure_ascii=False)
 
 
 def _partial_tag(text: str, tag: str) -> int:
@@ -192,6 +222,12 @@ def bare_calls(text: str, names: set[str], limit: int | None) -> list[ToolCall]:
     return calls[:limit]
 
 
+def _argument_delta(index: int, arguments: str, sent: str) -> list[DeltaToolCall]:
+    rest = arguments[len(sent):] if arguments.startswith(sent) else ""
+    return [DeltaToolCall(index=index, type=None, function=DeltaFunctionCall(
+        arguments=rest))] if rest else []
+
+
 def _may_be_bare(text: str) -> bool:
     """The output so far could still be a bare call (whitespace, or it opens with JSON or a
     fence)."""
@@ -220,6 +256,7 @@ class ChoiceTools:
         self._names = {t.function.name for t in body.tools or []}
         self._text: list[str] = []
         self._held: str | None = ""  # auto: the start of the output, while it may be bare
+        self._open: tuple[int, str, str] | None = None  # streamed call: index, id, args sent
         self._named: ToolCall | None = None
         self.calls: list[ToolCall] = []
 
@@ -272,7 +309,33 @@ class ChoiceTools:
             rest, _ = self._parser.finish()
             content += rest
         self.calls = self._parser.calls
-        return content, [as_delta(first + i, c) for i, c in enumerate(self.calls[first:])]
+        deltas = []
+        for i, call in enumerate(self.calls[first:], start=first):
+            if self._open is not None and self._open[0] == i:  # its head went out already
+                _, call.id, sent = self._open
+                self._open = None
+                deltas += _argument_delta(i, call.function.arguments, sent)
+            else:
+                deltas.append(as_delta(i, call))
+        return content, deltas + self._stream_open()
+
+    def _stream_open(self) -> list[DeltaToolCall]:
+        """Deltas of the call being written: its id and name first, then its arguments as
+        they grow (vLLM's hermes streaming)."""
+        index, partial = len(self._parser.calls), self._parser.partial()
+        limit = self._parser.limit
+        if partial is None or (limit is not None and index >= limit):
+            return []
+        name, arguments = partial
+        if self._open is None:
+            call = new_call(name, "")
+            self._open = (index, call.id, "")
+            return [as_delta(index, call, "")] + self._stream_open()
+        _, call_id, sent = self._open
+        if len(arguments) <= len(sent) or not arguments.startswith(sent):
+            return []
+        self._open = (index, call_id, arguments)
+        return _argument_delta(index, arguments, sent)
 
     def finish_reason(self, reason: str | None) -> str | None:
         """OpenAI's: "tool_calls" when the model chose to call (a named call is "stop")."""

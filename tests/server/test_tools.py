@@ -183,3 +183,27 @@ def test_a_bare_call_without_tags_is_a_call(text: str, is_call: bool) -> None:
         assert stream.finish_reason("stop") == "tool_calls"
     else:
         assert content == text and not calls and streamed == text and not deltas
+
+
+@pytest.mark.parametrize("piece", [1, 5, len(TEXT)])
+def test_streamed_calls_arrive_name_first_then_growing_arguments(piece: int) -> None:
+    """As vLLM's hermes parser streams: a call's id and name once its head is in, then its
+    arguments in pieces; the pieces add up to the finished call's arguments."""
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TOOLS)
+    whole_content, whole_calls = ChoiceTools("auto", body).whole(TEXT)
+    stream, content, calls, pieces = ChoiceTools("auto", body), "", {}, 0
+    for i in range(0, len(TEXT), piece):
+        text, deltas = stream.delta(TEXT[i:i + piece], i + piece >= len(TEXT))
+        content += text
+        for d in deltas:
+            call = calls.setdefault(d.index, {"id": d.id, "name": d.function.name,
+                                              "arguments": ""})
+            assert d.id in (None, call["id"]) and d.function.name in (None, call["name"])
+            call["arguments"] += d.function.arguments or ""
+            pieces += 1
+    assert content.strip() == whole_content == "Let me check."
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in whole_calls]
+    assert [c["id"] for c in calls.values()] == [c.id for c in stream.calls]
+    if piece == 1:
+        assert pieces > 10  # arguments arrived as they were written
