@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from braid.bench.args import comma_choices
 from braid.bench.datasets import (
     BenchPrompt,
     shared_system_prompt,
@@ -168,10 +169,7 @@ def main() -> None:
     parser.add_argument("--server-args", default="")
     parser.add_argument("--out", default="docs/benchmarks")
     args = parser.parse_args()
-    modes = [m for m in args.modes.split(",") if m]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        parser.error(f"--modes: unknown {', '.join(unknown)} (known: {', '.join(MODES)})")
+    modes = comma_choices(parser, "--modes", args.modes, MODES)
     rates = [float(r) for r in args.rates.split(",")]
     loads = workloads(args)
     for name, sessions in loads.items():

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from braid.bench.args import comma_choices
 from braid.bench.datasets import tokenizer_for
 from braid.bench.sweep_report import machine_info
 from braid.config import DEFAULT_DRAFT, DEFAULT_TARGET, EngineConfig
@@ -228,9 +229,7 @@ def main() -> None:
                         help="per request (schema answers end when their JSON is complete)")
     parser.add_argument("--out", default="docs/benchmarks")
     args = parser.parse_args()
-    modes = [m for m in args.modes.split(",") if m]
-    if unknown := [m for m in modes if m not in MODES]:
-        parser.error(f"--modes: unknown {', '.join(unknown)} (known: {', '.join(MODES)})")
+    modes = comma_choices(parser, "--modes", args.modes, MODES)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}

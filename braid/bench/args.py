@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 
 from braid.bench.datasets import DATASETS
 
@@ -29,6 +30,17 @@ the drain (~120 + 60 + 30 s), so a mode takes ~5 min with server start-up and al
 min for all five. Explicit --request-rates, --num-prompts or --max-output-len override either.
 Goodput SLOs default to ttft:10000 tpot:500 (ms).
 """
+
+
+def comma_choices(parser: argparse.ArgumentParser, flag: str, value: str,
+                  known: Iterable[str]) -> list[str]:
+    """The comma-separated names of `value`, each one of `known` (parser.error naming the
+    flag otherwise)."""
+    known = list(known)
+    names = [n for n in value.split(",") if n]
+    if unknown := [n for n in names if n not in known]:
+        parser.error(f"{flag}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
+    return names
 
 
 def _dataset_args(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -70,7 +71,7 @@ class GrammarState:
     def __init__(self, matcher: llguidance.LLMatcher, eos_token_ids: Collection[int],
                  stats: GrammarStats) -> None:
         self._matcher = matcher
-        self._eos_token_ids = sorted(eos_token_ids)
+        self._eos_token_ids = frozenset(eos_token_ids)
         self._stats = stats
 
     def advance(self, token: int) -> str | None:
@@ -80,19 +81,25 @@ class GrammarState:
             return "error"
         return "stop" if self._matcher.is_stopped() else None
 
+    @contextmanager
+    def _after(self, tokens: Sequence[int]) -> Iterator[None]:
+        """The matcher in the state after `tokens` (which it accepts), rolled back on exit."""
+        if tokens:
+            self._matcher.consume_tokens(list(tokens))
+        try:
+            yield
+        finally:
+            if tokens:
+                self._matcher.rollback(len(tokens))
+
     def num_valid(self, drafts: Sequence[int]) -> int:
         """How many leading drafts the grammar accepts from the current state: up to the
         first it refuses, or up to and including an EOS where the grammar may end (nothing
         after it can matter)."""
         n = self._matcher.validate_tokens(list(drafts)) if drafts else 0
         if n < len(drafts) and self.is_eos(drafts[n]):
-            prefix = list(drafts[:n])
-            if prefix:
-                self._matcher.consume_tokens(prefix)
-            accepting = self._matcher.is_accepting()
-            if prefix:
-                self._matcher.rollback(n)
-            n += accepting
+            with self._after(drafts[:n]):
+                n += self._matcher.is_accepting()
         return n
 
     def is_eos(self, token: int) -> bool:
@@ -108,15 +115,12 @@ class GrammarState:
         if n < len(drafts) or any(map(self.is_eos, drafts)):
             out.fill_(-1)
             return
-        if n:
-            self._matcher.consume_tokens(list(drafts))
-        self._matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
-        if self._matcher.is_accepting():  # any of the model's EOS tokens may end it
-            for t in self._eos_token_ids:
-                if t < out.numel() * 32:
-                    out[t // 32] |= _bit(t % 32)
-        if n:
-            self._matcher.rollback(n)
+        with self._after(drafts):
+            self._matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
+            if self._matcher.is_accepting():  # any of the model's EOS tokens may end it
+                for t in self._eos_token_ids:
+                    if t < out.numel() * 32:
+                        out[t // 32] |= _bit(t % 32)
         self._stats.num_masks += 1
         self._stats.mask_time += time.perf_counter() - start
 
