@@ -95,7 +95,8 @@ def main() -> None:
             cold_load = time_load(args.model, args.quantization, tmp)
     engine = LLMEngine(EngineConfig(model=args.model, quantization=args.quantization,
                                     kv_cache_gib=args.kv_cache_gib,
-                                    max_num_batched_tokens=512, log_stats_interval=0))
+                                    max_num_batched_tokens=512, log_stats_interval=0,
+                                    enable_prefix_caching=False))
     model = engine.runner.model
     weight_bytes = model.weight_bytes()
     kv_bytes = engine.runner.kv_cache.numel() * engine.runner.kv_cache.element_size()

@@ -18,7 +18,10 @@ import torch
 
 logger = logging.getLogger("braid")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "attention.cpp", "norm.cpp")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("quant.cpp", "panels.cpp", "attention.cpp", "norm.cpp")]
+HEADERS = [Path(__file__).with_name("formats.h")]
+ISAS = ("avx512-vnni", "avx2", "scalar")
 
 
 def _build_dir(digest: str) -> Path:
@@ -49,7 +52,7 @@ def quant_ops() -> ModuleType | None:
 
     _find_ninja()
 
-    key = b"".join(p.read_bytes() for p in SOURCES)
+    key = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     key += torch.__version__.encode() + platform.machine().encode()
     digest = hashlib.sha256(key).hexdigest()[:12]
     build = _build_dir(digest)
@@ -66,5 +69,20 @@ def quant_ops() -> ModuleType | None:
         logger.warning("quantized CPU kernels unavailable (%s: %s); GGUF weights are "
                        "dequantized to float instead", type(e).__name__, str(e)[:300])
         return None
-    logger.info("quantized CPU kernels: %s, int8-quantized activations", module.isa())
+    _choose_isa(module)
     return module
+
+
+def _choose_isa(module: ModuleType) -> None:
+    """The routines this CPU's flags allow, or those BRAID_KERNEL_ISA names: avx512-vnni
+    (weights in panels of 16 interleaved rows), avx2 (row by row), scalar (portable)."""
+    wanted = os.environ.get("BRAID_KERNEL_ISA", "auto")
+    if wanted not in ("auto", *ISAS):
+        raise ValueError(f"BRAID_KERNEL_ISA={wanted!r}: expected auto or one of {ISAS}")
+    if wanted != "auto":
+        module.set_vnni(wanted == "avx512-vnni")
+        module.set_avx2(wanted in ("avx512-vnni", "avx2"))
+    isa = module.panel_isa() if module.panel_isa() != "scalar" else module.isa()
+    if wanted not in ("auto", isa):
+        logger.warning("BRAID_KERNEL_ISA=%s: this CPU lacks it, using %s", wanted, isa)
+    logger.info("quantized CPU kernels: %s, int8-quantized activations", isa)

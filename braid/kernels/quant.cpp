@@ -21,120 +21,12 @@
 #include <cstring>
 #include <utility>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define BRAID_X86 1
-#endif
+
+#include "formats.h"
 
 namespace {
 
-// ---- formats (ggml type ids and block layouts) ----------------------------------------------
-
-enum GgmlType : int64_t { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
-// braid's own layout of Q4_K (not a ggml type): the same values with the 6-bit scales and mins
-// unpacked to bytes at load (repack_q4_k), so the kernel does not decode them every block.
-constexpr int64_t Q4_K_UNPACKED = 1012;
-
-constexpr int QK = 32;    // Q5_0 / Q8_0 block
-constexpr int QK_K = 256; // K-quant super-block
-
-struct BlockQ4_0 { uint16_t d; uint8_t qs[QK / 2]; };
-struct BlockQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[QK / 2]; };
-struct BlockQ8_0 { uint16_t d; int8_t qs[QK]; };
-struct BlockQ4_K { uint16_t d; uint16_t dmin; uint8_t scales[12]; uint8_t qs[QK_K / 2]; };
-struct BlockQ4_KU { uint16_t d; uint16_t dmin; uint8_t sc[8]; uint8_t mn[8]; uint8_t qs[QK_K / 2]; };
-struct BlockQ6_K { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; uint16_t d; };
-static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ5_0) == 22 && sizeof(BlockQ8_0) == 34, "ggml block size");
-static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210, "ggml block size");
-static_assert(sizeof(BlockQ4_KU) == 148, "unpacked Q4_K block size");
-
-// Quantized activations.
-struct ActQ8_0 { float d; int32_t sum; int8_t qs[QK]; };                   // sum = sum(qs)
-struct ActQ8_K { float d; int16_t bsums[QK_K / 16]; int8_t qs[QK_K]; };    // bsums per 16
-static_assert(sizeof(ActQ8_0) == 40 && sizeof(ActQ8_K) == 292, "activation block size");
-
-bool is_k_quant(int64_t type) { return type == Q4_K || type == Q6_K || type == Q4_K_UNPACKED; }
-
-int64_t block_elems(int64_t type) { return is_k_quant(type) ? QK_K : QK; }
-
-int64_t block_bytes(int64_t type) {
-  switch (type) {
-    case Q4_0: return sizeof(BlockQ4_0);
-    case Q5_0: return sizeof(BlockQ5_0);
-    case Q8_0: return sizeof(BlockQ8_0);
-    case Q4_K: return sizeof(BlockQ4_K);
-    case Q6_K: return sizeof(BlockQ6_K);
-    case Q4_K_UNPACKED: return sizeof(BlockQ4_KU);
-  }
-  TORCH_CHECK(false, "unsupported GGML type ", type);
-}
-
-float fp16_to_fp32(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // subnormal: renormalize
-      exp = 127 - 15 + 1;
-      while (!(mant & 0x400)) { mant <<= 1; --exp; }
-      bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000 | (mant << 13);
-  } else {
-    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// Q4_K: eight 6-bit (scale, min) pairs packed into 12 bytes.
-void q4k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = s[j] & 63;
-    mn[j] = s[j + 4] & 63;
-    sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
-    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-  }
-}
-
-// ---- activation quantization (identical results on both paths: round half to even) ---------
-
-void quantize_q8_0(const float* x, ActQ8_0* out, int64_t k) {
-  for (int64_t b = 0; b < k / QK; ++b, x += QK) {
-    float amax = 0.f;
-    for (int i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(x[i]));
-    const float d = amax / 127.f, id = d > 0.f ? 127.f / amax : 0.f;
-    int32_t sum = 0;
-    for (int i = 0; i < QK; ++i) {
-      const int q = (int)std::nearbyint(x[i] * id);
-      out[b].qs[i] = (int8_t)q;
-      sum += q;
-    }
-    out[b].d = d;
-    out[b].sum = sum;
-  }
-}
-
-void quantize_q8_k(const float* x, ActQ8_K* out, int64_t k) {
-  for (int64_t b = 0; b < k / QK_K; ++b, x += QK_K) {
-    float amax = 0.f;
-    for (int i = 0; i < QK_K; ++i) amax = std::fmax(amax, std::fabs(x[i]));
-    const float d = amax / 127.f, id = d > 0.f ? 127.f / amax : 0.f;
-    for (int g = 0; g < QK_K / 16; ++g) {
-      int sum = 0;
-      for (int i = g * 16; i < g * 16 + 16; ++i) {
-        const int q = (int)std::nearbyint(x[i] * id);
-        out[b].qs[i] = (int8_t)q;
-        sum += q;
-      }
-      out[b].bsums[g] = (int16_t)sum;
-    }
-    out[b].d = d;
-  }
-}
+using namespace braid_kernels;
 
 // ---- scalar dot products: one weight row . one activation row ------------------------------
 
@@ -248,28 +140,6 @@ float dot_q8_0_scalar(const void* wv, const void* xv, int64_t nb) {
 // ---- AVX2 dot products: one weight row . R activation rows ----------------------------------
 // The weight is unpacked once per block for all R rows; each row's arithmetic is the same
 // sequence whatever R is, so results do not depend on how rows are grouped.
-
-// Software prefetch of the weight stream, this many bytes ahead of the block being read: with
-// the products' arithmetic between loads the hardware prefetcher alone keeps too few misses
-// in flight (docs/benchmarks.md section 5 has the A/B). Prefetches never fault past the end.
-constexpr int64_t PREFETCH_BYTES = 8192;
-
-// Prefetch the cache lines of the block at `p` (of BYTES bytes) PREFETCH_BYTES ahead.
-template <int64_t BYTES>
-inline void prefetch_ahead(const void* p) {
-#ifdef BRAID_X86
-  const char* c = static_cast<const char*>(p) + PREFETCH_BYTES;
-  for (int64_t off = 0; off < BYTES; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
-#else
-  (void)p;
-#endif
-}
-
-// Activation row r of block i.
-template <typename A>
-inline const A* act(const uint8_t* x, int64_t stride, int r, int64_t i) {
-  return reinterpret_cast<const A*>(x + r * stride) + i;
-}
 
 #ifdef BRAID_X86
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -620,6 +490,8 @@ void check_weight(const torch::Tensor& w, int64_t type, int64_t k) {
   TORCH_CHECK(w.size(1) == k / block_elems(type) * block_bytes(type),
               "weight rows hold ", w.size(1), " bytes, expected ",
               k / block_elems(type) * block_bytes(type));
+  TORCH_CHECK(!is_panel(type) || w.size(0) % PANEL_ROWS == 0,
+              "a panel weight has a multiple of 16 rows, got ", w.size(0));
 }
 
 // ---- ops ------------------------------------------------------------------------------------
@@ -661,6 +533,11 @@ void qgemm_into(const torch::Tensor& xq, const torch::Tensor& w, int64_t type, i
   const int64_t m = xq.size(0), n = w.size(0), ld = out.size(1);
   TORCH_CHECK(out.size(0) == m && col0 + n <= ld, "out is too small");
   const int64_t nb = k / block_elems(type), wbytes = w.size(1), xbytes = xq.size(1);
+  if (is_panel(type)) {
+    panel_gemm(xq.data_ptr<uint8_t>(), m, xbytes, w.data_ptr<uint8_t>(), n, type, k,
+               out.data_ptr<float>() + col0, ld);
+    return;
+  }
   const auto fns = rows_fns(type);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const uint8_t* xp = xq.data_ptr<uint8_t>();
@@ -703,9 +580,11 @@ torch::Tensor dequantize_rows(const torch::Tensor& w, const torch::Tensor& ids_i
   const int64_t* idp = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < t; ++i) TORCH_CHECK(idp[i] >= 0 && idp[i] < v, "row id out of range");
   at::parallel_for(0, t, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      dequantize_row(w.data_ptr<uint8_t>() + idp[i] * wbytes, type, k,
-                     out.data_ptr<float>() + i * k);
+    for (int64_t i = begin; i < end; ++i) {
+      float* y = out.data_ptr<float>() + i * k;
+      if (is_panel(type)) panel_dequantize_row(w.data_ptr<uint8_t>(), idp[i], type, k, y);
+      else dequantize_row(w.data_ptr<uint8_t>() + idp[i] * wbytes, type, k, y);
+    }
   });
   return out;
 }
@@ -741,10 +620,14 @@ bool set_avx2(bool on) {
 
 void register_attention(pybind11::module& m);  // attention.cpp
 void register_norm(pybind11::module& m);  // norm.cpp
+namespace braid_kernels {
+void register_panels(pybind11::module& m);  // panels.cpp
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_attention(m);
   register_norm(m);
+  braid_kernels::register_panels(m);
   m.def("quantize_activations", &quantize_activations);
   m.def("qgemm", &qgemm);
   m.def("qgemm_into", &qgemm_into);

@@ -31,8 +31,8 @@ class QuantWeight:
     data: torch.Tensor  # uint8 [rows, bytes per row], blocks in the layout below
     qtype: GGMLQuantizationType  # the values' format (what a GGUF calls the tensor's type)
     cols: int  # values per row (in_features)
-    # The kernels' block layout: the GGML type's own, or braid's unpacked Q4_K
-    # (ops.Q4_K_UNPACKED, see `as_kernel_format`).
+    # The kernels' block layout: the GGML type's own, braid's unpacked Q4_K
+    # (ops.Q4_K_UNPACKED) or its panels (ops.PANEL + type); see `as_kernel_format`.
     layout: int = -1
 
     def __post_init__(self) -> None:
@@ -68,13 +68,19 @@ def quantize_float(weight: torch.Tensor, qtype: GGMLQuantizationType) -> QuantWe
 
 
 def as_kernel_format(w: QuantWeight) -> QuantWeight:
-    """A weight the kernels can run: as is, or re-quantized to Q8_0 (int8) from its values;
-    Q4_K in the unpacked layout (the same values; its scales are not decoded every block,
-    for 3% more bytes)."""
+    """A weight the kernels can run: its values re-quantized to Q8_0 (int8) where the kernels
+    have no routine for its format; then, where the CPU has AVX512-VNNI, in panels of 16
+    interleaved rows (`ops.PANEL` + its type); elsewhere Q4_K in the unpacked layout (the same
+    values; its scales are not decoded every block, for 3% more bytes)."""
     if not runnable(w.qtype, w.cols):
-        return quantize_float(w.dequantize(), Q.Q8_0)
+        w = quantize_float(w.dequantize(), Q.Q8_0)
     ops = quant_ops()
-    if w.layout == Q.Q4_K and ops is not None:
+    if ops is None or w.layout != int(w.qtype):
+        return w
+    if ops.panel_isa() != "scalar" and w.rows % ops.PANEL_ROWS == 0:
+        return QuantWeight(ops.repack_panels(w.data, int(w.qtype), w.cols), w.qtype, w.cols,
+                           ops.PANEL + int(w.qtype))
+    if w.qtype == Q.Q4_K:
         return QuantWeight(ops.repack_q4_k(w.data, w.cols), w.qtype, w.cols,
                            ops.Q4_K_UNPACKED)
     return w

@@ -260,3 +260,106 @@ def test_rotate_is_the_torch_rotation_exactly(ops: ModuleType) -> None:
     got = x.clone()
     ops.rotate_(got, cos, sin)
     assert torch.equal(got, want)
+
+
+# ---- panels: sixteen rows interleaved, the AVX512-VNNI kernels' layout ----------------------
+
+PANEL_N = 48  # three panels
+
+
+@contextmanager
+def panel_path(ops: ModuleType, path: str) -> Iterator[None]:
+    """Run the panels' AVX512-VNNI or scalar routines, then restore the setting."""
+    if path == "avx512-vnni" and not ops.has_vnni():
+        pytest.skip("this CPU has no AVX512-VNNI")
+    before = ops.set_vnni(path == "avx512-vnni")
+    try:
+        assert ops.panel_isa() == path
+        yield
+    finally:
+        ops.set_vnni(before)
+
+
+def panels(ops: ModuleType, qtype: Q, cols: int = K) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(GGUF rows, the same rows as panels, the panel layout id)."""
+    w = random_weight(qtype, rows=PANEL_N, cols=cols)
+    return w, ops.repack_panels(w, int(qtype), cols), ops.PANEL + int(qtype)
+
+
+@by_type
+def test_panels_hold_the_gguf_values(ops: ModuleType, qtype: Q) -> None:
+    w, p, layout = panels(ops, qtype)
+    assert p.shape[0] == PANEL_N
+    ids = torch.tensor([0, 15, 16, 47, 5, 5])
+    assert torch.equal(ops.dequantize_rows(p, ids, layout, K),
+                       ops.dequantize_rows(w, ids, int(qtype), K))
+
+
+@by_type
+def test_panel_products_are_the_float_product_up_to_int8_activations(
+        ops: ModuleType, qtype: Q) -> None:
+    w, p, layout = panels(ops, qtype)
+    x = activations(11)
+    reference = x.double() @ torch.from_numpy(dequantize(w.numpy(), qtype)).double().T
+    got = ops.qgemm(ops.quantize_activations(x, int(qtype)), p, layout, K)
+    assert ((got.double() - reference).norm() / reference.norm()) < GEMM_RTOL
+
+
+@by_type
+def test_panel_paths_agree_bit_for_bit(ops: ModuleType, qtype: Q) -> None:
+    """The scalar reference does the vector kernel's integer sums and float operations in the
+    same order, one output at a time: the two give the same bits."""
+    _, p, layout = panels(ops, qtype)
+    xq = ops.quantize_activations(activations(11), int(qtype))
+    results = []
+    for path in ("avx512-vnni", "scalar"):
+        with panel_path(ops, path):
+            results.append(ops.qgemm(xq, p, layout, K))
+    assert torch.equal(*results)
+
+
+@by_type
+@pytest.mark.parametrize("path", ["avx512-vnni", "scalar"])
+def test_panel_rows_do_not_depend_on_the_batch(ops: ModuleType, qtype: Q, path: str) -> None:
+    _, p, layout = panels(ops, qtype)
+    x = activations(19)  # more than one pass of eight rows
+    xq = ops.quantize_activations(x, int(qtype))
+    with panel_path(ops, path):
+        batch = ops.qgemm(xq, p, layout, K)
+        for i in range(19):
+            assert torch.equal(ops.qgemm(xq[i : i + 1], p, layout, K), batch[i : i + 1])
+        assert torch.equal(ops.qgemm(xq[3:12], p, layout, K), batch[3:12])
+        with threads(1):
+            assert torch.equal(ops.qgemm(xq, p, layout, K), batch)
+        out = torch.full((19, PANEL_N + 32), float("nan"))
+        ops.qgemm_into(xq, p, layout, K, out, 16)
+        assert torch.equal(out[:, 16 : 16 + PANEL_N], batch)
+        assert out[:, :16].isnan().all() and out[:, 16 + PANEL_N :].isnan().all()
+
+
+def test_panels_need_whole_panels(ops: ModuleType) -> None:
+    w = random_weight(Q.Q8_0, rows=40)
+    with pytest.raises(RuntimeError, match="multiple of 16 rows"):
+        ops.repack_panels(w, int(Q.Q8_0), K)
+    p = ops.repack_panels(random_weight(Q.Q8_0, rows=48), int(Q.Q8_0), K)
+    xq = ops.quantize_activations(activations(2), int(Q.Q8_0))
+    with pytest.raises(RuntimeError, match="multiple of 16 rows"):
+        ops.qgemm(xq, p[:40].contiguous(), ops.PANEL + int(Q.Q8_0), K)
+    with pytest.raises(RuntimeError, match="unsupported GGML type"):
+        ops.repack_panels(random_weight(Q.Q8_0, rows=48), int(Q.Q5_1), K)
+
+
+def test_kernel_isa_can_be_chosen(ops: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    from braid.kernels import _choose_isa
+
+    before = ops.set_vnni(True), ops.set_avx2(True)
+    try:
+        monkeypatch.setenv("BRAID_KERNEL_ISA", "scalar")
+        _choose_isa(ops)
+        assert (ops.panel_isa(), ops.isa()) == ("scalar", "scalar")
+        monkeypatch.setenv("BRAID_KERNEL_ISA", "avx-9000")
+        with pytest.raises(ValueError, match="BRAID_KERNEL_ISA"):
+            _choose_isa(ops)
+    finally:
+        ops.set_vnni(before[0])
+        ops.set_avx2(before[1])

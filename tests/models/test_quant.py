@@ -157,9 +157,10 @@ def test_segments_of_different_formats_fill_their_rows() -> None:
     assert rel_error(got, F.linear(x, weight)) < GEMM_RTOL
     ops = quant_ops()
     assert ops is not None
-    alone = ops.qgemm(ops.quantize_activations(x, int(Q.Q4_K)), k_rows, int(Q.Q4_K), 256)
+    k_part = layer.segments[0][1]
+    alone = ops.qgemm(ops.quantize_activations(x, int(Q.Q4_K)), k_part.data, k_part.layout, 256)
     assert torch.equal(got[:, :16], alone)
-    # Q4_K runs in its unpacked layout: 148 bytes a block instead of 144.
+    # Q4_K runs with its scales as bytes (unpacked or in panels): 148 bytes a block, not 144.
     assert layer.weight_bytes() == k_rows.numel() // 144 * 148 + q8_rows.data.numel()
 
 

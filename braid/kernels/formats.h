@@ -1,0 +1,176 @@
+// GGUF block formats shared by the quantized kernels (quant.cpp: rows as stored; panels.cpp:
+// rows interleaved sixteen to a panel): ggml type ids, block layouts, the activations' int8
+// blocks, fp16 decoding.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define BRAID_X86 1
+#endif
+
+namespace braid_kernels {
+
+// ---- formats (ggml type ids and block layouts) ----------------------------------------------
+
+enum GgmlType : int64_t { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+// braid's own layout of Q4_K (not a ggml type): the same values with the 6-bit scales and mins
+// unpacked to bytes at load (repack_q4_k), so the kernel does not decode them every block.
+constexpr int64_t Q4_K_UNPACKED = 1012;
+// braid's panel layouts (panels.cpp): PANEL + a ggml type holds that type's values with sixteen
+// rows interleaved per block, for the AVX512-VNNI kernels.
+constexpr int64_t PANEL = 2000;
+constexpr int64_t PANEL_ROWS = 16;
+
+inline bool is_panel(int64_t type) { return type > PANEL; }
+// The ggml type whose values a layout holds.
+inline int64_t value_type(int64_t type) {
+  return is_panel(type) ? type - PANEL : type == Q4_K_UNPACKED ? Q4_K : type;
+}
+
+constexpr int QK = 32;    // Q5_0 / Q8_0 block
+constexpr int QK_K = 256; // K-quant super-block
+
+struct BlockQ4_0 { uint16_t d; uint8_t qs[QK / 2]; };
+struct BlockQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[QK / 2]; };
+struct BlockQ8_0 { uint16_t d; int8_t qs[QK]; };
+struct BlockQ4_K { uint16_t d; uint16_t dmin; uint8_t scales[12]; uint8_t qs[QK_K / 2]; };
+struct BlockQ4_KU { uint16_t d; uint16_t dmin; uint8_t sc[8]; uint8_t mn[8]; uint8_t qs[QK_K / 2]; };
+struct BlockQ6_K { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; uint16_t d; };
+static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ5_0) == 22 && sizeof(BlockQ8_0) == 34, "ggml block size");
+static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210, "ggml block size");
+static_assert(sizeof(BlockQ4_KU) == 148, "unpacked Q4_K block size");
+
+// Quantized activations.
+struct ActQ8_0 { float d; int32_t sum; int8_t qs[QK]; };                   // sum = sum(qs)
+struct ActQ8_K { float d; int16_t bsums[QK_K / 16]; int8_t qs[QK_K]; };    // bsums per 16
+static_assert(sizeof(ActQ8_0) == 40 && sizeof(ActQ8_K) == 292, "activation block size");
+
+inline bool is_k_quant(int64_t type) {
+  return value_type(type) == Q4_K || value_type(type) == Q6_K;
+}
+
+inline int64_t block_elems(int64_t type) { return is_k_quant(type) ? QK_K : QK; }
+
+inline int64_t block_bytes(int64_t type) {
+  switch (type) {
+    case Q4_0: return sizeof(BlockQ4_0);
+    case Q5_0: return sizeof(BlockQ5_0);
+    case Q8_0: return sizeof(BlockQ8_0);
+    case Q4_K: return sizeof(BlockQ4_K);
+    case Q6_K: return sizeof(BlockQ6_K);
+    case Q4_K_UNPACKED: return sizeof(BlockQ4_KU);
+    // A panel holds sixteen rows' blocks: per row, the bytes of the GGUF block (Q4_K: of the
+    // unpacked one, whose scales are bytes).
+    case PANEL + Q4_0: case PANEL + Q5_0: case PANEL + Q8_0: case PANEL + Q6_K:
+      return block_bytes(type - PANEL);
+    case PANEL + Q4_K: return sizeof(BlockQ4_KU);
+  }
+  TORCH_CHECK(false, "unsupported GGML type ", type);
+}
+
+inline float fp16_to_fp32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalize
+      exp = 127 - 15 + 1;
+      while (!(mant & 0x400)) { mant <<= 1; --exp; }
+      bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000 | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Q4_K: eight 6-bit (scale, min) pairs packed into 12 bytes.
+inline void q4k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+// Activation quantization (identical on every path: round half to even).
+
+inline void quantize_q8_0(const float* x, ActQ8_0* out, int64_t k) {
+  for (int64_t b = 0; b < k / QK; ++b, x += QK) {
+    float amax = 0.f;
+    for (int i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+    const float d = amax / 127.f, id = d > 0.f ? 127.f / amax : 0.f;
+    int32_t sum = 0;
+    for (int i = 0; i < QK; ++i) {
+      const int q = (int)std::nearbyint(x[i] * id);
+      out[b].qs[i] = (int8_t)q;
+      sum += q;
+    }
+    out[b].d = d;
+    out[b].sum = sum;
+  }
+}
+
+inline void quantize_q8_k(const float* x, ActQ8_K* out, int64_t k) {
+  for (int64_t b = 0; b < k / QK_K; ++b, x += QK_K) {
+    float amax = 0.f;
+    for (int i = 0; i < QK_K; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+    const float d = amax / 127.f, id = d > 0.f ? 127.f / amax : 0.f;
+    for (int g = 0; g < QK_K / 16; ++g) {
+      int sum = 0;
+      for (int i = g * 16; i < g * 16 + 16; ++i) {
+        const int q = (int)std::nearbyint(x[i] * id);
+        out[b].qs[i] = (int8_t)q;
+        sum += q;
+      }
+      out[b].bsums[g] = (int16_t)sum;
+    }
+    out[b].d = d;
+  }
+}
+
+// Software prefetch of the weight stream, this many bytes ahead of the block being read: with
+// the products' arithmetic between loads the hardware prefetcher alone keeps too few misses
+// in flight (docs/benchmarks.md section 5 has the A/B). Prefetches never fault past the end.
+inline int64_t PREFETCH_BYTES = 8192;
+inline int g_pf_mode = 0;
+
+// Prefetch the cache lines of the block at `p` (of BYTES bytes) PREFETCH_BYTES ahead.
+template <int64_t BYTES>
+inline void prefetch_ahead(const void* p) {
+#ifdef BRAID_X86
+  const char* c = static_cast<const char*>(p) + PREFETCH_BYTES;
+  if (g_pf_mode == 0) for (int64_t off = 0; off < BYTES; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+  else if (g_pf_mode == 1) for (int64_t off = 0; off < BYTES; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
+  else if (g_pf_mode == 3) for (int64_t off = 0; off < BYTES; off += 64) _mm_prefetch(c + off, _MM_HINT_NTA);
+  else if (g_pf_mode == 4) for (int64_t off = 0; off < BYTES; off += 64) _mm_prefetch(c + off, _MM_HINT_T2);
+#else
+  (void)p;
+#endif
+}
+
+// Activation row r of block i.
+template <typename A>
+inline const A* act(const uint8_t* x, int64_t stride, int r, int64_t i) {
+  return reinterpret_cast<const A*>(x + r * stride) + i;
+}
+
+// Panel products and lookups (panels.cpp): x [m rows of xbytes] quantized activations times the
+// n rows of panel weight `w` -> out[r * ld + c]; row `row` of a panel weight as float32.
+void panel_gemm(const uint8_t* x, int64_t m, int64_t xbytes, const uint8_t* w, int64_t n,
+                int64_t type, int64_t k, float* out, int64_t ld);
+void panel_dequantize_row(const uint8_t* w, int64_t row, int64_t type, int64_t k, float* y);
+
+}  // namespace braid_kernels

@@ -1,0 +1,520 @@
+// Products with GGUF weights in panels: sixteen weight rows interleaved block by block, so one
+// AVX512-VNNI instruction (vpdpbusd) multiplies four activation values, broadcast, with four
+// values of each of the sixteen rows and adds them to sixteen int32 lanes, one per output. A
+// lane is one output from the first block to the last: no horizontal sums, one float rounding
+// sequence per output. That is llama.cpp's repack idea (interleaved rows, int8 activations)
+// on 512-bit vectors; the activations are the same Q8_K / Q8_0 blocks quant.cpp uses.
+//
+// Batch invariance: output (m, n) is the same integer sums and the same float operations in
+// the same order whatever the number of rows, the panel or the thread. The scalar reference
+// below does those same operations one output at a time, so the two paths agree bit for bit.
+//
+// A panel block (sixteen rows' block i, the bytes of sixteen GGUF blocks) holds, per format
+// (offsets in bytes; n = row in the panel; "pairs" = operand g in the low nibble, g + 4 in the
+// high one, where operand g is values 4g .. 4g + 3 of a 32-value group):
+//   Q4_0 / Q5_0: d[16] fp16 | 4 x [16][4] nibble pairs | Q5_0: 8 x u64 bit masks of bit 4
+//   Q8_0:        d[16] fp16 | 8 x [16][4] values + 128
+//   Q4_K:        d[16], dmin[16] fp16 | scales[8][16] | mins[8][16] | 8 groups x 4 x [16][4] pairs
+//   Q6_K:        d[16] fp16 | scales [8][16][2] int8 | 8 groups x (4 x [16][4] pairs of the
+//                low nibbles, 2 x [16][4] bytes of four 2-bit high parts)
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#include "formats.h"
+
+namespace braid_kernels {
+
+namespace {
+
+constexpr int MAX_R = 8;  // activation rows per pass over a panel block
+
+// One block of one row as integers (the values unsigned: Q8_0's plus 128).
+struct Ints {
+  uint16_t d = 0, dmin = 0;  // fp16 bits
+  int8_t sc[16] = {};        // Q4_K: 8 6-bit scales; Q6_K: 16 int8 scales
+  uint8_t mn[8] = {};        // Q4_K: 8 6-bit mins
+  uint8_t q[QK_K] = {};
+};
+
+int values_per_block(int64_t vt) { return (int)block_elems(vt); }
+
+int64_t panel_block_bytes(int64_t vt) { return PANEL_ROWS * block_bytes(PANEL + vt); }
+
+// Where a value's bits sit in a panel block.
+struct Field {
+  int64_t byte;
+  int shift, bits;
+};
+
+// The low four bits of value v of row n (all eight for Q8_0).
+Field low_field(int64_t vt, int n, int v) {
+  const int g = (v % 32) / 4, b = v % 4;
+  switch (vt) {
+    case Q8_0: return {32 + (g * 16 + n) * 4 + b, 0, 8};
+    case Q4_0: case Q5_0: return {32 + ((g % 4) * 16 + n) * 4 + b, 4 * (g / 4), 4};
+    case Q4_K: return {320 + (((v / 32) * 4 + g % 4) * 16 + n) * 4 + b, 4 * (g / 4), 4};
+    case Q6_K: return {64 + (v / 32) * 416 + ((g % 4) * 16 + n) * 4 + b, 4 * (g / 4), 4};
+  }
+  TORCH_CHECK(false, "no panel layout for GGML type ", vt);
+}
+
+// The bits above the low four: Q5_0's bit 4, Q6_K's bits 4-5 (none for the others).
+Field high_field(int64_t vt, int n, int v) {
+  const int g = (v % 32) / 4, b = v % 4;
+  if (vt == Q5_0) return {288 + g * 8 + (n * 4 + b) / 8, (n * 4 + b) % 8, 1};
+  if (vt == Q6_K) return {64 + (v / 32) * 416 + 256 + ((g / 4) * 16 + n) * 4 + b, 2 * (g % 4), 2};
+  return {0, 0, 0};
+}
+
+int get(const uint8_t* p, Field f) { return (p[f.byte] >> f.shift) & ((1 << f.bits) - 1); }
+
+void decode_plain(int64_t vt, const uint8_t* block, Ints& o) {
+  if (vt == Q8_0) {
+    const auto* w = reinterpret_cast<const BlockQ8_0*>(block);
+    o.d = w->d;
+    for (int v = 0; v < QK; ++v) o.q[v] = (uint8_t)(w->qs[v] + 128);
+  } else if (vt == Q4_0 || vt == Q5_0) {
+    const uint8_t* qs = vt == Q4_0 ? reinterpret_cast<const BlockQ4_0*>(block)->qs
+                                   : reinterpret_cast<const BlockQ5_0*>(block)->qs;
+    std::memcpy(&o.d, block, 2);
+    uint32_t qh = 0;
+    if (vt == Q5_0) std::memcpy(&qh, reinterpret_cast<const BlockQ5_0*>(block)->qh, 4);
+    for (int j = 0; j < 16; ++j) {
+      o.q[j] = (uint8_t)((qs[j] & 0xF) | (((qh >> j) & 1) << 4));
+      o.q[j + 16] = (uint8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+    }
+  } else if (vt == Q4_K) {
+    const auto* w = reinterpret_cast<const BlockQ4_K*>(block);
+    o.d = w->d;
+    o.dmin = w->dmin;
+    q4k_scales(w->scales, reinterpret_cast<uint8_t*>(o.sc), o.mn);
+    for (int j = 0; j < 4; ++j)
+      for (int l = 0; l < 32; ++l) {
+        o.q[64 * j + l] = w->qs[32 * j + l] & 0xF;
+        o.q[64 * j + 32 + l] = w->qs[32 * j + l] >> 4;
+      }
+  } else if (vt == Q6_K) {
+    const auto* w = reinterpret_cast<const BlockQ6_K*>(block);
+    o.d = w->d;
+    std::memcpy(o.sc, w->scales, 16);
+    for (int h = 0; h < 2; ++h)
+      for (int l = 0; l < 32; ++l) {
+        const uint8_t* ql = w->ql + 64 * h;
+        const int qh = w->qh[32 * h + l];
+        uint8_t* q = o.q + 128 * h;
+        q[l] = (uint8_t)((ql[l] & 0xF) | ((qh & 3) << 4));
+        q[l + 32] = (uint8_t)((ql[l + 32] & 0xF) | (((qh >> 2) & 3) << 4));
+        q[l + 64] = (uint8_t)((ql[l] >> 4) | (((qh >> 4) & 3) << 4));
+        q[l + 96] = (uint8_t)((ql[l + 32] >> 4) | (((qh >> 6) & 3) << 4));
+      }
+  } else {
+    TORCH_CHECK(false, "no panel layout for GGML type ", vt);
+  }
+}
+
+// Block `o` as row n of panel block p (zeroed before its first row), and back.
+void encode_panel(int64_t vt, const Ints& o, uint8_t* p, int n) {
+  std::memcpy(p + 2 * n, &o.d, 2);
+  if (vt == Q4_K) {
+    std::memcpy(p + 32 + 2 * n, &o.dmin, 2);
+    for (int j = 0; j < 8; ++j) {
+      p[64 + 16 * j + n] = (uint8_t)o.sc[j];
+      p[192 + 16 * j + n] = o.mn[j];
+    }
+  } else if (vt == Q6_K) {
+    for (int s = 0; s < 16; ++s) p[32 + (s / 2) * 416 + n * 2 + s % 2] = (uint8_t)o.sc[s];
+  }
+  // Row n's bytes of each 32-value group, written whole (decode_panel reads them back through
+  // low_field / high_field; the tests check the two agree).
+  for (int grp = 0; grp < values_per_block(vt) / 32; ++grp) {
+    const uint8_t* q = o.q + 32 * grp;
+    uint8_t* base = p + (vt == Q4_K ? 320 + 256 * grp : vt == Q6_K ? 64 + 416 * grp : 32);
+    for (int b = 0; b < 4; ++b) {
+      if (vt == Q8_0) {
+        for (int g = 0; g < 8; ++g) base[(g * 16 + n) * 4 + b] = q[4 * g + b];
+        continue;
+      }
+      for (int g = 0; g < 4; ++g)
+        base[(g * 16 + n) * 4 + b] = (uint8_t)((q[4 * g + b] & 0xF) | (q[4 * g + 16 + b] & 0xF) << 4);
+      if (vt == Q6_K) {
+        for (int h = 0; h < 2; ++h) {
+          int bits = 0;
+          for (int t = 0; t < 4; ++t) bits |= ((q[4 * (4 * h + t) + b] >> 4) & 3) << (2 * t);
+          base[256 + (h * 16 + n) * 4 + b] = (uint8_t)bits;
+        }
+      } else if (vt == Q5_0) {  // bit n * 4 + b of mask g; the panel starts zeroed
+        for (int g = 0; g < 8; ++g)
+          p[288 + 8 * g + n / 2] |= (uint8_t)(((q[4 * g + b] >> 4) & 1) << ((n % 2) * 4 + b));
+      }
+    }
+  }
+}
+
+void decode_panel(int64_t vt, const uint8_t* p, int n, Ints& o) {
+  std::memcpy(&o.d, p + 2 * n, 2);
+  if (vt == Q4_K) {
+    std::memcpy(&o.dmin, p + 32 + 2 * n, 2);
+    for (int j = 0; j < 8; ++j) {
+      o.sc[j] = (int8_t)p[64 + 16 * j + n];
+      o.mn[j] = p[192 + 16 * j + n];
+    }
+  } else if (vt == Q6_K) {
+    for (int s = 0; s < 16; ++s) o.sc[s] = (int8_t)p[32 + (s / 2) * 416 + n * 2 + s % 2];
+  }
+  for (int v = 0; v < values_per_block(vt); ++v) {
+    const Field high = high_field(vt, n, v);
+    o.q[v] = (uint8_t)(get(p, low_field(vt, n, v)) | (high.bits ? get(p, high) << 4 : 0));
+  }
+}
+
+// The block's values as float32, with dequantize_row's expressions (the same floats).
+void ints_to_floats(int64_t vt, const Ints& o, float* y) {
+  const float d = fp16_to_fp32(o.d);
+  for (int v = 0; v < values_per_block(vt); ++v) {
+    const int q = o.q[v];
+    switch (vt) {
+      case Q8_0: y[v] = d * (int8_t)(q - 128); break;
+      case Q4_0: y[v] = d * (q - 8); break;
+      case Q5_0: y[v] = d * (q - 16); break;
+      case Q4_K: y[v] = d * (uint8_t)o.sc[v / 32] * q - fp16_to_fp32(o.dmin) * o.mn[v / 32]; break;
+      case Q6_K: y[v] = d * o.sc[v / 16] * (q - 32); break;
+    }
+  }
+}
+
+// ---- scalar reference: one output at a time, the vector kernel's operations in its order ----
+
+// acc after block `o` times activation block `xb`.
+float dot_block(int64_t vt, const Ints& o, const uint8_t* xb, float acc) {
+  if (vt == Q4_K || vt == Q6_K) {
+    const auto* y = reinterpret_cast<const ActQ8_K*>(xb);
+    const int group = vt == Q4_K ? 32 : 16;
+    int32_t sumi = 0, summ = 0;
+    for (int s = 0; s < QK_K / group; ++s) {
+      int32_t isum = 0;
+      for (int v = s * group; v < (s + 1) * group; ++v) isum += o.q[v] * y->qs[v];
+      sumi += o.sc[s] * isum;
+    }
+    if (vt == Q4_K) {
+      for (int j = 0; j < 8; ++j) summ += o.mn[j] * (y->bsums[2 * j] + y->bsums[2 * j + 1]);
+    } else {
+      int32_t offset = 0;
+      for (int s = 0; s < 16; ++s) offset += o.sc[s] * y->bsums[s];
+      sumi -= 32 * offset;
+    }
+    acc = std::fma(y->d * fp16_to_fp32(o.d), (float)sumi, acc);
+    if (vt == Q4_K) acc = std::fma(-(y->d * fp16_to_fp32(o.dmin)), (float)summ, acc);
+    return acc;
+  }
+  const auto* y = reinterpret_cast<const ActQ8_0*>(xb);
+  const int offset = vt == Q4_0 ? 8 : vt == Q5_0 ? 16 : 128;
+  int32_t isum = 0;
+  for (int v = 0; v < QK; ++v) isum += o.q[v] * y->qs[v];
+  return std::fma(y->d * fp16_to_fp32(o.d), (float)(isum - offset * y->sum), acc);
+}
+
+// One panel (w: its first block) times R activation rows -> out[r * ld + n], n < 16.
+using PanelFn = void (*)(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
+                         int64_t ld);
+
+template <int64_t VT, int R>
+void panel_scalar(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
+                  int64_t ld) {
+  const int64_t pbytes = panel_block_bytes(VT);
+  const int64_t abytes = VT == Q4_K || VT == Q6_K ? sizeof(ActQ8_K) : sizeof(ActQ8_0);
+  Ints o;
+  for (int n = 0; n < PANEL_ROWS; ++n) {
+    float acc[R] = {};
+    for (int64_t i = 0; i < nb; ++i) {
+      decode_panel(VT, w + i * pbytes, n, o);
+      for (int r = 0; r < R; ++r) acc[r] = dot_block(VT, o, x + r * xs + i * abytes, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) out[r * ld + n] = acc[r];
+  }
+}
+
+// ---- AVX512-VNNI ---------------------------------------------------------------------------
+
+#ifdef BRAID_X86
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni,fma,f16c")))
+
+VNNI inline __m512i bcast4(const void* y) {
+  int32_t v;
+  std::memcpy(&v, y, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Operands 0..7 (four values of each of 16 rows) from four 64-byte loads of nibble pairs.
+VNNI inline void nibble_pairs(const uint8_t* p, __m512i* q) {
+  const __m512i low4 = _mm512_set1_epi8(0xF);
+  for (int g = 0; g < 4; ++g) {
+    const __m512i v = _mm512_loadu_si512(p + 64 * g);
+    q[g] = _mm512_and_si512(v, low4);
+    q[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+  }
+}
+
+// Sum over operands [0, N) of operand . activations y[4g .. 4g + 3], per row lane (two chains).
+template <int N>
+VNNI inline __m512i dot_ops(const __m512i* q, const int8_t* y) {
+  __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+  for (int g = 0; g < N; g += 2) {
+    s0 = _mm512_dpbusd_epi32(s0, q[g], bcast4(y + 4 * g));
+    s1 = _mm512_dpbusd_epi32(s1, q[g + 1], bcast4(y + 4 * g + 4));
+  }
+  return _mm512_add_epi32(s0, s1);
+}
+
+VNNI inline __m512 half_floats(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int R>
+VNNI void panel_q4_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
+                     int64_t ld) {
+  constexpr int64_t PB = 16 * sizeof(BlockQ4_KU);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* p = w + i * PB;
+    prefetch_ahead<PB>(p);
+    __m512i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {  // 32 values each, one 6-bit scale and min per row
+      __m512i q[8];
+      nibble_pairs(p + 320 + 256 * j, q);
+      const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 64 + 16 * j)));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* y = act<ActQ8_K>(x, xs, r, i)->qs + 32 * j;
+        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(dot_ops<8>(q, y), sc));
+      }
+    }
+    __m512i mins[8];  // int16 pairs (min, min): dpwssd with the activations' two 16-sums
+    for (int j = 0; j < 8; ++j) {
+      const __m512i m = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 192 + 16 * j)));
+      mins[j] = _mm512_or_si512(m, _mm512_slli_epi32(m, 16));
+    }
+    const __m512 dw = half_floats(p), dmin = half_floats(p + 32);
+    for (int r = 0; r < R; ++r) {
+      const ActQ8_K* y = act<ActQ8_K>(x, xs, r, i);
+      __m512i summ = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) summ = _mm512_dpwssd_epi32(summ, mins[j], bcast4(y->bsums + 2 * j));
+      const __m512 dx = _mm512_set1_ps(y->d);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, dw), _mm512_cvtepi32_ps(sumi[r]), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(dx, dmin), _mm512_cvtepi32_ps(summ), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ld, acc[r]);
+}
+
+// Q6_K's high parts: bits 2t..2t+1 of each byte moved to bits 4..5.
+VNNI inline __m512i high_part(__m512i qh, int t) {
+  const __m512i mask = _mm512_set1_epi8(0x30);
+  switch (t) {
+    case 0: return _mm512_and_si512(_mm512_slli_epi16(qh, 4), mask);
+    case 1: return _mm512_and_si512(_mm512_slli_epi16(qh, 2), mask);
+    case 2: return _mm512_and_si512(qh, mask);
+    default: return _mm512_and_si512(_mm512_srli_epi16(qh, 2), mask);
+  }
+}
+
+template <int R>
+VNNI void panel_q6_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
+                     int64_t ld) {
+  constexpr int64_t PB = 16 * sizeof(BlockQ6_K);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* p = w + i * PB;
+    prefetch_ahead<PB>(p);
+    __m512i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; ++c) {  // 32 values: scale groups 2c (operands 0-3) and 2c + 1
+      __m512i q[8];
+      const uint8_t* chunk = p + 32 + 416 * c;
+      nibble_pairs(chunk + 32, q);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i qh = _mm512_loadu_si512(chunk + 288 + 64 * h);
+        for (int t = 0; t < 4; ++t) q[4 * h + t] = _mm512_or_si512(q[4 * h + t], high_part(qh, t));
+      }
+      // int16 pairs (scale 2c, scale 2c + 1) per row, and each as int32.
+      const __m512i pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)chunk));
+      const __m512i sc0 = _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16);
+      const __m512i sc1 = _mm512_srai_epi32(pair, 16);
+      for (int r = 0; r < R; ++r) {
+        const ActQ8_K* y = act<ActQ8_K>(x, xs, r, i);
+        const int8_t* yq = y->qs + 32 * c;
+        // values are 0..63 for value - 32: subtract 32 * scale . (sum of the 16 activations)
+        const __m512i offset = _mm512_dpwssd_epi32(_mm512_setzero_si512(), pair,
+                                                   bcast4(y->bsums + 2 * c));
+        const __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(dot_ops<4>(q, yq), sc0),
+                                           _mm512_mullo_epi32(dot_ops<4>(q + 4, yq + 16), sc1));
+        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_sub_epi32(s, _mm512_slli_epi32(offset, 5)));
+      }
+    }
+    const __m512 dw = half_floats(p);
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(act<ActQ8_K>(x, xs, r, i)->d);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, dw), _mm512_cvtepi32_ps(sumi[r]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ld, acc[r]);
+}
+
+// Q4_0 / Q5_0 / Q8_0: blocks of 32, values unsigned with an offset (8, 16, 128).
+template <int64_t VT, int R>
+VNNI void panel_32(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
+                   int64_t ld) {
+  constexpr int64_t PB = 16 * (VT == Q8_0 ? sizeof(BlockQ8_0)
+                               : VT == Q4_0 ? sizeof(BlockQ4_0) : sizeof(BlockQ5_0));
+  constexpr int offset = VT == Q4_0 ? 8 : VT == Q5_0 ? 16 : 128;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* p = w + i * PB;
+    prefetch_ahead<PB>(p);
+    __m512i q[8];
+    if constexpr (VT == Q8_0) {
+      for (int g = 0; g < 8; ++g) q[g] = _mm512_loadu_si512(p + 32 + 64 * g);
+    } else {
+      nibble_pairs(p + 32, q);
+      if constexpr (VT == Q5_0) {
+        for (int g = 0; g < 8; ++g) {
+          uint64_t bits;
+          std::memcpy(&bits, p + 288 + 8 * g, 8);
+          q[g] = _mm512_mask_add_epi8(q[g], _cvtu64_mask64(bits), q[g], _mm512_set1_epi8(16));
+        }
+      }
+    }
+    const __m512 dw = half_floats(p);
+    for (int r = 0; r < R; ++r) {
+      const ActQ8_0* y = act<ActQ8_0>(x, xs, r, i);
+      const __m512i isum = _mm512_sub_epi32(dot_ops<8>(q, y->qs), _mm512_set1_epi32(offset * y->sum));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(y->d), dw), _mm512_cvtepi32_ps(isum),
+                               acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ld, acc[r]);
+}
+
+template <int64_t VT, int R>
+VNNI void panel_vnni(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
+                     int64_t ld) {
+  if constexpr (VT == Q4_K) panel_q4_k<R>(w, x, xs, nb, out, ld);
+  else if constexpr (VT == Q6_K) panel_q6_k<R>(w, x, xs, nb, out, ld);
+  else panel_32<VT, R>(w, x, xs, nb, out, ld);
+}
+
+bool cpu_has_vnni() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni") &&
+         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+#else
+bool cpu_has_vnni() { return false; }
+#endif
+
+bool g_use_vnni = cpu_has_vnni();
+
+template <int64_t VT, int... R>
+std::array<PanelFn, MAX_R> table_of(bool vnni, std::integer_sequence<int, R...>) {
+#ifdef BRAID_X86
+  if (vnni) return {panel_vnni<VT, R + 1>...};
+#endif
+  return {panel_scalar<VT, R + 1>...};
+}
+
+std::array<PanelFn, MAX_R> panel_fns(int64_t vt) {
+  const auto rs = std::make_integer_sequence<int, MAX_R>();
+  switch (vt) {
+    case Q4_0: return table_of<Q4_0>(g_use_vnni, rs);
+    case Q5_0: return table_of<Q5_0>(g_use_vnni, rs);
+    case Q8_0: return table_of<Q8_0>(g_use_vnni, rs);
+    case Q4_K: return table_of<Q4_K>(g_use_vnni, rs);
+    case Q6_K: return table_of<Q6_K>(g_use_vnni, rs);
+  }
+  TORCH_CHECK(false, "no panel layout for GGML type ", vt);
+}
+
+// Rows [N, K / block * bytes] of GGML type `type` -> the same values as panels (same shape).
+torch::Tensor repack_panels(const torch::Tensor& w, int64_t type, int64_t k) {
+  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(),
+              "weight must be a contiguous uint8 [rows, bytes per row] tensor");
+  TORCH_CHECK(w.size(0) % PANEL_ROWS == 0, "panels need a multiple of 16 rows, got ", w.size(0));
+  const int64_t nb = k / block_elems(type), bb = block_bytes(type), pbytes = panel_block_bytes(type);
+  TORCH_CHECK(k % block_elems(type) == 0 && w.size(1) == nb * bb, "weight rows hold ", w.size(1),
+              " bytes, expected ", nb * bb);
+  auto out = torch::zeros({w.size(0), nb * pbytes / PANEL_ROWS}, torch::kUInt8);
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t panels = w.size(0) / PANEL_ROWS;
+  at::parallel_for(0, panels * nb, 256, [&](int64_t begin, int64_t end) {
+    Ints o;
+    for (int64_t pi = begin; pi < end; ++pi) {
+      const int64_t p = pi / nb, i = pi % nb;
+      for (int n = 0; n < PANEL_ROWS; ++n) {
+        decode_plain(type, src + (p * PANEL_ROWS + n) * nb * bb + i * bb, o);
+        encode_panel(type, o, dst + pi * pbytes, n);
+      }
+    }
+  });
+  return out;
+}
+
+std::string panel_isa() { return g_use_vnni ? "avx512-vnni" : "scalar"; }
+
+bool has_vnni() { return cpu_has_vnni(); }
+
+// Tests run both paths on machines that have AVX512-VNNI; returns the previous setting.
+bool set_vnni(bool on) {
+  const bool before = g_use_vnni;
+  g_use_vnni = on && cpu_has_vnni();
+  return before;
+}
+
+}  // namespace
+
+void panel_gemm(const uint8_t* x, int64_t m, int64_t xbytes, const uint8_t* w, int64_t n,
+                int64_t type, int64_t k, float* out, int64_t ld) {
+  const int64_t vt = value_type(type), nb = k / block_elems(vt);
+  const int64_t pbytes = nb * panel_block_bytes(vt);
+  const auto fns = panel_fns(vt);
+  // At least ~256K multiply-adds per thread: a small product is not worth a parallel region.
+  const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(1, PANEL_ROWS * k * m));
+  at::parallel_for(0, n / PANEL_ROWS, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t r0 = 0; r0 < m; r0 += MAX_R) {
+        const int64_t rows = std::min<int64_t>(MAX_R, m - r0);
+        fns[rows - 1](w + p * pbytes, x + r0 * xbytes, xbytes, nb, out + r0 * ld + p * PANEL_ROWS,
+                      ld);
+      }
+  });
+}
+
+void panel_dequantize_row(const uint8_t* w, int64_t row, int64_t type, int64_t k, float* y) {
+  const int64_t vt = value_type(type), nb = k / block_elems(vt), pbytes = panel_block_bytes(vt);
+  const uint8_t* panel = w + row / PANEL_ROWS * nb * pbytes;
+  Ints o;
+  for (int64_t i = 0; i < nb; ++i, y += block_elems(vt)) {
+    decode_panel(vt, panel + i * pbytes, (int)(row % PANEL_ROWS), o);
+    ints_to_floats(vt, o, y);
+  }
+}
+
+void register_panels(pybind11::module& m) {
+  m.def("repack_panels", &repack_panels);
+  m.def("panel_isa", &panel_isa);
+  m.def("has_vnni", &has_vnni);
+  m.def("set_vnni", &set_vnni);
+  m.def("set_pf", [](int64_t d, int mode) { PREFETCH_BYTES = d; g_pf_mode = mode; });
+  m.attr("PANEL") = PANEL;
+  m.attr("PANEL_ROWS") = PANEL_ROWS;
+}
+
+}  // namespace braid_kernels
