@@ -144,18 +144,14 @@ inline void quantize_q8_k(const float* x, ActQ8_K* out, int64_t k) {
 // Software prefetch of the weight stream, this many bytes ahead of the block being read: with
 // the products' arithmetic between loads the hardware prefetcher alone keeps too few misses
 // in flight (docs/benchmarks.md section 5 has the A/B). Prefetches never fault past the end.
-inline int64_t PREFETCH_BYTES = 8192;
-inline int g_pf_mode = 0;
+constexpr int64_t PREFETCH_BYTES = 8192;
 
 // Prefetch the cache lines of the block at `p` (of BYTES bytes) PREFETCH_BYTES ahead.
 template <int64_t BYTES>
 inline void prefetch_ahead(const void* p) {
 #ifdef BRAID_X86
   const char* c = static_cast<const char*>(p) + PREFETCH_BYTES;
-  if (g_pf_mode == 0) for (int64_t off = 0; off < BYTES; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
-  else if (g_pf_mode == 1) for (int64_t off = 0; off < BYTES; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
-  else if (g_pf_mode == 3) for (int64_t off = 0; off < BYTES; off += 64) _mm_prefetch(c + off, _MM_HINT_NTA);
-  else if (g_pf_mode == 4) for (int64_t off = 0; off < BYTES; off += 64) _mm_prefetch(c + off, _MM_HINT_T2);
+  for (int64_t off = 0; off < BYTES; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 #else
   (void)p;
 #endif

@@ -512,7 +512,6 @@ void register_panels(pybind11::module& m) {
   m.def("panel_isa", &panel_isa);
   m.def("has_vnni", &has_vnni);
   m.def("set_vnni", &set_vnni);
-  m.def("set_pf", [](int64_t d, int mode) { PREFETCH_BYTES = d; g_pf_mode = mode; });
   m.attr("PANEL") = PANEL;
   m.attr("PANEL_ROWS") = PANEL_ROWS;
 }

@@ -161,6 +161,17 @@ def test_scalar_and_avx2_paths_agree(ops: ModuleType, qtype: Q) -> None:
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5 * slow.abs().max().item())
 
 
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=["q8_0", "q8_k"])
+def test_activation_quantizers_agree_on_every_path(ops: ModuleType, qtype: Q) -> None:
+    x = activations(5, 1024) * torch.tensor([1.0, 0.0, 1e-3, 50.0, -2.0])[:, None]
+    x[4, 7] = 0.5 * x[4].abs().max() / 127 * 3  # exactly halfway between two int8 steps
+    with code_path(ops, "avx2"):
+        fast = ops.quantize_activations(x, int(qtype))
+    with code_path(ops, "scalar"):
+        slow = ops.quantize_activations(x, int(qtype))
+    assert torch.equal(fast, slow)
+
+
 def test_set_avx2_returns_the_previous_setting(ops: ModuleType) -> None:
     before = ops.set_avx2(False)
     try:
