@@ -5,7 +5,9 @@ then prompt 0 alone), each mode in a fresh process.
     python benchmarks/bench_quant.py [--modes auto,auto+goodput,auto+k3,none] [--out F.json]
 
 Modes: `auto` / `none` (--quantization), `+goodput` (0.5B draft, goodput policy, k <= 3),
-`+k3` (0.5B draft, fixed k = 3). Prints a markdown table and saves JSON and a bar plot.
+`+k3` (0.5B draft, fixed k = 3); a `:N` suffix limits the draft's vocabulary to the first N
+ids (`draft_vocab_size`), e.g. `auto+goodput:32768`. Prints a markdown table and saves JSON
+and a bar plot.
 """
 
 from __future__ import annotations
@@ -35,8 +37,12 @@ def run_mode(mode: str, num_prompts: int, max_tokens: int) -> dict:
     from braid.sampling_params import SamplingParams
 
     quantization, _, spec = mode.partition("+")
+    spec, _, vocab = spec.partition(":")
+    spec_config = SPECS.get(spec)
+    if spec_config is not None and vocab:
+        spec_config = {**spec_config, "draft_vocab_size": int(vocab)}
     start = time.perf_counter()
-    llm = LLM(quantization=quantization, speculative_config=SPECS.get(spec),
+    llm = LLM(quantization=quantization, speculative_config=spec_config,
               kv_cache_gib=1.0, log_stats_interval=0)
     load_s = time.perf_counter() - start
     engine = llm.engine

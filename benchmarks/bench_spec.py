@@ -5,10 +5,11 @@
     python benchmarks/bench_spec.py --temperature 0.7 \
         --modes none,draft3/greedy,draft3/coupled,draft3/rejection,goodput/coupled
 
-A mode's suffix sets how a draft model's drafts are sampled and verified (requests with
-temperature > 0): /greedy (its argmax, coupled verification), /coupled (drawn with the
-target's numbers, coupled verification; the default), /rejection (drawn with numbers of its
-own, standard rejection sampling with its probabilities).
+A draft model's mode may end in `:N`, the draft's vocabulary limit (`draft_vocab_size`,
+e.g. `goodput:32768`). A mode's suffix sets how a draft model's drafts are sampled and
+verified (requests with temperature > 0): /greedy (its argmax, coupled verification),
+/coupled (drawn with the target's numbers, coupled verification; the default), /rejection
+(drawn with numbers of its own, standard rejection sampling with its probabilities).
 
 Closed loop: `concurrency` requests in flight until all prompts are done (greedy); each load
 level runs max(--num-prompts, --prompts-per-slot * concurrency) prompts, so high levels
@@ -51,8 +52,14 @@ SAMPLING_MODES = {
 
 
 def spec_config(mode: str) -> dict[str, Any] | None:
+    mode, _, vocab = mode.partition(":")
     mode, _, sampling = mode.partition("/")
     config = _method_config(mode)
+    if vocab:  # draft3:32768: the draft scores only the first 32768 token ids
+        if config is None or config["method"] != "draft_model":
+            raise SystemExit(f"unknown mode {mode}:{vocab}: only a draft model's mode takes "
+                             "a vocabulary limit")
+        config["draft_vocab_size"] = int(vocab)
     if sampling:
         if config is None or config["method"] != "draft_model" or sampling not in SAMPLING_MODES:
             raise SystemExit(f"unknown mode {mode}/{sampling}: a draft model's mode takes "

@@ -50,6 +50,12 @@ class SpecConfig:
     # independent where verification is rejection sampling, greedy where it is coupled (what
     # accepted most in docs/benchmarks.md section 7). Greedy requests always draft greedily.
     draft_sampling: str = "auto"
+    # The draft model proposes only token ids below this (None: its whole vocabulary), and
+    # its LM head computes only those rows. In a byte-level BPE vocabulary the low ids are
+    # the earliest merges, the common tokens (96% of HumanEval's tokens lie below 32768 of
+    # Qwen2.5's 151,936), and the head is a large part of a small draft's bytes. Lossless:
+    # the target verifies every draft; a token at or above the limit is never proposed.
+    draft_vocab_size: int | None = None
 
     MAX_TOKENS = 16
     METHODS = ("ngram", "draft_model")
@@ -108,6 +114,11 @@ class SpecConfig:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{where}: {name} must be one of {', '.join(allowed)}, "
                                   f"got {getattr(self, name)!r}")
+        if self.draft_vocab_size is not None and (
+                self.method != "draft_model" or not isinstance(self.draft_vocab_size, int)
+                or self.draft_vocab_size < 1):
+            raise ConfigError(f"{where}: draft_vocab_size must be a positive integer, for "
+                              f"method draft_model, got {self.draft_vocab_size!r}")
         if self.method == "draft_model" and self.model is None:
             self.model = DEFAULT_DRAFT
         if self.method == "ngram" and self.model is not None:

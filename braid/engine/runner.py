@@ -62,6 +62,7 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = block_size
+        self.logit_ids: int | None = None  # score only token ids below this (None: all)
         dtype = model.dtype
         self.kv_cache = torch.zeros(
             cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads,
@@ -115,4 +116,4 @@ class ModelRunner:
     def execute(self, inp: ModelInput) -> torch.Tensor:
         """-> logits [R, vocab] float32 at inp.logits_indices only."""
         hidden = self.model(inp.input_ids, inp.positions, inp.attn_metadata)
-        return self.model.compute_logits(hidden[inp.logits_indices])
+        return self.model.compute_logits(hidden[inp.logits_indices], self.logit_ids)

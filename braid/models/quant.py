@@ -111,20 +111,28 @@ class QuantLinear(nn.Module):
     def weight_bytes(self) -> int:
         return sum(w.data.numel() for _, w in self.segments)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
+        """x [..., in] -> [..., out]; with `num_rows`, only the first that many outputs."""
         ops = quant_ops()
         assert ops is not None, "QuantLinear needs the compiled kernels"
+        rows = self.out_features if num_rows is None else min(num_rows, self.out_features)
         x2 = x.reshape(-1, self.in_features).float()
-        out = torch.empty(x2.shape[0], self.out_features)
+        # A panel segment computes whole panels of 16 rows: room for the last one.
+        out = torch.empty(x2.shape[0], -(-rows // 16) * 16 if rows < self.out_features
+                          else rows)
         activations: dict[bool, torch.Tensor] = {}  # per activation format (K-quant or not)
         for offset, w in self.segments:
+            if offset >= rows:
+                break
             kind = w.qtype in (Q.Q4_K, Q.Q6_K)
             if kind not in activations:
                 activations[kind] = ops.quantize_activations(x2, int(w.qtype))
-            ops.qgemm_into(activations[kind], w.data, w.layout, w.cols, out, offset)
+            data = w.data if offset + w.rows <= out.shape[1] else w.data[:out.shape[1] - offset]
+            ops.qgemm_into(activations[kind], data, w.layout, w.cols, out, offset)
+        out = out[:, :rows]
         if self.bias is not None:
-            out += self.bias
-        return out.view(*x.shape[:-1], self.out_features)
+            out += self.bias[:rows]
+        return out.reshape(*x.shape[:-1], rows)
 
 
 def _merged(segments: list[tuple[int, QuantWeight]]) -> list[tuple[int, QuantWeight]]:

@@ -224,12 +224,25 @@ class Qwen2ForCausalLM(nn.Module):
             x = layer(x, rope, attn_metadata)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] (rows already selected) -> logits [N, vocab] float32."""
+    def compute_logits(self, hidden: torch.Tensor, num_ids: int | None = None) -> torch.Tensor:
+        """hidden [N, hidden] (rows already selected) -> logits [N, vocab] float32; with
+        `num_ids`, only token ids below it are scored (the LM head's first rows) and the
+        others get -inf."""
+        vocab = self.config.vocab_size
+        x = self.norm(hidden)
+        n = vocab if num_ids is None else min(num_ids, vocab)
         if self.lm_head is None:
             assert isinstance(self.embed_tokens, nn.Embedding)
-            return F.linear(self.norm(hidden), self.embed_tokens.weight).float()
-        return self.lm_head(self.norm(hidden)).float()
+            logits = F.linear(x, self.embed_tokens.weight[:n])
+        elif isinstance(self.lm_head, QuantLinear):
+            logits = self.lm_head(x, n)
+        else:
+            logits = self.lm_head(x) if n == vocab else F.linear(x, self.lm_head.weight[:n])
+        if n == vocab:
+            return logits.float()
+        out = logits.new_full((logits.shape[0], vocab), float("-inf"), dtype=torch.float32)
+        out[:, :n] = logits
+        return out
 
     def weight_bytes(self) -> int:
         """Bytes of weights a forward streams (packed projections included)."""

@@ -29,6 +29,9 @@ def make_speculator(cfg: EngineConfig, target: ModelRunner, scheduler: Scheduler
             raise ConfigError(
                 f"--speculative-config: the draft model's vocabulary ("
                 f"{draft.config.vocab_size} tokens) differs from the target's ({vocab})")
+        if spec.draft_vocab_size is not None and spec.draft_vocab_size > vocab:
+            raise ConfigError(f"--speculative-config: draft_vocab_size {spec.draft_vocab_size} "
+                              f"exceeds the vocabulary ({vocab} tokens)")
         proposer = DraftModelProposer(draft, scheduler.blocks, cfg.block_size, target.device,
                                       spec)
     assert cfg.max_model_len is not None

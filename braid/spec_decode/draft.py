@@ -49,6 +49,7 @@ class DraftModelProposer(Proposer):
         spec: SpecConfig | None = None,
     ) -> None:
         self.runner = ModelRunner(model, blocks.num_blocks, block_size, device)
+        self.runner.logit_ids = None if spec is None else spec.draft_vocab_size
         self.blocks = blocks
         self.spec = spec  # how each request's drafts are drawn and verified (None: greedy)
         self.computed: dict[str, int] = {}  # draft KV is valid for positions < computed

@@ -286,6 +286,18 @@ def test_quantized_draft_equal_to_target_accepts_everything(
     assert e.stats.spec_stats.num_drafts > 0 and e.stats.spec_stats.acceptance_rate == 1.0
 
 
+@pytest.mark.parametrize("num_ids", [1, 16, 100, 272])
+def test_logits_of_the_first_ids_only(target: Qwen2ForCausalLM, num_ids: int) -> None:
+    """The LM head's first rows (whole panels and a part of one): the same logits as the
+    full head, -inf for the rest."""
+    hidden = torch.randn(3, target.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    full = target.compute_logits(hidden)
+    some = target.compute_logits(hidden, num_ids)
+    assert some.shape == full.shape
+    assert torch.equal(some[:, :num_ids], full[:, :num_ids])
+    assert torch.isneginf(some[:, num_ids:]).all()
+
+
 def test_engine_loads_a_quantized_target_and_a_float_draft(
         gguf_path: Path, reference: dict[str, list[int]]) -> None:
     """--quantization applies to the target; the draft's own "quantization" overrides it."""

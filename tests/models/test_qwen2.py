@@ -135,6 +135,18 @@ def test_untied_lm_head_and_no_bias() -> None:
     )
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_logits_of_the_first_ids_only(tied: bool) -> None:
+    cfg = tiny_config("qwen2", tie_word_embeddings=tied)
+    model = braid_model(cfg, dict(hf_model(cfg, seed=3).state_dict()))
+    hidden = torch.randn(2, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    full = model.compute_logits(hidden)
+    some = model.compute_logits(hidden, 50)
+    torch.testing.assert_close(some[:, :50], full[:, :50], atol=1e-5, rtol=1e-5)
+    assert torch.isneginf(some[:, 50:]).all()
+    assert torch.equal(model.compute_logits(hidden, 10**6), full)
+
+
 def test_missing_weight_is_reported() -> None:
     cfg = tiny_config("llama")
     weights = dict(hf_model(cfg).state_dict())

@@ -19,7 +19,7 @@ def spec_engine(method: str, k: int, draft_weights=WEIGHTS, draft_cfg=CFG, polic
                 **options):
     spec = {"method": method, "num_speculative_tokens": k, "prompt_lookup_min": 1,
             "prompt_lookup_max": 3, "policy": policy}
-    for key in ("draft_sampling", "verification"):  # speculative_config keys
+    for key in ("draft_sampling", "verification", "draft_vocab_size"):  # speculative_config
         if key in options:
             spec[key] = options.pop(key)
     if method == "draft_model":
@@ -40,6 +40,47 @@ def test_draft_equal_to_target_accepts_everything(reference, k: int, budget: int
     assert run(engine, STAGGERED, GREEDY) == reference
     spec = engine.stats.spec_stats
     assert spec.num_drafts > 0 and spec.acceptance_rate == 1.0
+
+
+def drafted_tokens(engine) -> list[int]:
+    """Every draft token the engine's proposer returns from now on (a list it appends to)."""
+    proposer, seen = engine.speculator.proposer, []
+    propose = proposer.propose
+
+    def recording(*args, **kwargs):
+        proposal = propose(*args, **kwargs)
+        seen.extend(t for drafts in proposal.drafts for t in drafts)
+        return proposal
+
+    proposer.propose = recording
+    return seen
+
+
+@pytest.mark.parametrize("limit", [16, 100, 272])
+def test_a_draft_vocabulary_limit_is_lossless(reference, limit: int) -> None:
+    """The draft scores only ids below the limit: it never proposes others, and the target's
+    own tokens above it are rejected drafts, never wrong output."""
+    engine = spec_engine("draft_model", 3, max_num_batched_tokens=32, draft_vocab_size=limit)
+    drafted = drafted_tokens(engine)
+    assert run(engine, STAGGERED, GREEDY) == reference
+    assert drafted and max(drafted) < limit
+    spec = engine.stats.spec_stats
+    assert spec.num_draft_tokens > 0
+    outputs = [t for tokens in reference.values() for t in tokens]
+    if max(outputs) < limit:  # the same model drafting: all accepted
+        assert spec.acceptance_rate == 1.0
+    else:
+        assert spec.acceptance_rate < 1.0
+
+
+def test_a_bad_draft_vocabulary_limit_is_refused() -> None:
+    for bad in (0, -5, 2.5, "32k"):
+        with pytest.raises(ConfigError, match="draft_vocab_size"):
+            spec_engine("draft_model", 3, draft_vocab_size=bad)
+    with pytest.raises(ConfigError, match="draft_vocab_size"):
+        spec_engine("ngram", 3, draft_vocab_size=64)
+    with pytest.raises(ConfigError, match="exceeds the vocabulary"):
+        spec_engine("draft_model", 3, draft_vocab_size=100_000)
 
 
 @pytest.mark.parametrize("k", [1, 3, 7])
