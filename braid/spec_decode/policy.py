@@ -14,6 +14,13 @@ from dataclasses import dataclass, field
 
 from braid.spec_decode.cost_model import StepCostModel, attention_work
 
+# Trials of global evidence after which a request the draft must first catch up on (its
+# prompt) is planned with the plain global acceptance, not the optimistic one: the catch-up
+# is a draft forward over the whole backlog, a costly way to explore once the evidence is in
+# (on chat, where the draft is accepted ~0.6, the optimism started requests whose catch-up
+# was then spent on a few windows: docs/benchmarks.md section 5, run 4).
+EXPLORE_TRIALS = 16
+
 
 def expected_tokens(alpha: float, k: int) -> float:
     """Expected tokens a window of k drafts emits (accepted + the bonus/recovered token),
@@ -58,11 +65,13 @@ class AcceptanceEstimator:
         mean = self.global_alpha
         return mean + math.sqrt(mean * (1.0 - mean) / n)
 
-    def alpha(self, request_id: str) -> float:
-        """What the policy plans with: the request's own evidence, pulled toward the
-        (optimistic) global estimate."""
+    def alpha(self, request_id: str, optimistic: bool = True) -> float:
+        """What the policy plans with: the request's own evidence, pulled toward the global
+        estimate: the optimistic one, or (optimistic=False, once there are EXPLORE_TRIALS
+        trials of evidence) the plain one."""
         accepted, trials = self._requests.get(request_id, (0.0, 0.0))
-        g = self._global_optimistic()
+        explore = optimistic or self._global[1] < EXPLORE_TRIALS
+        g = self._global_optimistic() if explore else self.global_alpha
         return min((accepted + g * self.prior_weight) / (trials + self.prior_weight), 0.999)
 
     def forget(self, request_id: str) -> None:

@@ -106,7 +106,7 @@ class Speculator:
     def _choose(self, running: Sequence[Request], nxt: NextStep, caps: list[int]) -> list[int]:
         if self.config.policy == "fixed":
             return caps
-        alphas = [self.acceptance.alpha(r.request_id) for r in running]
+        alphas = self._alphas(running)
         plan = self._plan(running, nxt, alphas)
         if not any(caps):
             return caps
@@ -146,8 +146,15 @@ class Speculator:
         if self.target_itl is None or not nxt.decoding:
             return None
         running = list(scheduler.running)
-        alphas = [self.acceptance.alpha(r.request_id) for r in running]
+        alphas = self._alphas(running)
         return self._plan(running, nxt, alphas).num_prefill_tokens
+
+    def _alphas(self, running: Sequence[Request]) -> list[float]:
+        """Acceptance to plan each request with; optimistic only where trying costs no more
+        than the usual catch-up (see EXPLORE_TRIALS)."""
+        return [self.acceptance.alpha(r.request_id,
+                                      optimistic=self.proposer.lag(r) <= self._usual_lag)
+                for r in running]
 
     @property
     def _usual_lag(self) -> int:

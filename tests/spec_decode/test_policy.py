@@ -10,6 +10,7 @@ import pytest
 
 from braid.spec_decode.cost_model import EXACT_UP_TO, ForwardCost, StepCostModel, nnls
 from braid.spec_decode.policy import (
+    EXPLORE_TRIALS,
     AcceptanceEstimator,
     StepPlan,
     choose_ks,
@@ -124,6 +125,17 @@ def test_acceptance_is_optimistic_until_measured() -> None:
     for _ in range(100):
         est.update("x", 5, 2)  # 2 accepted, then a rejection: alpha 2/3
     assert 2 / 3 < est.alpha("new") < 2 / 3 + 0.04
+
+
+def test_a_costly_start_plans_with_the_plain_estimate_once_there_is_evidence() -> None:
+    """A request the draft must first catch up on explores optimistically only while the
+    global estimate has little evidence."""
+    est = AcceptanceEstimator(prior=0.5)
+    assert est.alpha("new", optimistic=False) == est.alpha("new") > 0.7
+    for _ in range(EXPLORE_TRIALS):  # 2 trials each (1 accepted, then a rejection), decayed
+        est.update("x", 2, 1)
+    assert est.alpha("new", optimistic=False) == pytest.approx(est.global_alpha)
+    assert est.alpha("new") > est.alpha("new", optimistic=False) + 0.05
 
 
 def test_itl_target_caps_the_prefill_chunk_then_the_drafts() -> None:
