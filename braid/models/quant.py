@@ -117,8 +117,9 @@ class QuantLinear(nn.Module):
         assert ops is not None, "QuantLinear needs the compiled kernels"
         rows = self.out_features if num_rows is None else min(num_rows, self.out_features)
         x2 = x.reshape(-1, self.in_features).float()
-        # A panel segment computes whole panels of 16 rows: room for the last one.
-        out = torch.empty(x2.shape[0], -(-rows // 16) * 16 if rows < self.out_features
+        # A panel segment computes whole panels: room for the last one.
+        panel = ops.PANEL_ROWS
+        out = torch.empty(x2.shape[0], -(-rows // panel) * panel if rows < self.out_features
                           else rows)
         activations: dict[bool, torch.Tensor] = {}  # per activation format (K-quant or not)
         for offset, w in self.segments:
