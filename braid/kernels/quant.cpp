@@ -541,6 +541,19 @@ bool cpu_has_avx512() { return false; }
 
 bool g_use_avx512 = cpu_has_avx512();
 
+// One row of k values -> Q8_K blocks (kq) or Q8_0 blocks at out.
+void quantize_row(const float* x, uint8_t* out, int64_t k, bool kq) {
+#ifdef BRAID_X86
+  if (g_use_avx512) {
+    if (kq) quantize_q8_k_avx512(x, reinterpret_cast<ActQ8_K*>(out), k);
+    else quantize_q8_0_avx512(x, reinterpret_cast<ActQ8_0*>(out), k);
+    return;
+  }
+#endif
+  if (kq) quantize_q8_k(x, reinterpret_cast<ActQ8_K*>(out), k);
+  else quantize_q8_0(x, reinterpret_cast<ActQ8_0*>(out), k);
+}
+
 // ---- ops ------------------------------------------------------------------------------------
 
 // x [M, K] float32 -> quantized activations [M, bytes] for weights of `type`.
@@ -556,18 +569,7 @@ torch::Tensor quantize_activations(const torch::Tensor& x_in, int64_t type) {
   const float* src = x.data_ptr<float>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-#ifdef BRAID_X86
-      if (kq && g_use_avx512) quantize_q8_k_avx512(src + r * k, reinterpret_cast<ActQ8_K*>(dst + r * row_bytes), k);
-      else if (kq) quantize_q8_k(src + r * k, reinterpret_cast<ActQ8_K*>(dst + r * row_bytes), k);
-#else
-      if (kq) quantize_q8_k(src + r * k, reinterpret_cast<ActQ8_K*>(dst + r * row_bytes), k);
-#endif
-#ifdef BRAID_X86
-      else if (g_use_avx512) quantize_q8_0_avx512(src + r * k, reinterpret_cast<ActQ8_0*>(dst + r * row_bytes), k);
-#endif
-      else quantize_q8_0(src + r * k, reinterpret_cast<ActQ8_0*>(dst + r * row_bytes), k);
-    }
+    for (int64_t r = begin; r < end; ++r) quantize_row(src + r * k, dst + r * row_bytes, k, kq);
   });
   return out;
 }

@@ -106,19 +106,24 @@ class Speculator:
     def _choose(self, running: Sequence[Request], nxt: NextStep, caps: list[int]) -> list[int]:
         if self.config.policy == "fixed":
             return caps
-        alphas = self._alphas(running)
-        plan = self._plan(running, nxt, alphas)
+        plan, alphas = self._plan(running, nxt)
         if not any(caps):
             return caps
         ks = choose_ks(alphas, caps, plan, self.cost)
         self.predicted_step_time = step_seconds(alphas, ks, plan, self.cost)
         return ks
 
-    def _plan(self, running: Sequence[Request], nxt: NextStep, alphas: list[float]) -> StepPlan:
+    def _plan(self, running: Sequence[Request], nxt: NextStep
+              ) -> tuple[StepPlan, list[float]]:
         """The scheduler's next step (`nxt`: decodes first, then prefill chunks fill the
-        budget) and what drafting would cost each running request."""
+        budget), what drafting would cost each running request, and the acceptance each is
+        planned with: optimistic only where trying costs no more than the usual catch-up
+        (see EXPLORE_TRIALS)."""
         contexts = [r.num_computed_tokens for r in running]
         lags = [self.proposer.lag(r) for r in running]
+        starting = [lag > self._usual_lag for lag in lags]
+        alphas = [self.acceptance.alpha(r.request_id, optimistic=not start)
+                  for r, start in zip(running, starting, strict=True)]
         demand = nxt.num_prefill_tokens
         plan = StepPlan(
             num_decodes=len(nxt.decoding), num_prefill_tokens=demand, budget=nxt.budget,
@@ -127,7 +132,7 @@ class Speculator:
             contexts=contexts,
             catch_up=[0.0 if r.is_prefilling else self._catch_up_cost(r, a, lag)  # never drafts
                       for r, a, lag in zip(running, alphas, lags, strict=True)],
-            starting=[lag > self._usual_lag for lag in lags],
+            starting=starting,
             start_margin=START_MARGIN)
         chunk_context = nxt.chunk_context
         if self.target_itl is not None and nxt.decoding:
@@ -137,7 +142,7 @@ class Speculator:
             plan.num_prefill_tokens = prefill_under_target(demand, plan, self.cost,
                                                            chunk_context)
         plan.prefill_attention = attention_work(plan.num_prefill_tokens, chunk_context)
-        return plan
+        return plan, alphas
 
     def prefill_cap(self, scheduler: Scheduler) -> int | None:
         """Prefill tokens the ITL target allows in the step the scheduler is about to build
@@ -145,16 +150,7 @@ class Speculator:
         nxt = scheduler.next_step()
         if self.target_itl is None or not nxt.decoding:
             return None
-        running = list(scheduler.running)
-        alphas = self._alphas(running)
-        return self._plan(running, nxt, alphas).num_prefill_tokens
-
-    def _alphas(self, running: Sequence[Request]) -> list[float]:
-        """Acceptance to plan each request with; optimistic only where trying costs no more
-        than the usual catch-up (see EXPLORE_TRIALS)."""
-        return [self.acceptance.alpha(r.request_id,
-                                      optimistic=self.proposer.lag(r) <= self._usual_lag)
-                for r in running]
+        return self._plan(list(scheduler.running), nxt)[0].num_prefill_tokens
 
     @property
     def _usual_lag(self) -> int:
