@@ -5,15 +5,19 @@
 // reduced in the same order whatever the number of rows (eight partial sums, then those in
 // order), so the result never depends on the batch.
 //
-// Rotary embedding (neox style, rotate_half) in place: the same products and sums as
-// qwen2.py's `rotate`, so the results are identical to it.
+// Rotary embedding (neox style, rotate_half): the same products and sums as qwen2.py's
+// `rotate`, so the results are identical to it; alone in place, or fused with the split of the
+// q/k/v projection and the write of k and v into the paged cache.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace {
+
+int64_t rows_of(const torch::Tensor& x) { return x.size(-1) ? x.numel() / x.size(-1) : 0; }
 
 void rms_norm_row(const float* x, const float* w, float eps, int64_t n, float* y) {
   float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -36,7 +40,7 @@ torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w_in, dou
   const int64_t h = x.size(-1);
   TORCH_CHECK(w.dim() == 1 && w.size(0) == h, "weight must be [", h, "]");
   auto out = torch::empty_like(x);
-  const int64_t rows = h ? x.numel() / h : 0;
+  const int64_t rows = rows_of(x);
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -46,33 +50,110 @@ torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w_in, dou
   return out;
 }
 
+// residual [T, H] += x (in place); returns rms_norm(residual): the residual stream's add and
+// the norm after it in one pass (the same additions and norm as doing them one by one).
+torch::Tensor add_rms_norm_(torch::Tensor& residual, const torch::Tensor& x_in,
+                            const torch::Tensor& w_in, double eps) {
+  const auto x = x_in.contiguous();
+  const auto w = w_in.contiguous();
+  TORCH_CHECK(residual.dtype() == torch::kFloat32 && residual.is_contiguous() &&
+                  x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32 &&
+                  x.sizes() == residual.sizes(),
+              "add_rms_norm_ wants a contiguous float32 residual and x of its shape");
+  const int64_t h = residual.size(-1);
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == h, "weight must be [", h, "]");
+  auto out = torch::empty_like(residual);
+  float* rp = residual.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows_of(residual), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = rp + r * h;
+      for (int64_t j = 0; j < h; ++j) row[j] = row[j] + xp[r * h + j];
+      rms_norm_row(row, wp, (float)eps, h, op + r * h);
+    }
+  });
+  return out;
+}
+
+// One head's rotation: dst = src rotated by c, s [D/2] (dst may be src).
+void rotate_head(const float* src, float* dst, const float* c, const float* s, int64_t half) {
+  for (int64_t j = 0; j < half; ++j) {
+    const float a = src[j], b = src[j + half];
+    dst[j] = a * c[j] - b * s[j];
+    dst[j + half] = b * c[j] + a * s[j];
+  }
+}
+
+// cos or sin [T, 1, D/2] (any float dtype) as contiguous float32 holding T * D/2 values.
+torch::Tensor table_of(const torch::Tensor& t, int64_t tokens, int64_t half) {
+  auto out = t.to(torch::kFloat32).contiguous();
+  TORCH_CHECK(out.numel() == tokens * half, "cos and sin must hold [T, D/2] values");
+  return out;
+}
+
 // x [T, heads, D] float32 contiguous, rotated in place by cos, sin [T, D/2] (row t: token t).
 void rotate_(torch::Tensor& x, const torch::Tensor& cos_in, const torch::Tensor& sin_in) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 3 && x.is_contiguous(),
               "x must be a contiguous float32 [T, heads, D] tensor");
-  const auto cos = cos_in.to(torch::kFloat32).contiguous();
-  const auto sin = sin_in.to(torch::kFloat32).contiguous();
   const int64_t t = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
-  TORCH_CHECK(d % 2 == 0 && cos.numel() == t * half && sin.numel() == t * half,
-              "cos and sin must hold [T, D/2] values");
+  TORCH_CHECK(d % 2 == 0, "head size must be even");
+  const auto cos = table_of(cos_in, t, half);
+  const auto sin = table_of(sin_in, t, half);
   float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* c = cp + i * half;
-      const float* s = sp + i * half;
+    for (int64_t i = begin; i < end; ++i)
       for (int64_t h = 0; h < heads; ++h) {
-        float* x1 = xp + (i * heads + h) * d;
-        float* x2 = x1 + half;
-        for (int64_t j = 0; j < half; ++j) {
-          const float a = x1[j], b = x2[j];
-          x1[j] = a * c[j] - b * s[j];
-          x2[j] = b * c[j] + a * s[j];
-        }
+        float* head = xp + (i * heads + h) * d;
+        rotate_head(head, head, cp + i * half, sp + i * half, half);
       }
+  });
+}
+
+// qkv [T, (H + 2 KVH) * D] float32, the fused projection's output (bias added): q and k
+// rotated by cos, sin [T, 1, D/2], k and v written to the caches [slots, KVH, D] at
+// slot_mapping [T]. Returns q [T, H, D].
+torch::Tensor rope_qkv_to_cache(const torch::Tensor& qkv_in, const torch::Tensor& cos_in,
+                                const torch::Tensor& sin_in, torch::Tensor& k_cache,
+                                torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
+                                int64_t heads) {
+  const auto qkv = qkv_in.contiguous();
+  const auto slots = slot_mapping.to(torch::kInt64).contiguous();
+  TORCH_CHECK(qkv.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
+                  v_cache.dtype() == torch::kFloat32 && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes(),
+              "rope_qkv_to_cache wants float32 qkv and contiguous float32 [slots, KVH, D] caches");
+  const int64_t t = qkv.size(0), kvh = k_cache.size(1), d = k_cache.size(2), half = d / 2;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kvh) * d && d % 2 == 0,
+              "qkv must be [T, (heads + 2 * kv_heads) * head_dim]");
+  TORCH_CHECK(slots.numel() == t, "one cache slot per token");
+  const auto cos = table_of(cos_in, t, half);
+  const auto sin = table_of(sin_in, t, half);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK(sl[i] >= 0 && sl[i] < k_cache.size(0), "cache slot out of range");
+  auto q = torch::empty({t, heads, d}, torch::kFloat32);
+  const float* src = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k_cache.data_ptr<float>();
+  float* vp = v_cache.data_ptr<float>();
+  at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* row = src + i * (heads + 2 * kvh) * d;
+      const float *c = cp + i * half, *s = sp + i * half;
+      for (int64_t h = 0; h < heads; ++h)
+        rotate_head(row + h * d, qp + (i * heads + h) * d, c, s, half);
+      for (int64_t h = 0; h < kvh; ++h)
+        rotate_head(row + (heads + h) * d, kp + (sl[i] * kvh + h) * d, c, s, half);
+      std::copy(row + (heads + kvh) * d, row + (heads + 2 * kvh) * d, vp + sl[i] * kvh * d);
     }
   });
+  return q;
 }
 
 }  // namespace
@@ -80,4 +161,6 @@ void rotate_(torch::Tensor& x, const torch::Tensor& cos_in, const torch::Tensor&
 void register_norm(pybind11::module& m) {
   m.def("rms_norm", &rms_norm);
   m.def("rotate_", &rotate_);
+  m.def("add_rms_norm_", &add_rms_norm_);
+  m.def("rope_qkv_to_cache", &rope_qkv_to_cache);
 }

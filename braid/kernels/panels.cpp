@@ -291,10 +291,10 @@ VNNI void panel_q4_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb,
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
     const uint8_t* p = w + i * PB;
-    prefetch_ahead<PB>(p);
     __m512i sumi[R];
     for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {  // 32 values each, one 6-bit scale and min per row
+      prefetch_ahead<PB / 8>(p + j * (PB / 8));
       __m512i q[8];
       nibble_pairs(p + 320 + 256 * j, q);
       const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 64 + 16 * j)));
@@ -340,10 +340,10 @@ VNNI void panel_q6_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb,
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
     const uint8_t* p = w + i * PB;
-    prefetch_ahead<PB>(p);
     __m512i sumi[R];
     for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
     for (int c = 0; c < 8; ++c) {  // 32 values: scale groups 2c (operands 0-3) and 2c + 1
+      prefetch_ahead<PB / 8>(p + c * (PB / 8));
       __m512i q[8];
       const uint8_t* chunk = p + 32 + 416 * c;
       nibble_pairs(chunk + 32, q);

@@ -141,11 +141,19 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D], caches [num_slots, KVH, D] -> output [T, H, D].
 
-    Writes the new K/V into the caches first, then attends over the cache only. On the CPU in
-    float32 the compiled row-by-row kernel computes each row the same way whatever the batch
-    (see attention.cpp); elsewhere one SDPA call per group."""
+    Writes the new K/V into the caches first, then attends over the cache only."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+    return attend_cached(q, k_cache, v_cache, meta)
+
+
+def attend_cached(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+) -> torch.Tensor:
+    """q [T, H, D] over caches that already hold this step's keys and values -> [T, H, D].
+
+    On the CPU in float32 the compiled row-by-row kernel computes each row the same way
+    whatever the batch (see attention.cpp); elsewhere one SDPA call per group."""
     ops = quant_ops() if q.device.type == "cpu" and q.dtype == torch.float32 else None
     if ops is not None and meta.kv_slots is not None:
         return ops.paged_attention_rows(q, k_cache, v_cache, meta.kv_slots, meta.row_seq,

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from braid.kernels import quant_ops
-from braid.models.attention import AttentionMetadata, paged_attention
+from braid.models.attention import AttentionMetadata, attend_cached, paged_attention
 from braid.models.config import ModelConfig
 from braid.models.quant import QuantEmbedding, QuantLinear, QuantWeight, quantize_float
 
@@ -81,6 +81,16 @@ class RMSNorm(nn.Module):
             return ops.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, the norm of it): a residual add and the norm after it (the compiled
+        kernel adds in place, in one pass, with the same results)."""
+        ops = quant_ops() if self.compiled and x.dtype == torch.float32 else None
+        if ops is not None and x.device.type == "cpu" and x.is_contiguous():
+            return x, ops.add_rms_norm_(x, delta, self.weight, self.eps)
+        x = x + delta
+        return x, self.forward(x)
+
 
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate_half), as in Hugging Face Qwen2/Llama."""
@@ -144,7 +154,15 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
     ) -> torch.Tensor:
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        ops = quant_ops() if qkv.device.type == "cpu" and qkv.dtype == self.k_cache.dtype \
+            == rope[0].dtype == torch.float32 else None
+        if ops is not None and meta.kv_slots is not None:
+            # q and k rotated, k and v written to the cache, in one pass (same arithmetic)
+            q = ops.rope_qkv_to_cache(qkv, *rope, self.k_cache, self.v_cache,
+                                      meta.slot_mapping, self.num_heads)
+            return self.o_proj(attend_cached(q, self.k_cache, self.v_cache, meta).flatten(1))
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads rotated together: [T, H + KVH, D]
         qk = rotate(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -175,8 +193,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(
+            x, self.self_attn(self.input_layernorm(x), rope, meta))
+        return x + self.mlp(h)
 
 
 class Qwen2ForCausalLM(nn.Module):

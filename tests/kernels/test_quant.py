@@ -273,6 +273,39 @@ def test_rotate_is_the_torch_rotation_exactly(ops: ModuleType) -> None:
     assert torch.equal(got, want)
 
 
+def test_add_rms_norm_is_the_add_then_the_norm_exactly(ops: ModuleType) -> None:
+    x, delta, w = activations(5, 1536), activations(5, 1536) * 2, torch.randn(1536)
+    residual = x.clone()
+    out = ops.add_rms_norm_(residual, delta, w, 1e-6)
+    assert torch.equal(residual, x + delta)
+    assert torch.equal(out, ops.rms_norm(x + delta, w, 1e-6))
+    with pytest.raises(RuntimeError, match="shape"):
+        ops.add_rms_norm_(x.clone(), delta[:2], w, 1e-6)
+
+
+def test_rope_qkv_to_cache_is_the_split_rotation_and_cache_write(ops: ModuleType) -> None:
+    from braid.models.qwen2 import RotaryEmbedding
+
+    heads, kv_heads, d = 6, 2, 64
+    cos, sin = RotaryEmbedding(d, 512, 1e6).tables(torch.tensor([0, 5, 300, 301]))
+    qkv = torch.randn(4, (heads + 2 * kv_heads) * d)
+    slots = torch.tensor([3, 17, 9, 30])
+    k_cache, v_cache = torch.zeros(32, kv_heads, d), torch.zeros(32, kv_heads, d)
+    q = ops.rope_qkv_to_cache(qkv, cos, sin, k_cache, v_cache, slots, heads)
+    qk, v = qkv.split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
+    qk = qk.reshape(4, heads + kv_heads, d).contiguous()
+    ops.rotate_(qk, cos, sin)
+    assert torch.equal(q, qk[:, :heads])
+    assert torch.equal(k_cache[slots], qk[:, heads:])
+    assert torch.equal(v_cache[slots], v.reshape(4, kv_heads, d))
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+    with pytest.raises(RuntimeError, match="slot"):
+        ops.rope_qkv_to_cache(qkv, cos, sin, k_cache, v_cache, torch.tensor([0, 1, 2, 32]),
+                              heads)
+
+
 # ---- panels: sixteen rows interleaved, the AVX512-VNNI kernels' layout ----------------------
 
 PANEL_N = 48  # three panels
