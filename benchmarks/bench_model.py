@@ -2,16 +2,23 @@
 times and peak memory, for the default target on this machine.
 
     python benchmarks/bench_model.py [--model NAME] [--quantization auto|none] [--cold]
+        [--vs-llamacpp BIN_DIR [--pairs 4]]
 
 Prints a table; `--cold` also times a load into an empty cache folder (tokenizer conversion).
+`--vs-llamacpp` (a llama.cpp build's bin folder, see the README's peers note) alternates
+llama-bench tg64 on the same GGUF with braid's single-request decode, pair after pair, and
+prints each pair's ratio: this machine's memory bandwidth drifts by 10-30% over minutes, so
+only side-by-side pairs compare.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -77,12 +84,38 @@ def decode_rate(engine: LLMEngine, new_tokens: int = 64) -> tuple[float, float]:
     return len(times) / sum(times), sorted(times)[len(times) // 2] * 1e3
 
 
+def llama_bench_rate(bin_dir: str, gguf: str) -> float:
+    """llama-bench's tg64 tokens/s on 2 threads."""
+    out = subprocess.run([os.path.join(bin_dir, "llama-bench"), "-m", gguf, "-t", "2", "-p", "0",
+                          "-n", "64", "-o", "json"], check=True, capture_output=True, text=True,
+                         env=dict(os.environ, LD_LIBRARY_PATH=bin_dir))
+    return float(json.loads(out.stdout)[0]["avg_ts"])
+
+
+def versus_llamacpp(engine: LLMEngine, bin_dir: str, pairs: int) -> None:
+    """Alternate llama-bench tg64 and braid's decode on the same GGUF; print each pair."""
+    from braid.models.registry import registry_gguf_path
+
+    gguf = str(registry_gguf_path(engine.config.model))
+    ratios = []
+    for i in range(pairs):
+        theirs = llama_bench_rate(bin_dir, gguf)
+        ours, _ = decode_rate(engine)
+        ratios.append(ours / theirs)
+        print(f"pair {i + 1}: llama.cpp tg64 {theirs:6.2f} tok/s, braid {ours:6.2f} tok/s, "
+              f"ratio {ratios[-1]:.2f}x", flush=True)
+    print(f"braid / llama.cpp decode, median of {pairs} pairs: {statistics.median(ratios):.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_TARGET)
     parser.add_argument("--quantization", default="auto")
     parser.add_argument("--cold", action="store_true", help="also time a GGUF conversion")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
+    parser.add_argument("--vs-llamacpp", metavar="BIN_DIR",
+                        help="a llama.cpp bin folder: alternate llama-bench and braid decode")
+    parser.add_argument("--pairs", type=int, default=4, help="with --vs-llamacpp")
     args = parser.parse_args()
 
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
@@ -119,6 +152,8 @@ def main() -> None:
         print(f"cold load (new cache):   {cold_load:8.1f} s")
     print(f"peak RSS:                {peak / 1e9:8.2f} GB "
           f"({peak / (weight_bytes + kv_bytes):.2f}x weights + KV)")
+    if args.vs_llamacpp:
+        versus_llamacpp(engine, args.vs_llamacpp, args.pairs)
 
 
 if __name__ == "__main__":
