@@ -19,8 +19,8 @@ import torch
 logger = logging.getLogger("braid")
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("quant.cpp", "panels.cpp", "attention.cpp", "norm.cpp")]
-HEADERS = [Path(__file__).with_name("formats.h")]
+           for name in ("quant.cpp", "panels.cpp", "attention.cpp", "norm.cpp", "layer.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("formats.h", "ops.h")]
 ISAS = ("avx512-vnni", "avx2", "scalar")
 
 
@@ -43,7 +43,8 @@ def _find_ninja() -> None:
 @functools.cache
 def quant_ops() -> ModuleType | None:
     """The extension (quantized matmuls in quant.cpp, batch-invariant attention in
-    attention.cpp, RMSNorm in norm.cpp), or None if it cannot be built here.
+    attention.cpp, RMSNorm and rotary in norm.cpp, a whole quantized decoder layer in
+    layer.cpp), or None if it cannot be built here.
     BRAID_NO_KERNELS=1 turns it off (the plain-torch fallback)."""
     if os.environ.get("BRAID_NO_KERNELS") == "1":
         logger.info("quantized kernels off (BRAID_NO_KERNELS=1)")

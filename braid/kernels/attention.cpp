@@ -14,6 +14,8 @@
 #include <cmath>
 #include <vector>
 
+#include "ops.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define BRAID_X86 1
@@ -134,6 +136,10 @@ bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_support
 bool has_avx2() { return false; }
 #endif
 
+}  // namespace
+
+namespace braid_kernels {
+
 // q [T, H, D]; caches [slots, KVH, D]; kv_slots [R, kv_max] (the cache slot of each position of
 // request r); row_seq [T] (the request of each row); row_len [T] (the keys it attends to:
 // positions 0..len-1). Returns [T, H, D].
@@ -213,8 +219,8 @@ torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tenso
   return out;
 }
 
-}  // namespace
+}  // namespace braid_kernels
 
 void register_attention(pybind11::module& m) {
-  m.def("paged_attention_rows", &paged_attention_rows);
+  m.def("paged_attention_rows", &braid_kernels::paged_attention_rows);
 }

@@ -15,6 +15,9 @@
 #include <algorithm>
 #include <cmath>
 
+#include "ops.h"
+
+namespace braid_kernels {
 namespace {
 
 int64_t rows_of(const torch::Tensor& x) { return x.size(-1) ? x.numel() / x.size(-1) : 0; }
@@ -30,6 +33,8 @@ void rms_norm_row(const float* x, const float* w, float eps, int64_t n, float* y
   const float inv = 1.f / std::sqrt(ss / (float)n + eps);
   for (int64_t j = 0; j < n; ++j) y[j] = x[j] * inv * w[j];
 }
+
+}  // namespace
 
 // x [T, H] float32, w [H] float32 -> [T, H].
 torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w_in, double eps) {
@@ -77,6 +82,8 @@ torch::Tensor add_rms_norm_(torch::Tensor& residual, const torch::Tensor& x_in,
   return out;
 }
 
+namespace {
+
 // One head's rotation: dst = src rotated by c, s [D/2] (dst may be src).
 void rotate_head(const float* src, float* dst, const float* c, const float* s, int64_t half) {
   for (int64_t j = 0; j < half; ++j) {
@@ -92,6 +99,8 @@ torch::Tensor table_of(const torch::Tensor& t, int64_t tokens, int64_t half) {
   TORCH_CHECK(out.numel() == tokens * half, "cos and sin must hold [T, D/2] values");
   return out;
 }
+
+}  // namespace
 
 // x [T, heads, D] float32 contiguous, rotated in place by cos, sin [T, D/2] (row t: token t).
 void rotate_(torch::Tensor& x, const torch::Tensor& cos_in, const torch::Tensor& sin_in) {
@@ -156,9 +165,10 @@ torch::Tensor rope_qkv_to_cache(const torch::Tensor& qkv_in, const torch::Tensor
   return q;
 }
 
-}  // namespace
+}  // namespace braid_kernels
 
 void register_norm(pybind11::module& m) {
+  using namespace braid_kernels;
   m.def("rms_norm", &rms_norm);
   m.def("rotate_", &rotate_);
   m.def("add_rms_norm_", &add_rms_norm_);

@@ -23,6 +23,7 @@
 
 
 #include "formats.h"
+#include "ops.h"
 
 namespace {
 
@@ -554,7 +555,11 @@ void quantize_row(const float* x, uint8_t* out, int64_t k, bool kq) {
   else quantize_q8_0(x, reinterpret_cast<ActQ8_0*>(out), k);
 }
 
+}  // namespace
+
 // ---- ops ------------------------------------------------------------------------------------
+
+namespace braid_kernels {
 
 // x [M, K] float32 -> quantized activations [M, bytes] for weights of `type`.
 torch::Tensor quantize_activations(const torch::Tensor& x_in, int64_t type) {
@@ -675,18 +680,21 @@ bool set_avx2(bool on) {
   return before;
 }
 
-}  // namespace
+}  // namespace braid_kernels
 
 void register_attention(pybind11::module& m);  // attention.cpp
 void register_norm(pybind11::module& m);  // norm.cpp
 namespace braid_kernels {
 void register_panels(pybind11::module& m);  // panels.cpp
+void register_layer(pybind11::module& m);  // layer.cpp
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace braid_kernels;
   register_attention(m);
   register_norm(m);
-  braid_kernels::register_panels(m);
+  register_panels(m);
+  register_layer(m);
   m.def("quantize_activations", &quantize_activations);
   m.def("qgemm", &qgemm);
   m.def("qgemm_into", &qgemm_into);

@@ -7,6 +7,8 @@ config values. Q/K/V and gate/up projections are fused so each layer runs 4 matm
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import ModuleType
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -197,6 +199,20 @@ class DecoderLayer(nn.Module):
             x, self.self_attn(self.input_layernorm(x), rope, meta))
         return x + self.mlp(h)
 
+    def fused(self, ops: ModuleType) -> object:
+        """This layer as one compiled call (ops.FusedLayer: the same operations as `forward`
+        with quantized projections, bit for bit)."""
+        attn, mlp = self.self_attn, self.mlp
+        parts = [cast(QuantLinear, m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                 mlp.down_proj)]
+        qkv, o, gate_up, down = ([(offset, w.data, w.layout, w.cols, int(w.qtype))
+                                  for offset, w in m.segments] for m in parts)
+        bias = None if parts[0].bias is None else parts[0].bias.detach()
+        return ops.FusedLayer(
+            self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach(),
+            self.input_layernorm.eps, attn.num_heads, qkv, bias, parts[0].out_features, o,
+            gate_up, parts[2].out_features, down, parts[3].out_features)
+
 
 class Qwen2ForCausalLM(nn.Module):
     """Qwen2 (QKV bias) or Llama (no bias) causal LM; `forward` returns hidden states and
@@ -227,6 +243,10 @@ class Qwen2ForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.compiled = quant_type is not None
+        # Quantized layers run as single compiled calls where they can (see `_fused_layers`);
+        # False keeps the modules' forward (tests compare the two).
+        self.fuse_layers = True
+        self._fused: list[object] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -239,9 +259,32 @@ class Qwen2ForCausalLM(nn.Module):
         """input_ids, positions [T] -> hidden states [T, hidden] (before the final norm)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions)
+        fused = self._fused_layers(x, attn_metadata)
+        if fused is not None:
+            meta = attn_metadata
+            for layer, f in zip(self.layers, fused, strict=True):
+                attn = layer.get_submodule("self_attn")
+                x = f.forward(x, attn.k_cache, attn.v_cache, *rope,  # type: ignore[attr-defined]
+                              meta.slot_mapping, meta.kv_slots, meta.row_seq, meta.row_len)
+            return x
         for layer in self.layers:
             x = layer(x, rope, attn_metadata)
         return x
+
+    def _fused_layers(self, x: torch.Tensor, meta: AttentionMetadata) -> list[object] | None:
+        """The layers as compiled calls, where every operation has its compiled form:
+        quantized weights, float32 activations and KV cache on the CPU, and the row-by-row
+        attention's metadata; None elsewhere (the modules run)."""
+        if (not self.fuse_layers or self.quant_type is None or meta.kv_slots is None
+                or x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous()
+                or self.layers[0].get_submodule("self_attn").k_cache.dtype != torch.float32):
+            return None
+        ops = quant_ops()
+        if ops is None:
+            return None
+        if self._fused is None:
+            self._fused = [cast(DecoderLayer, layer).fused(ops) for layer in self.layers]
+        return self._fused
 
     def compute_logits(self, hidden: torch.Tensor, num_ids: int | None = None) -> torch.Tensor:
         """hidden [N, hidden] (rows already selected) -> logits [N, vocab] float32; with
@@ -315,6 +358,7 @@ class Qwen2ForCausalLM(nn.Module):
         missing = _expected_names(self.config) - loaded
         if missing:
             raise KeyError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+        self._fused = None  # built again from the new weights on the next forward
         if self.config.tie_word_embeddings and isinstance(self.lm_head, QuantLinear):
             assert isinstance(self.embed_tokens, QuantEmbedding) and self.embed_tokens.quant
             self.lm_head.segments = [(0, self.embed_tokens.quant)]

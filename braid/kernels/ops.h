@@ -1,0 +1,28 @@
+// The torch-level ops the source files share (layer.cpp runs a decoder layer with them).
+#pragma once
+
+#include <torch/extension.h>
+
+namespace braid_kernels {
+
+// quant.cpp: int8-quantized activations for weights of GGML `type`, and products with them.
+torch::Tensor quantize_activations(const torch::Tensor& x_in, int64_t type);
+void qgemm_into(const torch::Tensor& xq, const torch::Tensor& w, int64_t type, int64_t k,
+                torch::Tensor& out, int64_t col0);
+
+// norm.cpp
+torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w_in, double eps);
+torch::Tensor add_rms_norm_(torch::Tensor& residual, const torch::Tensor& x_in,
+                            const torch::Tensor& w_in, double eps);
+torch::Tensor rope_qkv_to_cache(const torch::Tensor& qkv_in, const torch::Tensor& cos_in,
+                                const torch::Tensor& sin_in, torch::Tensor& k_cache,
+                                torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
+                                int64_t heads);
+
+// attention.cpp
+torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tensor& k_cache,
+                                   const torch::Tensor& v_cache, const torch::Tensor& kv_slots_in,
+                                   const torch::Tensor& row_seq_in, const torch::Tensor& row_len_in,
+                                   double scale);
+
+}  // namespace braid_kernels
