@@ -263,7 +263,7 @@ class Qwen2ForCausalLM(nn.Module):
         if fused is not None:
             meta = attn_metadata
             for layer, f in zip(self.layers, fused, strict=True):
-                attn = layer.get_submodule("self_attn")
+                attn = cast(DecoderLayer, layer).self_attn  # attribute: get_submodule is slow
                 x = f.forward(x, attn.k_cache, attn.v_cache, *rope,  # type: ignore[attr-defined]
                               meta.slot_mapping, meta.kv_slots, meta.row_seq, meta.row_len)
             return x
@@ -277,7 +277,7 @@ class Qwen2ForCausalLM(nn.Module):
         attention's metadata; None elsewhere (the modules run)."""
         if (not self.fuse_layers or self.quant_type is None or meta.kv_slots is None
                 or x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous()
-                or self.layers[0].get_submodule("self_attn").k_cache.dtype != torch.float32):
+                or cast(DecoderLayer, self.layers[0]).self_attn.k_cache.dtype != torch.float32):
             return None
         ops = quant_ops()
         if ops is None:
