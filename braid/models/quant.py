@@ -116,7 +116,7 @@ class QuantLinear(nn.Module):
         ops = quant_ops()
         assert ops is not None, "QuantLinear needs the compiled kernels"
         rows = self.out_features if num_rows is None else min(num_rows, self.out_features)
-        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        x2 = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).float()
         # A panel segment computes whole panels: room for the last one.
         panel = ops.PANEL_ROWS
         out = torch.empty(x2.shape[0], -(-rows // panel) * panel if rows < self.out_features
@@ -127,7 +127,7 @@ class QuantLinear(nn.Module):
                 break
             kind = w.qtype in (Q.Q4_K, Q.Q6_K)
             if kind not in activations:
-                activations[kind] = ops.quantize_activations(x2.float(), int(w.qtype))
+                activations[kind] = ops.quantize_activations(x2, int(w.qtype))
             data = w.data if offset + w.rows <= out.shape[1] else w.data[:out.shape[1] - offset]
             ops.qgemm_into(activations[kind], data, w.layout, w.cols, out, offset)
         if rows < out.shape[1]:
