@@ -11,6 +11,7 @@ from braid.engine.request import Request
 from braid.engine.scheduler import SchedulerOutput
 from braid.kernels import quant_ops
 from braid.models.attention import AttentionMetadata, build_attention_metadata
+from braid.models.quant import huge_page_zeros
 from braid.models.qwen2 import Qwen2ForCausalLM
 
 
@@ -64,10 +65,10 @@ class ModelRunner:
         self.block_size = block_size
         self.logit_ids: int | None = None  # score only token ids below this (None: all)
         dtype = model.dtype
-        self.kv_cache = torch.zeros(
-            cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads,
-            cfg.head_dim, dtype=dtype, device=device,
-        )
+        shape = (cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads,
+                 cfg.head_dim)
+        self.kv_cache = (huge_page_zeros(shape, dtype) if torch.device(device).type == "cpu"
+                         else torch.zeros(shape, dtype=dtype, device=device))
         model.bind_kv_cache(self.kv_cache)
         quant_ops()  # build or load the kernels now, not in the first request's step
 

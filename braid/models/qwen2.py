@@ -18,7 +18,13 @@ from torch import nn
 from braid.kernels import quant_ops
 from braid.models.attention import AttentionMetadata, attend_cached, paged_attention
 from braid.models.config import ModelConfig
-from braid.models.quant import QuantEmbedding, QuantLinear, QuantWeight, quantize_float
+from braid.models.quant import (
+    QuantEmbedding,
+    QuantLinear,
+    QuantWeight,
+    quantize_float,
+    weights_to_huge_pages,
+)
 
 # Batch-size hint for oneDNN's weight layout: 4-16 token forwards (verification windows) are
 # what speculation relies on being as cheap as a 1-token decode.
@@ -362,6 +368,8 @@ class Qwen2ForCausalLM(nn.Module):
         if self.config.tie_word_embeddings and isinstance(self.lm_head, QuantLinear):
             assert isinstance(self.embed_tokens, QuantEmbedding) and self.embed_tokens.quant
             self.lm_head.segments = [(0, self.embed_tokens.quant)]
+        if self.quant_type is not None and next(self.parameters()).device.type == "cpu":
+            weights_to_huge_pages(self.modules())
 
     def _quantized(self, tensor: torch.Tensor | QuantWeight) -> QuantWeight:
         if isinstance(tensor, QuantWeight):

@@ -4,6 +4,7 @@ quantized GGUF loads as float."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +20,15 @@ from braid.config import ConfigError, EngineConfig
 from braid.engine.engine import LLMEngine
 from braid.kernels import quant_ops
 from braid.models.build import load_model
-from braid.models.quant import QuantEmbedding, QuantLinear, QuantWeight, quantize_float
+from braid.models.quant import (
+    HUGE_PAGE,
+    QuantEmbedding,
+    QuantLinear,
+    QuantWeight,
+    huge_page_zeros,
+    quantize_float,
+    weights_to_huge_pages,
+)
 from braid.models.qwen2 import Qwen2ForCausalLM
 from braid.sampling_params import SamplingParams
 from tests.conftest import write_gguf
@@ -175,6 +184,36 @@ def test_adjacent_segments_of_one_format_act_as_one_matrix() -> None:
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
     assert torch.equal(parts(x), whole(x))
     assert parts.weight_bytes() == whole.weight_bytes()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+@pytest.mark.parametrize("nbytes", [HUGE_PAGE // 2, 3 * HUGE_PAGE + 4096])
+def test_huge_page_zeros_are_zeros_that_outlive_their_mapping(dtype: torch.dtype,
+                                                            nbytes: int) -> None:
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    t = huge_page_zeros((nbytes // itemsize // 4, 4), dtype)
+    assert t.dtype == dtype and t.shape == (nbytes // itemsize // 4, 4)
+    assert t.is_contiguous() and not t.any()
+    gc.collect()  # the mapping is owned by the tensor, not by a name here
+    t.fill_(3)
+    assert bool((t == 3).all())
+
+
+def test_weights_move_to_huge_pages_unchanged_and_still_shared() -> None:
+    """Packed weights are copied once each (a QuantWeight two modules share stays shared)
+    and compute exactly what they did."""
+    weight = torch.randn(2048, 1024, generator=torch.Generator().manual_seed(6))
+    first = QuantLinear(1024, 2048)
+    first.set_rows(0, quantize_float(weight, Q.Q8_0))
+    assert first.weight_bytes() > HUGE_PAGE
+    second = QuantLinear(1024, 2048)
+    second.segments = first.segments
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(7))
+    before, pointer = first(x), first.segments[0][1].data.data_ptr()
+    weights_to_huge_pages([first, second])
+    assert first.segments[0][1].data.data_ptr() != pointer
+    assert second.segments[0][1] is first.segments[0][1]
+    assert torch.equal(first(x), before)
 
 
 def test_rows_that_do_not_fit_raise() -> None:
