@@ -34,6 +34,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 EXACT_UP_TO = 64  # query tokens up to which measured sizes correct the fit
+# A fit waits until the forwards observed since the last one are this share of its samples
+# (every one while there are few; every ~9 with a full window and the warm-up anchors). A
+# fit costs ~1 ms of Python and numpy: refitting after every step made a speculating
+# engine's steps ~1 ms dearer than plain decoding's even at k = 0.
+REFIT_SHARE = 1 / 32
 KNEES = (4, 8, 16, 32, 64, 128, 256)
 ATTENTION_UNIT = 1e6  # attention work is fitted per million query-key pairs
 
@@ -56,6 +61,7 @@ class ForwardCost:
     _sizes: list[int] = field(default_factory=list)  # measured sizes <= EXACT_UP_TO, sorted
     _residuals: list[float] = field(default_factory=list)  # median residual at each size
     _num_observed: int = 0
+    _unfitted: int = 0  # forwards observed since the last fit
 
     @staticmethod
     def features(tokens: float, attention: float, rows: float) -> np.ndarray:
@@ -74,7 +80,9 @@ class ForwardCost:
         (self.anchors if anchor else self.recent).append((x, seconds))
         if len(self.recent) > self.window:
             self.recent.popleft()
-        self._coef = None
+        self._unfitted += 1
+        if self._unfitted >= REFIT_SHARE * (len(self.anchors) + len(self.recent)):
+            self._coef = None
 
     def __call__(self, tokens: float, attention: float = 0.0, rows: float | None = None
                  ) -> float:
@@ -108,6 +116,7 @@ class ForwardCost:
         return self._coef
 
     def _fit(self) -> None:
+        self._unfitted = 0
         samples = self.anchors + list(self.recent)
         self._sizes, self._residuals = [], []
         if not samples:

@@ -20,6 +20,13 @@ from braid.spec_decode.cost_model import StepCostModel, attention_work
 # (on chat, where the draft is accepted ~0.6, the optimism started requests whose catch-up
 # was then spent on a few windows: docs/benchmarks.md section 5, run 4).
 EXPLORE_TRIALS = 16
+# Per step in which no request drafts, the global evidence is worth this much less (its mean
+# unchanged), down to half of EXPLORE_TRIALS. Without it a policy that stopped drafting never
+# measured again: requests that accepted poorly early on kept every later request at k = 0 (a
+# fresh engine at concurrency 1 stayed at k = 0 for most of a HumanEval run). After ~150 idle
+# steps starting requests plan with the optimistic estimate again: the measured mean plus
+# about 0.1, which restarts drafting where the mean was near break-even and nowhere else.
+IDLE_DECAY = 0.98
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -50,6 +57,19 @@ class AcceptanceEstimator:
                               (self._global, 0.99)):
             counts[0] = decay * counts[0] + num_accepted
             counts[1] = decay * counts[1] + trials
+
+    def age(self) -> None:
+        """A step passed without any verification: the global evidence ages."""
+        trials = self._global[1]
+        if trials > EXPLORE_TRIALS / 2:
+            factor = max(IDLE_DECAY, EXPLORE_TRIALS / 2 / trials)
+            self._global[0] *= factor
+            self._global[1] *= factor
+
+    @property
+    def global_trials(self) -> float:
+        """Decayed count of verified draft trials behind global_alpha."""
+        return self._global[1]
 
     @property
     def global_alpha(self) -> float:

@@ -90,6 +90,8 @@ class Speculator:
         for r, d in zip(running, proposal.drafts, strict=True):
             if not r.is_prefilling:
                 self.chosen_k[len(d)] += 1
+        if any(caps) and not any(proposal.drafts):
+            self.acceptance.age()
         drafts = {r.request_id: d for r, d in zip(running, proposal.drafts, strict=True)}
         probs = {} if proposal.probs is None else {
             r.request_id: q for r, q in zip(running, proposal.probs, strict=True) if q is not None}

@@ -138,6 +138,22 @@ def test_a_costly_start_plans_with_the_plain_estimate_once_there_is_evidence() -
     assert est.alpha("new") > est.alpha("new", optimistic=False) + 0.05
 
 
+def test_idle_steps_age_the_evidence_until_starting_requests_explore_again() -> None:
+    """A policy that stopped drafting measures nothing: the global evidence ages with idle
+    steps (mean kept) until a starting request plans optimistically again, and stops aging
+    at half of EXPLORE_TRIALS."""
+    est = AcceptanceEstimator(prior=0.7)
+    for _ in range(200):
+        est.update("x", 3, 1)  # 1 accepted, then a rejection: alpha 1/2
+    plain, mean = est.alpha("new", optimistic=False), est.global_alpha
+    assert plain == pytest.approx(mean)
+    for _ in range(1000):
+        est.age()
+    assert est.global_alpha == pytest.approx(0.5, abs=0.1)  # measured mean, prior's pull
+    assert est.alpha("new", optimistic=False) > mean + 0.05
+    assert est.alpha("new", optimistic=False) == est.alpha("new") < 0.75
+
+
 def test_itl_target_caps_the_prefill_chunk_then_the_drafts() -> None:
     from braid.spec_decode.policy import prefill_under_target
 

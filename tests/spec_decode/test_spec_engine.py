@@ -294,6 +294,7 @@ def test_goodput_switches_off_under_load_and_back_on_losslessly() -> None:
     draft.propose = propose
     lags: list[int] = []  # A's draft backlog after each step
     step_forwards: list[list[int]] = []  # the draft forwards of each step
+    evidence: list[float] = []  # global acceptance trials after each step
     plain_step = engine.step
 
     def step():
@@ -302,6 +303,7 @@ def test_goodput_switches_off_under_load_and_back_on_losslessly() -> None:
         if "A" in engine.requests:
             lags.append(draft.lag(engine.requests["A"]))
             step_forwards.append(forwards[before:])
+            evidence.append(engine.speculator.acceptance.global_trials)
         return out
 
     engine.step = step
@@ -317,6 +319,9 @@ def test_goodput_switches_off_under_load_and_back_on_losslessly() -> None:
     assert lags[back_on - 1] > lags[first_off] >= 1
     assert step_forwards[back_on][0] >= lags[back_on - 1]
     assert lags[back_on] == 1  # only the token sampled next step is new to the draft
+    # Steps in which nobody drafts age the global evidence (so a policy that stopped
+    # drafting explores again in time).
+    assert evidence[back_on - 1] < evidence[first_off]
 
 
 def test_itl_target_caps_prefill_chunks_losslessly(reference) -> None:
