@@ -62,9 +62,9 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor in anonymous memory asked to be backed by 2 MB pages
     (MADV_HUGEPAGE: transparent huge pages in the usual "madvise" mode). A decode streams
     every weight byte once per step; with 4 KB pages each page costs a TLB walk, and on 2 MB
-    ones the same decode ran ~7% faster (docs/benchmarks.md). Small tensors, and systems
-    without madvise, get ordinary memory; where the kernel has no huge page to give, the
-    mapping gets small ones (the same bytes, only slower)."""
+    ones the same decode ran ~13% faster (docs/benchmarks.md section 5, run 6). Small
+    tensors, and systems without madvise, get ordinary memory; where the kernel has no huge
+    page to give, the mapping gets small ones (the same bytes, only slower)."""
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype)
