@@ -55,6 +55,17 @@ def time_load(model: str, quantization: str, cache_dir: str | None) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def gguf_ratio(model: str, peak: int, kv_bytes: int) -> str:
+    """', N.NNx GGUF + KV' for a default model (the [M7] goal's measure: the file's bytes,
+    embedding included, not the bytes a forward streams); '' for other models."""
+    from braid.models.registry import MODELS, registry_gguf_path
+
+    if model not in MODELS:
+        return ""
+    gguf = registry_gguf_path(model).stat().st_size
+    return f", {peak / (gguf + kv_bytes):.2f}x GGUF + KV"
+
+
 def step_ms(engine: LLMEngine, num_query_tokens: int, repeats: int = 3) -> float:
     """Median ms of one forward whose flat batch holds `num_query_tokens` prefill tokens."""
     times = []
@@ -151,7 +162,8 @@ def main() -> None:
     if cold_load is not None:
         print(f"cold load (new cache):   {cold_load:8.1f} s")
     print(f"peak RSS:                {peak / 1e9:8.2f} GB "
-          f"({peak / (weight_bytes + kv_bytes):.2f}x weights + KV)")
+          f"({peak / (weight_bytes + kv_bytes):.2f}x weights + KV"
+          f"{gguf_ratio(args.model, peak, kv_bytes)})")
     if args.vs_llamacpp:
         versus_llamacpp(engine, args.vs_llamacpp, args.pairs)
 
