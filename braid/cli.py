@@ -4,7 +4,10 @@ OpenAI-compatible HTTP server) and bench (serving benchmarks: `bench serve`, `be
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
+import os
+import signal
 import sys
 from collections.abc import Callable
 
@@ -68,7 +71,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from braid.server.app import run_server
 
+    follow_parent()
     return run_server(args)
+
+
+def follow_parent() -> None:
+    """Started by braid.bench.server_process (its pid in BRAID_EXIT_WITH_PARENT): get
+    SIGTERM when that process (strictly, the thread that started this one) dies, however
+    it dies: Linux's PR_SET_PDEATHSIG. Elsewhere, or without the variable, nothing."""
+    from braid.bench.server_process import PARENT_ENV
+
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != int(parent):  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _report(out) -> None:  # noqa: ANN001 - RequestOutput

@@ -1,5 +1,7 @@
 """A `braid serve` subprocess on 127.0.0.1 (a free port), its log in a file, stopped with
-SIGTERM: what the sweep benchmarks and what the server tests run against."""
+SIGTERM: what the sweep benchmarks and what the server tests run against. The server also
+exits when the process that started it dies (a test run killed for memory left servers
+running)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 import httpx
 
 START_TIMEOUT_S = 90.0
+PARENT_ENV = "BRAID_EXIT_WITH_PARENT"  # a pid: the server exits when that process dies
 
 
 def free_port() -> int:
@@ -33,7 +36,8 @@ class ServerProcess:
         self.log_path = log_dir / f"server-{self.port}.log"
         cmd = [sys.executable, "-m", "braid.cli", "serve", "--model", self.model,
                "--port", str(self.port), "--log-stats-interval", "0", *extra]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # The server exits when this process dies, however it dies (braid.cli.follow_parent).
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         self._wait_healthy(timeout_s)
