@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -64,9 +65,12 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     every weight byte once per step; with 4 KB pages each page costs a TLB walk, and on 2 MB
     ones the same decode ran ~13% faster (docs/benchmarks.md section 5, run 6). Small
     tensors, and systems without madvise, get ordinary memory; where the kernel has no huge
-    page to give, the mapping gets small ones (the same bytes, only slower)."""
+    page to give, the mapping gets small ones (the same bytes, only slower). Finding free
+    2 MB pages can stall on a fragmented machine (the kernel compacts memory: 5.5 s for the
+    first 1 GB once, 0.4 s after); BRAID_HUGE_PAGES=0 turns them off."""
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if (nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE")
+            or os.environ.get("BRAID_HUGE_PAGES") == "0"):
         return torch.zeros(shape, dtype=dtype)
     # private (the default, MAP_SHARED, is shmem: no huge pages); zero pages; torch.frombuffer
     # keeps the mapping alive

@@ -5,6 +5,7 @@ quantized GGUF loads as float."""
 from __future__ import annotations
 
 import gc
+import mmap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -188,10 +189,18 @@ def test_adjacent_segments_of_one_format_act_as_one_matrix() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
 @pytest.mark.parametrize("nbytes", [HUGE_PAGE // 2, 3 * HUGE_PAGE + 4096])
-def test_huge_page_zeros_are_zeros_that_outlive_their_mapping(dtype: torch.dtype,
-                                                            nbytes: int) -> None:
+@pytest.mark.parametrize("huge_pages", ["1", "0"])
+def test_huge_page_zeros_are_zeros_that_outlive_their_mapping(
+        dtype: torch.dtype, nbytes: int, huge_pages: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BRAID_HUGE_PAGES", huge_pages)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     t = huge_page_zeros((nbytes // itemsize // 4, 4), dtype)
+    # torch's own allocation (resizable storage) unless asked for and large enough; a mapping
+    # (a fixed-size buffer) otherwise, on systems that have madvise
+    if huge_pages == "0" or nbytes < HUGE_PAGE:
+        assert t.untyped_storage().resizable()
+    elif hasattr(mmap, "MADV_HUGEPAGE"):
+        assert not t.untyped_storage().resizable()
     assert t.dtype == dtype and t.shape == (nbytes // itemsize // 4, 4)
     assert t.is_contiguous() and not t.any()
     gc.collect()  # the mapping is owned by the tensor, not by a name here
