@@ -60,23 +60,29 @@ class QuantWeight:
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor in anonymous memory asked to be backed by 2 MB pages
-    (MADV_HUGEPAGE: transparent huge pages in the usual "madvise" mode). A decode streams
-    every weight byte once per step; with 4 KB pages each page costs a TLB walk, and on 2 MB
-    ones the same decode ran ~13% faster (docs/benchmarks.md section 5, run 6). Small
-    tensors, and systems without madvise, get ordinary memory; where the kernel has no huge
-    page to give, the mapping gets small ones (the same bytes, only slower). Finding free
-    2 MB pages can stall on a fragmented machine (the kernel compacts memory: 5.5 s for the
-    first 1 GB once, 0.4 s after); BRAID_HUGE_PAGES=0 turns them off."""
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    """A zeroed CPU tensor, on 2 MB pages where _huge_page_buffer gives them, else torch's."""
+    buffer = _huge_page_buffer(math.prod(shape) * dtype.itemsize)
+    return (torch.zeros(shape, dtype=dtype) if buffer is None
+            else buffer.view(dtype).view(shape))
+
+
+def _huge_page_buffer(nbytes: int) -> torch.Tensor | None:
+    """Zeroed uint8 [nbytes] in anonymous memory asked to be backed by 2 MB pages
+    (MADV_HUGEPAGE: transparent huge pages in the usual "madvise" mode), or None for small
+    buffers, systems without madvise and BRAID_HUGE_PAGES=0. A decode streams every weight
+    byte once per step; with 4 KB pages each page costs a TLB walk, and on 2 MB ones the same
+    decode ran ~13% faster (docs/benchmarks.md section 5, run 6). Where the kernel has no huge
+    page to give, the mapping gets small ones (the same bytes, only slower). Finding free 2 MB
+    pages can stall on a fragmented machine (the kernel compacts memory: 5.5 s for the first
+    1 GB once, 0.4 s after)."""
     if (nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE")
             or os.environ.get("BRAID_HUGE_PAGES") == "0"):
-        return torch.zeros(shape, dtype=dtype)
+        return None
     # private (the default, MAP_SHARED, is shmem: no huge pages); zero pages; torch.frombuffer
     # keeps the mapping alive
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buffer.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
+    return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
 def runnable(qtype: GGMLQuantizationType, cols: int) -> bool:
@@ -163,15 +169,18 @@ class QuantLinear(nn.Module):
 
 
 def weights_to_huge_pages(modules: Iterable[nn.Module]) -> None:
-    """Copy every QuantLinear's blocks (in their final, repacked and merged form) into
-    huge_page_zeros memory, one tensor at a time."""
+    """Copy every QuantLinear's blocks (in their final, repacked and merged form) onto huge
+    pages, one tensor at a time; those _huge_page_buffer gives none stay where they are."""
     seen: set[int] = set()  # a tied LM head shares its QuantWeight with the embedding
     for module in modules:
         if isinstance(module, QuantLinear):
             for _, w in module.segments:
-                if id(w) not in seen:
-                    seen.add(id(w))
-                    w.data = huge_page_zeros(tuple(w.data.shape), w.data.dtype).copy_(w.data)
+                if id(w) in seen:
+                    continue
+                seen.add(id(w))
+                buffer = _huge_page_buffer(w.data.numel() * w.data.element_size())
+                if buffer is not None:
+                    w.data = buffer.view(w.data.dtype).view(w.data.shape).copy_(w.data)
 
 
 def _merged(segments: list[tuple[int, QuantWeight]]) -> list[tuple[int, QuantWeight]]:

@@ -208,9 +208,12 @@ def test_huge_page_zeros_are_zeros_that_outlive_their_mapping(
     assert bool((t == 3).all())
 
 
-def test_weights_move_to_huge_pages_unchanged_and_still_shared() -> None:
+@pytest.mark.parametrize("huge_pages", ["1", "0"])
+def test_weights_move_to_huge_pages_unchanged_and_still_shared(
+        huge_pages: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Packed weights are copied once each (a QuantWeight two modules share stays shared)
-    and compute exactly what they did."""
+    and compute exactly what they did; with huge pages off they are not copied at all."""
+    monkeypatch.setenv("BRAID_HUGE_PAGES", huge_pages)
     weight = torch.randn(2048, 1024, generator=torch.Generator().manual_seed(6))
     first = QuantLinear(1024, 2048)
     first.set_rows(0, quantize_float(weight, Q.Q8_0))
@@ -220,7 +223,8 @@ def test_weights_move_to_huge_pages_unchanged_and_still_shared() -> None:
     x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(7))
     before, pointer = first(x), first.segments[0][1].data.data_ptr()
     weights_to_huge_pages([first, second])
-    assert first.segments[0][1].data.data_ptr() != pointer
+    moved = huge_pages == "1" and hasattr(mmap, "MADV_HUGEPAGE")
+    assert (first.segments[0][1].data.data_ptr() != pointer) == moved
     assert second.segments[0][1] is first.segments[0][1]
     assert torch.equal(first(x), before)
 
