@@ -1,4 +1,7 @@
 // Paged attention, one query row at a time, over the keys that row may see, in position order.
+// On AVX512 a task is one row and one KV head: the query heads that share that KV head (GQA)
+// read its keys and values while they are in L1, and each head's output accumulates in
+// registers; elsewhere a task is one row and one head (AVX2, or portable scalar code).
 //
 // Batch invariance: a row's output depends only on its query and its keys and values (read in
 // order 0..len-1, the same arithmetic every time), never on the other rows of the step, on
@@ -12,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "ops.h"
@@ -131,9 +135,122 @@ AVX2 void axpy_avx2(float a, const float* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
-bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
-#else
-bool has_avx2() { return false; }
+#define AVX512 __attribute__((target("avx512f,fma")))
+
+// exp_avx2's polynomial on 16 lanes.
+AVX512 __m512 exp_avx512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n),
+                                                       _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// scores[0..n) = softmax numerators exp(s * scale - max); returns their sum (one vector of
+// lane sums, added up in a fixed order at the end).
+AVX512 float scaled_softmax_exp_avx512(float* scores, int64_t n, float scale) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scores + j), sc);
+    _mm512_storeu_ps(scores + j, s);
+    mx = _mm512_max_ps(mx, s);
+  }
+  const __mmask16 tail = (__mmask16)((1u << (n - j)) - 1);
+  if (tail) {
+    const __m512 s = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, scores + j), sc);
+    _mm512_mask_storeu_ps(scores + j, tail, s);
+    mx = _mm512_mask_max_ps(mx, tail, mx, s);
+  }
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 acc = _mm512_setzero_ps();
+  for (j = 0; j + 16 <= n; j += 16) {
+    const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(scores + j), m));
+    _mm512_storeu_ps(scores + j, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  if (tail) {
+    const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, scores + j), m));
+    _mm512_mask_storeu_ps(scores + j, tail, e);
+    acc = _mm512_mask_add_ps(acc, tail, acc, e);
+  }
+  float lanes[16];
+  _mm512_storeu_ps(lanes, acc);
+  float sum = 0.f;
+  for (int l = 0; l < 16; ++l) sum += lanes[l];
+  return sum;
+}
+
+// The `group` query heads of one row that share KV head `kv_head` (q: their [group, 16 * C]
+// values), over the row's n keys -> out [group, 16 * C]. Each head is the same operations
+// in the same order whatever else the step holds: scores four keys at a time (one
+// accumulator per key, summed across lanes), the softmax above, then the values weighted and
+// added up in C registers, divided by the sum at the end.
+template <int C>
+AVX512 void attend_group_avx512(const float* q, int64_t group, const float* kp, const float* vp,
+                                const int64_t* pos_slots, int64_t n, int64_t kvh,
+                                int64_t kv_head, float scale, float* scores, float* out) {
+  constexpr int64_t d = 16 * C;
+  const auto key = [&](int64_t j) { return kp + (pos_slots[j] * kvh + kv_head) * d; };
+  const auto value = [&](int64_t j) { return vp + (pos_slots[j] * kvh + kv_head) * d; };
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 qz[C];
+    for (int c = 0; c < C; ++c) qz[c] = _mm512_loadu_ps(q + g * d + 16 * c);
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+      const float* k[4] = {key(j), key(j + 1), key(j + 2), key(j + 3)};
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                       _mm512_setzero_ps()};
+      for (int c = 0; c < C; ++c)
+        for (int u = 0; u < 4; ++u)
+          acc[u] = _mm512_fmadd_ps(qz[c], _mm512_loadu_ps(k[u] + 16 * c), acc[u]);
+      for (int u = 0; u < 4; ++u) scores[j + u] = _mm512_reduce_add_ps(acc[u]);
+    }
+    for (; j < n; ++j) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c)
+        acc = _mm512_fmadd_ps(qz[c], _mm512_loadu_ps(key(j) + 16 * c), acc);
+      scores[j] = _mm512_reduce_add_ps(acc);
+    }
+    const float sum = scaled_softmax_exp_avx512(scores, n, scale);
+    __m512 oz[C];
+    for (int c = 0; c < C; ++c) oz[c] = _mm512_setzero_ps();
+    for (j = 0; j < n; ++j) {
+      const __m512 p = _mm512_set1_ps(scores[j]);
+      const float* v = value(j);
+      for (int c = 0; c < C; ++c) oz[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), oz[c]);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / sum);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + g * d + 16 * c, _mm512_mul_ps(oz[c], inv));
+  }
+}
+
+using GroupFn = void (*)(const float*, int64_t, const float*, const float*, const int64_t*,
+                         int64_t, int64_t, int64_t, float, float*, float*);
+
+// The routine for head size d (a multiple of 16, up to 256), or null.
+GroupFn group_fn(int64_t d) {
+  switch (d) {
+    case 16: return attend_group_avx512<1>;
+    case 32: return attend_group_avx512<2>;
+    case 64: return attend_group_avx512<4>;
+    case 96: return attend_group_avx512<6>;
+    case 128: return attend_group_avx512<8>;
+    case 256: return attend_group_avx512<16>;
+    default: return nullptr;
+  }
+}
 #endif
 
 }  // namespace
@@ -171,8 +288,26 @@ torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tenso
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  int64_t keys = 0;
+  for (int64_t i = 0; i < t; ++i) keys += len[i];
 #ifdef BRAID_X86
-  const bool avx2 = has_avx2();
+  if (const GroupFn fn = use_avx512() ? group_fn(d) : nullptr) {
+    // At least ~64K multiply-adds per thread: decode steps of a small model stay on one thread.
+    const int64_t grain =
+        std::max<int64_t>(1, (1 << 16) * t / std::max<int64_t>(1, keys * d * group));
+    at::parallel_for(0, t * kvh, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t row = task / kvh, kv_head = task % kvh, n = len[row];
+        scores.resize(n);
+        const int64_t first = row * h + kv_head * group;  // the group's first query head
+        fn(qp + first * d, group, kp, vp, table + seq[row] * kv_max, n, kvh, kv_head,
+           (float)scale, scores.data(), op + first * d);
+      }
+    });
+    return out;
+  }
+  const bool avx2 = use_avx2();  // one row and one head a task
   const auto dot = avx2 ? dot_avx2 : dot_scalar;
   const auto axpy = avx2 ? axpy_avx2 : axpy_scalar;
   const auto softmax_exp = avx2 ? softmax_exp_avx2 : softmax_exp_scalar;
@@ -182,8 +317,6 @@ torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tenso
   const auto softmax_exp = softmax_exp_scalar;
 #endif
   // At least ~64K multiply-adds per thread: decode steps of a small model stay on one thread.
-  int64_t keys = 0;
-  for (int64_t i = 0; i < t; ++i) keys += len[i];
   const int64_t grain = std::max<int64_t>(1, (1 << 16) * t / std::max<int64_t>(1, keys * d));
   at::parallel_for(0, t * h, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -196,9 +329,9 @@ torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tenso
 #ifdef BRAID_X86
       if (avx2 && d % 8 == 0) {  // keys 4 at a time, the last n % 4 one by one
         for (; j + 4 <= n; j += 4) {
-          const float* keys[4];
-          for (int u = 0; u < 4; ++u) keys[u] = kp + (pos_slots[j + u] * kvh + kv_head) * d;
-          dot4_avx2(qv, keys, d, scores.data() + j);
+          const float* four[4];
+          for (int u = 0; u < 4; ++u) four[u] = kp + (pos_slots[j + u] * kvh + kv_head) * d;
+          dot4_avx2(qv, four, d, scores.data() + j);
         }
       }
 #endif
@@ -219,8 +352,18 @@ torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tenso
   return out;
 }
 
+// The routines paged_attention_rows runs for head size d: "avx512", "avx2" or "scalar".
+std::string attention_isa(int64_t d) {
+#ifdef BRAID_X86
+  if (use_avx512() && group_fn(d) != nullptr) return "avx512";
+  if (use_avx2()) return "avx2";
+#endif
+  return "scalar";
+}
+
 }  // namespace braid_kernels
 
 void register_attention(pybind11::module& m) {
   m.def("paged_attention_rows", &braid_kernels::paged_attention_rows);
+  m.def("attention_isa", &braid_kernels::attention_isa);
 }

@@ -9,6 +9,9 @@ namespace braid_kernels {
 torch::Tensor quantize_activations(const torch::Tensor& x_in, int64_t type);
 void qgemm_into(const torch::Tensor& xq, const torch::Tensor& w, int64_t type, int64_t k,
                 torch::Tensor& out, int64_t col0);
+// The vector routines set_avx2 allows (the CPU's flags, unless a test turned them off).
+bool use_avx2();
+bool use_avx512();
 
 // norm.cpp
 torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w_in, double eps);

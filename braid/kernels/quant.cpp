@@ -671,12 +671,23 @@ torch::Tensor repack_q4_k(const torch::Tensor& w, int64_t k) {
 
 std::string isa() { return g_use_avx2 ? "avx2" : "scalar"; }
 
+bool use_avx2() { return g_use_avx2; }
+bool use_avx512() { return g_use_avx512; }
+
 // Tests run both paths on machines that have AVX2 (off also turns off the AVX512 activation
-// quantizer); returns the previous setting.
+// quantizer and attention.cpp's vector paths); returns the previous setting.
 bool set_avx2(bool on) {
   const bool before = g_use_avx2;
   g_use_avx2 = on && cpu_has_avx2();
   g_use_avx512 = on && cpu_has_avx512();
+  return before;
+}
+
+// Tests run the AVX2 routines where the CPU has AVX512 too (the activation quantizer and
+// attention); returns the previous setting.
+bool set_avx512(bool on) {
+  const bool before = g_use_avx512;
+  g_use_avx512 = on && g_use_avx2 && cpu_has_avx512();
   return before;
 }
 
@@ -703,4 +714,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("Q4_K_UNPACKED") = Q4_K_UNPACKED;
   m.def("isa", &isa);
   m.def("set_avx2", &set_avx2);
+  m.def("set_avx512", &set_avx512);
 }

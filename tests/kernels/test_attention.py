@@ -1,0 +1,113 @@
+"""The paged attention kernel: each row equals float64 attention over its keys, and is the
+same bits whatever else the call holds, on every code path the CPU has."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+
+import pytest
+import torch
+
+from braid.kernels import quant_ops
+
+PATHS = ("avx512", "avx2", "scalar")
+# (query heads, KV heads, head size): the default pair's shapes, no GQA, and sizes the
+# AVX512 routines have no template for (they take the AVX2 path).
+SHAPES = [(12, 2, 128), (14, 2, 64), (4, 4, 16), (6, 3, 96), (4, 2, 40), (2, 1, 8)]
+SLOTS = 512
+
+
+@pytest.fixture(scope="module")
+def ops() -> ModuleType:
+    module = quant_ops()
+    if module is None:
+        pytest.skip("compiled kernels unavailable (no compiler, or BRAID_NO_KERNELS=1)")
+    return module
+
+
+@contextmanager
+def attention_path(ops: ModuleType, path: str, d: int) -> Iterator[None]:
+    """Run `path` where this CPU and head size allow it (skip otherwise), then restore."""
+    before = ops.set_avx2(path != "scalar")  # on: AVX512 too, where the CPU has it
+    ops.set_avx512(path == "avx512")
+    try:
+        if ops.attention_isa(d) != path:
+            pytest.skip(f"no {path} attention for head size {d} on this CPU")
+        yield
+    finally:
+        ops.set_avx2(before)
+
+
+def case(h: int, kvh: int, d: int, lens: list[int], seed: int = 0):
+    """Random caches; request r's positions at scattered slots; one query row per length."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = torch.randn(SLOTS, kvh, d, generator=g), torch.randn(SLOTS, kvh, d, generator=g)
+    kv_max = max(lens)
+    kv_slots = torch.stack([torch.randperm(SLOTS, generator=g)[:kv_max] for _ in lens])
+    q = torch.randn(len(lens), h, d, generator=g) * 2
+    return q, k_cache, v_cache, kv_slots, torch.arange(len(lens)), torch.tensor(lens)
+
+
+def reference(q, k_cache, v_cache, kv_slots, row_seq, row_len, scale: float) -> torch.Tensor:
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k_cache.shape[1]
+    for i in range(q.shape[0]):
+        slots = kv_slots[row_seq[i], : row_len[i]]
+        k = k_cache[slots].double().repeat_interleave(group, dim=1)  # [n, H, D]
+        v = v_cache[slots].double().repeat_interleave(group, dim=1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[i].double(), k) * scale, dim=-1)
+        out[i] = torch.einsum("hn,nhd->hd", p, v)
+    return out
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"h{h}-kv{k}-d{d}" for h, k, d in SHAPES])
+def test_rows_are_attention_over_their_keys(ops: ModuleType, path: str, shape) -> None:
+    h, kvh, d = shape
+    args = case(h, kvh, d, [1, 3, 4, 17, 64, 301])  # tails of 4 and 16 keys, one key alone
+    with attention_path(ops, path, d):
+        out = ops.paged_attention_rows(*args, d ** -0.5)
+    torch.testing.assert_close(out.double(), reference(*args, d ** -0.5), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=[f"h{h}-kv{k}-d{d}" for h, k, d in SHAPES[:3]])
+def test_a_row_does_not_depend_on_the_batch(ops: ModuleType, path: str, shape) -> None:
+    """Alone, beside other requests, and as one row of a window over the same keys."""
+    h, kvh, d = shape
+    q, k_cache, v_cache, kv_slots, _, _ = case(h, kvh, d, [40, 40, 40, 9])
+    window_seq, window_len = torch.tensor([0, 0, 0, 1, 2, 3]), torch.tensor([37, 38, 39, 40, 25, 9])
+    qs = torch.cat([q[:1].repeat(3, 1, 1), q])[: len(window_seq)] + torch.arange(6).view(6, 1, 1)
+    with attention_path(ops, path, d):
+        together = ops.paged_attention_rows(qs, k_cache, v_cache, kv_slots, window_seq,
+                                            window_len, 0.1)
+        for i in range(len(window_seq)):
+            alone = ops.paged_attention_rows(qs[i : i + 1], k_cache, v_cache,
+                                             kv_slots[window_seq[i] : window_seq[i] + 1],
+                                             torch.tensor([0]), window_len[i : i + 1], 0.1)
+            assert torch.equal(alone[0], together[i]), f"row {i}"
+        with threads(1):
+            assert torch.equal(ops.paged_attention_rows(qs, k_cache, v_cache, kv_slots,
+                                                        window_seq, window_len, 0.1), together)
+
+
+def test_the_cpu_picks_the_widest_path(ops: ModuleType) -> None:
+    import platform
+
+    flags = open("/proc/cpuinfo").read() if platform.system() == "Linux" else ""
+    want = ("avx512" if " avx512f" in flags and " avx512bw" in flags
+            else "avx2" if " avx2" in flags else "scalar")
+    assert ops.attention_isa(128) == want
+    assert ops.attention_isa(40) == ("scalar" if want == "scalar" else "avx2")
+
+
+@contextmanager
+def threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
