@@ -153,7 +153,8 @@ class EngineConfig:
     quantization: str = _opt(
         "auto", "weights: auto (a GGUF's quantized blocks run as they are on the CPU "
         "kernels; float checkpoints stay float), none (dequantize to --dtype), int8 / int4 "
-        "(quantize a float checkpoint's weights at load)")
+        "(quantize a float checkpoint's weights at load; int4 also re-quantizes a GGUF's "
+        "decoder layers stored in wider formats to Q4_0)")
     max_num_batched_tokens: int | None = _opt(
         None, "token budget: query tokens in one forward (default 128 with chunked prefill, "
         "max_model_len without)")

@@ -32,7 +32,8 @@ def load_model(
 
     quantization: "auto" runs a GGUF's quantized blocks as they are (float checkpoints stay
     float), "none" dequantizes everything to `dtype`, "int8" / "int4" quantize a float
-    checkpoint's weights to Q8_0 / Q4_0 blocks at load."""
+    checkpoint's weights to Q8_0 / Q4_0 blocks at load ("int4" on a GGUF re-quantizes the
+    decoder layers stored wider than Q4_0, see Qwen2ForCausalLM._quantized)."""
     start = time.perf_counter()
     path = resolve_model_path(name_or_path)
     folder = gguf_to_hf_folder(path) if path.is_file() else path

@@ -90,6 +90,12 @@ def runnable(qtype: GGMLQuantizationType, cols: int) -> bool:
     return qtype in KERNEL_TYPES and cols % GGML_QUANT_SIZES[qtype][0] == 0
 
 
+def bits_per_value(qtype: GGMLQuantizationType) -> float:
+    """Storage of one value in this block format, its scales included (Q4_0 4.5, Q8_0 8.5)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    return 8 * size / block
+
+
 def quantize_float(weight: torch.Tensor, qtype: GGMLQuantizationType) -> QuantWeight:
     """A float [rows, cols] matrix as blocks of `qtype` (Q8_0 / Q4_0 / Q5_0: round to nearest
     with one scale per 32 values, llama.cpp's reference quantizers)."""

@@ -22,6 +22,7 @@ from braid.models.quant import (
     QuantEmbedding,
     QuantLinear,
     QuantWeight,
+    bits_per_value,
     quantize_float,
     weights_to_huge_pages,
 )
@@ -353,7 +354,7 @@ class Qwen2ForCausalLM(nn.Module):
                 continue
             module = self.get_submodule(target.rsplit(".", 1)[0])
             if isinstance(module, QuantLinear | QuantEmbedding) and target.endswith(".weight"):
-                module.set_rows(offset, self._quantized(tensor))
+                module.set_rows(offset, self._quantized(tensor, target.startswith("layers.")))
             elif target in params:
                 if isinstance(tensor, QuantWeight):
                     tensor = tensor.dequantize()
@@ -371,11 +372,17 @@ class Qwen2ForCausalLM(nn.Module):
         if self.quant_type is not None and next(self.parameters()).device.type == "cpu":
             weights_to_huge_pages(self.modules())
 
-    def _quantized(self, tensor: torch.Tensor | QuantWeight) -> QuantWeight:
-        if isinstance(tensor, QuantWeight):
-            return tensor
+    def _quantized(self, tensor: torch.Tensor | QuantWeight, projection: bool) -> QuantWeight:
+        """Float tensors as `quant_type` blocks; GGUF blocks as they are, except a decoder
+        layer's projection stored in a wider format than `quant_type` (`--quantization int4`
+        on a GGUF: its Q5_0 / Q6_K / Q8_0 layers become Q4_0; the embedding and the LM head
+        keep the file's format)."""
         assert self.quant_type is not None
-        return quantize_float(tensor, self.quant_type)
+        if not isinstance(tensor, QuantWeight):
+            return quantize_float(tensor, self.quant_type)
+        if projection and bits_per_value(tensor.qtype) > bits_per_value(self.quant_type):
+            return quantize_float(tensor.dequantize(), self.quant_type)
+        return tensor
 
 
 _FUSED = {

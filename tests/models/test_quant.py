@@ -297,6 +297,21 @@ def test_float_checkpoint_quantized_at_load(float_folder: Path, quantization: st
     assert 0 < error < rtol
 
 
+def test_int4_requantizes_a_gguf_s_wider_projections(gguf_path: Path) -> None:
+    """int4 on a GGUF: layers stored in Q5_0 / Q6_K / Q8_0 become Q4_0, Q4_0 and Q4_K ones
+    stay as they are, and the embedding and the LM head keep the file's format."""
+    auto, _ = load_model(str(gguf_path))
+    model, _ = load_model(str(gguf_path), quantization="int4")
+    layers = {w.qtype for layer in model.layers for m in quant_modules(layer)
+              if isinstance(m, QuantLinear) for _, w in m.segments}
+    assert layers == {Q.Q4_0, Q.Q4_K}
+    assert model.embed_tokens.quant is not None and model.embed_tokens.quant.qtype == Q.Q8_0
+    assert model.lm_head is not None
+    assert [w.qtype for _, w in model.lm_head.segments] == [Q.Q8_0]
+    assert model.weight_bytes() < auto.weight_bytes()
+    assert 0 < rel_error(logits(model), logits(auto)) < INT4_RTOL
+
+
 # ---- engine: speculation over a quantized model is lossless ------------------------------------
 
 
@@ -380,6 +395,21 @@ def test_engine_loads_a_quantized_target_and_a_float_draft(
     assert not quant_modules(e.speculator.proposer.runner.model)  # type: ignore[union-attr]
     assert run(e, STAGGERED, GREEDY) == reference
     assert e.stats.spec_stats.num_drafts > 0 and e.stats.spec_stats.acceptance_rate > 0.5
+
+
+def test_a_draft_requantized_to_int4_stays_lossless(
+        gguf_path: Path, reference: dict[str, list[int]]) -> None:
+    """speculative_config's "quantization": "int4" re-quantizes the draft's wider layers (a
+    cheaper draft, not a different output)."""
+    spec = spec_config("draft_model", model=str(gguf_path), quantization="int4")
+    e = engine(model=str(gguf_path), speculative_config=spec, max_num_batched_tokens=16)
+    draft = e.speculator.proposer.runner.model  # type: ignore[union-attr]
+    assert {w.qtype for _, w in draft.layers[1].mlp.down_proj.segments} == {Q.Q4_0}
+    assert {w.qtype for _, w in e.runner.model.layers[1].mlp.down_proj.segments} == {Q.Q6_K}
+    assert run(e, STAGGERED, GREEDY) == reference
+    # The same model at 4 bits: on random weights (flat logits) its argmax often differs,
+    # but it is accepted far more often than a guess (1 in 272) would be.
+    assert e.stats.spec_stats.num_drafts > 0 and e.stats.spec_stats.acceptance_rate > 0.2
 
 
 # ---- configuration and fallback ----------------------------------------------------------------
