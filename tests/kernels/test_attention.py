@@ -11,21 +11,13 @@ from types import ModuleType
 import pytest
 import torch
 
-from braid.kernels import quant_ops
+from tests.kernels.test_quant import threads
 
 PATHS = ("avx512", "avx2", "scalar")
 # (query heads, KV heads, head size): the default pair's shapes, no GQA, and sizes the
 # AVX512 routines have no template for (they take the AVX2 path).
 SHAPES = [(12, 2, 128), (14, 2, 64), (4, 4, 16), (6, 3, 96), (4, 2, 40), (2, 1, 8)]
 SLOTS = 512
-
-
-@pytest.fixture(scope="module")
-def ops() -> ModuleType:
-    module = quant_ops()
-    if module is None:
-        pytest.skip("compiled kernels unavailable (no compiler, or BRAID_NO_KERNELS=1)")
-    return module
 
 
 @contextmanager
@@ -103,12 +95,3 @@ def test_the_cpu_picks_the_widest_path(ops: ModuleType) -> None:
     assert ops.attention_isa(128) == want
     assert ops.attention_isa(40) == ("scalar" if want == "scalar" else "avx2")
 
-
-@contextmanager
-def threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

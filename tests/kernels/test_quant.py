@@ -14,8 +14,6 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from braid.kernels import quant_ops
-
 TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K]
 K_QUANTS = (Q.Q4_K, Q.Q6_K)
 N, K, M = 40, 512, 7  # 40 weight rows: two full tiles of 16 and a partial one
@@ -26,14 +24,6 @@ N, K, M = 40, 512, 7  # 40 weight rows: two full tiles of 16 and a partial one
 GEMM_RTOL = 2e-2
 
 by_type = pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
-
-
-@pytest.fixture(scope="module")
-def ops() -> ModuleType:
-    module = quant_ops()
-    if module is None:
-        pytest.skip("quantized kernels unavailable (no compiler, or BRAID_NO_KERNELS=1)")
-    return module
 
 
 def random_weight(qtype: Q, rows: int = N, cols: int = K, seed: int = 0, std: float = 1.0
