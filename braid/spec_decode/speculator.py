@@ -48,6 +48,9 @@ CATCH_UP_HORIZON = 256
 # A request that would start drafting (catching the draft up on a backlog) must be predicted
 # to speed its own tokens up by at least this much; see choose_ks.
 START_MARGIN = 0.05
+# Drafting at all needs a predicted gain above the cost model's mean relative error (see
+# choose_ks), capped here: the error runs 5-15% in steady serving.
+MAX_DRAFT_MARGIN = 0.15
 
 
 @dataclass(slots=True)
@@ -135,7 +138,8 @@ class Speculator:
             catch_up=[0.0 if r.is_prefilling else self._catch_up_cost(r, a, lag)  # never drafts
                       for r, a, lag in zip(running, alphas, lags, strict=True)],
             starting=starting,
-            start_margin=START_MARGIN)
+            start_margin=START_MARGIN,
+            draft_margin=min(self.cost.error_ema, MAX_DRAFT_MARGIN))
         chunk_context = nxt.chunk_context
         if self.target_itl is not None and nxt.decoding:
             # ITL target: the biggest prefill chunk that keeps the step under it, then drafts

@@ -336,3 +336,22 @@ def test_the_start_margin_is_per_starting_request() -> None:
         if starts:
             seen.add(gain > 1.05)
     assert seen == {False, True}  # some starts gained less than the margin for the batch
+
+
+def test_drafting_at_all_needs_a_gain_above_the_cost_models_error() -> None:
+    """A predicted gain inside the cost model's own error is not acted on: with
+    draft_margin 0.1 the policy drafts only where the best plan beats no drafts by more than
+    10%, and then drafts exactly as without the margin."""
+    cost = cost_model(per_token=0.004, knee=4, fixed=0.1, draft=0.03)
+    sides = set()
+    for alpha in np.linspace(0.05, 0.95, 91):
+        alphas = [float(alpha)] * 2
+        p = plan(2)
+        plain = choose_ks(alphas, [5, 5], p, cost)
+        gain = goodput_of(alphas, plain, p, cost) / goodput_of(alphas, [0, 0], p, cost)
+        p.draft_margin = 0.1
+        drafts = any(plain) and gain > 1.1
+        assert choose_ks(alphas, [5, 5], p, cost) == (plain if drafts else [0, 0])
+        if any(plain):
+            sides.add(drafts)
+    assert sides == {False, True}  # gains on both sides of the margin were seen
