@@ -20,7 +20,7 @@ logger = logging.getLogger("braid")
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("quant.cpp", "panels.cpp", "attention.cpp", "norm.cpp", "layer.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("formats.h", "ops.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("formats.h", "ops.h", "vexp.h")]
 ISAS = ("avx512-vnni", "avx2", "scalar")
 
 

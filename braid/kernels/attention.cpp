@@ -19,13 +19,11 @@
 #include <vector>
 
 #include "ops.h"
-
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define BRAID_X86 1
-#endif
+#include "vexp.h"
 
 namespace {
+
+using namespace braid_kernels::vexp;
 
 float dot_scalar(const float* a, const float* b, int64_t n) {
   float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -86,27 +84,6 @@ AVX2 void dot4_avx2(const float* q, const float* const* k, int64_t d, float* out
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
 }
 
-// exp(x) for x <= 0 (softmax after the max is taken out): 2^n * p(r), |r| <= ln2 / 2, a
-// degree-6 polynomial (relative error ~2e-7); underflows to 0 below -87. The constants both
-// vector widths use: the floor, 1 / ln2, ln2 in a high and a low part, p's coefficients from
-// the highest power down.
-constexpr float EXP_FLOOR = -87.f, LOG2E = 1.44269504f, LN2_HI = 0.693145752f,
-                LN2_LO = 1.42860677e-6f;
-constexpr float EXP_POLY[] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
-
-AVX2 __m256 exp_avx2(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(EXP_FLOOR));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
-  __m256 p = _mm256_set1_ps(EXP_POLY[0]);
-  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_POLY[i]));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                       _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 // scores[j] = exp(scores[j] - mx); returns their sum (lanes summed in a fixed order).
 AVX2 float softmax_exp_avx2(float* scores, int64_t n, float mx) {
   __m256 acc = _mm256_setzero_ps();
@@ -137,20 +114,6 @@ AVX2 void axpy_avx2(float a, const float* x, float* y, int64_t n) {
 }
 
 #define AVX512 __attribute__((target("avx512f,fma")))
-
-// exp_avx2 on 16 lanes.
-AVX512 __m512 exp_avx512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(EXP_FLOOR));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
-  __m512 p = _mm512_set1_ps(EXP_POLY[0]);
-  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_POLY[i]));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n),
-                                                       _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
 
 // scores[0..n) = softmax numerators exp(s * scale - max); returns their sum (one vector of
 // lane sums, added up in a fixed order at the end).

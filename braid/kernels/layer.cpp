@@ -72,8 +72,7 @@ class FusedLayer {
     const double scale = std::pow(static_cast<double>(q.size(-1)), -0.5);
     const auto attn = paged_attention_rows(q, k_cache, v_cache, kv_slots, row_seq, row_len, scale);
     const auto h = add_rms_norm_(x, o_(attn.flatten(1)), post_norm_, eps_);
-    const auto gate_up = gate_up_(h).chunk(2, -1);
-    return x + down_(at::silu(gate_up[0]) * gate_up[1]);
+    return down_(silu_mul(gate_up_(h))).add_(x);
   }
 
  private:

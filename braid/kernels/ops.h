@@ -21,6 +21,7 @@ torch::Tensor rope_qkv_to_cache(const torch::Tensor& qkv_in, const torch::Tensor
                                 const torch::Tensor& sin_in, torch::Tensor& k_cache,
                                 torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
                                 int64_t heads);
+torch::Tensor silu_mul(const torch::Tensor& gate_up_in);
 
 // attention.cpp
 torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tensor& k_cache,

@@ -187,7 +187,13 @@ class MLP(nn.Module):
         self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if isinstance(self.down_proj, QuantLinear):  # the compiled layer's activation
+            ops = quant_ops()
+            assert ops is not None, "QuantLinear needs the compiled kernels"
+            return self.down_proj(ops.silu_mul(gate_up.reshape(-1, gate_up.shape[-1]))
+                                  .reshape(*gate_up.shape[:-1], -1))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

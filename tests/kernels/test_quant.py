@@ -250,6 +250,30 @@ def test_rms_norm_matches_torch_and_ignores_the_batch(ops: ModuleType) -> None:
         ops.rms_norm(x, torch.ones(7), 1e-6)
 
 
+@pytest.mark.parametrize("path", ["avx512", "avx2", "scalar"])
+def test_silu_mul_matches_float64_and_ignores_the_batch(ops: ModuleType, path: str) -> None:
+    """silu(gate) * up on each vector path the CPU has (a path it lacks runs the next one):
+    within float32 rounding of float64, over the range a gate takes and past exp's limits,
+    and every row the same bits alone as in a batch."""
+    before = ops.set_avx2(path != "scalar")  # on: AVX512 too, where the CPU has it
+    ops.set_avx512(path == "avx512")
+    try:
+        gate = torch.cat([torch.linspace(-120, 120, 4801), torch.tensor([0.0, -0.0, 1e-30])])
+        gate = torch.stack([gate, gate.flip(0) * 0.1, torch.randn(4804) * 4])  # [3, 4804]
+        up = torch.randn(3, 4804)
+        out = ops.silu_mul(torch.cat([gate, up], dim=1))
+        g64, u64 = gate.double(), up.double()
+        expected = g64 * torch.sigmoid(g64) * u64
+        torch.testing.assert_close(out.double(), expected, rtol=2e-6, atol=1e-30)
+        for r in range(3):
+            alone = ops.silu_mul(torch.cat([gate[r : r + 1], up[r : r + 1]], dim=1))
+            assert torch.equal(alone, out[r : r + 1])
+        with pytest.raises(RuntimeError, match="silu_mul"):
+            ops.silu_mul(torch.zeros(2, 7))
+    finally:
+        ops.set_avx2(before)
+
+
 def test_rotate_is_the_torch_rotation_exactly(ops: ModuleType) -> None:
     from braid.models.qwen2 import RotaryEmbedding
 
