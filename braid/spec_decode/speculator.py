@@ -20,6 +20,7 @@ from braid.engine.runner import ModelRunner, QuerySpan
 from braid.engine.scheduler import NextStep, Scheduler
 from braid.spec_decode.cost_model import StepCostModel, attention_work
 from braid.spec_decode.policy import (
+    EXPLORE_TRIALS,
     AcceptanceEstimator,
     StepPlan,
     choose_ks,
@@ -49,7 +50,9 @@ CATCH_UP_HORIZON = 256
 # to speed its own tokens up by at least this much; see choose_ks.
 START_MARGIN = 0.05
 # Drafting at all needs a predicted gain above the cost model's mean relative error (see
-# choose_ks), capped here: the error runs 5-15% in steady serving.
+# choose_ks), capped here: the error runs 5-15% in steady serving. Only once the acceptance
+# estimate rests on evidence (EXPLORE_TRIALS): before that the gain is predicted from the
+# prior, and a margin would stop the policy from ever measuring what drafting accepts.
 MAX_DRAFT_MARGIN = 0.15
 
 
@@ -139,7 +142,7 @@ class Speculator:
                       for r, a, lag in zip(running, alphas, lags, strict=True)],
             starting=starting,
             start_margin=START_MARGIN,
-            draft_margin=min(self.cost.error_ema, MAX_DRAFT_MARGIN))
+            draft_margin=self._draft_margin())
         chunk_context = nxt.chunk_context
         if self.target_itl is not None and nxt.decoding:
             # ITL target: the biggest prefill chunk that keeps the step under it, then drafts
@@ -149,6 +152,12 @@ class Speculator:
                                                            chunk_context)
         plan.prefill_attention = attention_work(plan.num_prefill_tokens, chunk_context)
         return plan, alphas
+
+    def _draft_margin(self) -> float:
+        """The gain a plan with drafts must show over none (see MAX_DRAFT_MARGIN)."""
+        if self.acceptance.global_trials < EXPLORE_TRIALS:
+            return 0.0
+        return min(self.cost.error_ema, MAX_DRAFT_MARGIN)
 
     def prefill_cap(self, scheduler: Scheduler) -> int | None:
         """Prefill tokens the ITL target allows in the step the scheduler is about to build

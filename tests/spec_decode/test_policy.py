@@ -355,3 +355,25 @@ def test_drafting_at_all_needs_a_gain_above_the_cost_models_error() -> None:
         if any(plain):
             sides.add(drafts)
     assert sides == {False, True}  # gains on both sides of the margin were seen
+
+
+def test_the_draft_margin_waits_for_acceptance_evidence() -> None:
+    """Before EXPLORE_TRIALS of verified drafts the policy plans from its prior, and a margin
+    would keep it from ever measuring: none until then, then the cost model's error (capped),
+    and none again once idle steps have aged the evidence away."""
+    from braid.config import SpecConfig
+    from braid.spec_decode.ngram import NgramProposer
+    from braid.spec_decode.speculator import MAX_DRAFT_MARGIN, Speculator
+
+    spec = Speculator(SpecConfig(method="ngram", num_speculative_tokens=3),
+                      NgramProposer(2, 5), max_model_len=1024)
+    spec.cost.target.error_ema = 0.08
+    assert spec._draft_margin() == 0.0
+    while spec.acceptance.global_trials < EXPLORE_TRIALS:
+        spec.acceptance.update("r", 3, 2)
+    assert spec._draft_margin() == pytest.approx(0.08)
+    spec.cost.target.error_ema = 0.4
+    assert spec._draft_margin() == MAX_DRAFT_MARGIN
+    for _ in range(200):
+        spec.acceptance.age()
+    assert spec._draft_margin() == 0.0
