@@ -72,6 +72,11 @@ class AcceptanceEstimator:
         return self._global[1]
 
     @property
+    def has_evidence(self) -> bool:
+        """EXPLORE_TRIALS of verified drafts behind the global estimate (decayed counts)."""
+        return self._global[1] >= EXPLORE_TRIALS
+
+    @property
     def global_alpha(self) -> float:
         accepted, trials = self._global
         return (accepted + self.prior * 4) / (trials + 4)
@@ -90,7 +95,7 @@ class AcceptanceEstimator:
         estimate: the optimistic one, or (optimistic=False, once there are EXPLORE_TRIALS
         trials of evidence) the plain one."""
         accepted, trials = self._requests.get(request_id, (0.0, 0.0))
-        explore = optimistic or self._global[1] < EXPLORE_TRIALS
+        explore = optimistic or not self.has_evidence
         g = self._global_optimistic() if explore else self.global_alpha
         return min((accepted + g * self.prior_weight) / (trials + self.prior_weight), 0.999)
 

@@ -20,7 +20,6 @@ from braid.engine.runner import ModelRunner, QuerySpan
 from braid.engine.scheduler import NextStep, Scheduler
 from braid.spec_decode.cost_model import StepCostModel, attention_work
 from braid.spec_decode.policy import (
-    EXPLORE_TRIALS,
     AcceptanceEstimator,
     StepPlan,
     choose_ks,
@@ -155,7 +154,7 @@ class Speculator:
 
     def _draft_margin(self) -> float:
         """The gain a plan with drafts must show over none (see MAX_DRAFT_MARGIN)."""
-        if self.acceptance.global_trials < EXPLORE_TRIALS:
+        if not self.acceptance.has_evidence:
             return 0.0
         return min(self.cost.error_ema, MAX_DRAFT_MARGIN)
 
