@@ -56,6 +56,11 @@ class SpecConfig:
     # Qwen2.5's 151,936), and the head is a large part of a small draft's bytes. Lossless:
     # the target verifies every draft; a token at or above the limit is never proposed.
     draft_vocab_size: int | None = None
+    # Greedy drafts through a two-stage LM head: a Q4_0 copy of the draft's head (where it is
+    # quantized wider, as the default draft's Q8_0 one) picks the few candidate ids, the exact
+    # head scores them (Qwen2ForCausalLM.add_coarse_head). The draft streams ~14% fewer bytes
+    # a forward for the same argmax in every position measured; lossless either way.
+    draft_coarse_head: bool = True
 
     MAX_TOKENS = 16
     METHODS = ("ngram", "draft_model")
@@ -119,6 +124,9 @@ class SpecConfig:
                 or self.draft_vocab_size < 1):
             raise ConfigError(f"{where}: draft_vocab_size must be a positive integer, for "
                               f"method draft_model, got {self.draft_vocab_size!r}")
+        if not isinstance(self.draft_coarse_head, bool):
+            raise ConfigError(f"{where}: draft_coarse_head must be true or false, got "
+                              f"{self.draft_coarse_head!r}")
         if self.method == "draft_model" and self.model is None:
             self.model = DEFAULT_DRAFT
         if self.method == "ngram" and self.model is not None:

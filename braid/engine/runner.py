@@ -118,3 +118,10 @@ class ModelRunner:
         """-> logits [R, vocab] float32 at inp.logits_indices only."""
         hidden = self.model(inp.input_ids, inp.positions, inp.attn_metadata)
         return self.model.compute_logits(hidden[inp.logits_indices], self.logit_ids)
+
+    @torch.inference_mode()
+    def execute_greedy(self, inp: ModelInput) -> torch.Tensor:
+        """-> the argmax token id [R] at inp.logits_indices (Qwen2ForCausalLM.greedy_tokens:
+        through the coarse LM head where the model has one)."""
+        hidden = self.model(inp.input_ids, inp.positions, inp.attn_metadata)
+        return self.model.greedy_tokens(hidden[inp.logits_indices], self.logit_ids)

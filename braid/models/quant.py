@@ -48,15 +48,47 @@ class QuantWeight:
     def rows(self) -> int:
         return self.data.shape[0]
 
-    def dequantize(self) -> torch.Tensor:
-        """float32 [rows, cols]."""
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [rows, cols] (with `rows`: only those, in that order)."""
         ops = quant_ops()
         if ops is not None and runnable(self.qtype, self.cols):
-            return ops.dequantize_rows(self.data, torch.arange(self.rows), self.layout,
-                                       self.cols)
+            return ops.dequantize_rows(self.data, torch.arange(self.rows) if rows is None
+                                       else rows, self.layout, self.cols)
+        if rows is not None:
+            return self.dequantize()[rows]
         assert self.layout == int(self.qtype), "a repacked weight needs the kernels"
         return torch.from_numpy(dequantize(self.data.numpy(), self.qtype)).reshape(
             self.rows, self.cols)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [R, cols] float32 -> x W^T [R, rows] through the kernels."""
+        ops = quant_ops()
+        assert ops is not None, "quantized products need the compiled kernels"
+        out = torch.empty(x.shape[0], self.rows)
+        ops.qgemm_into(ops.quantize_activations(x, int(self.qtype)), self.data, self.layout,
+                       self.cols, out, 0)
+        return out
+
+    def take_rows(self, ids: torch.Tensor) -> tuple[QuantWeight, torch.Tensor]:
+        """Rows `ids` as a weight of the same layout (a panel layout's whole panels of 16),
+        and where each id's row sits in it. Its products are bit-identical to those rows of
+        the full weight's: every output is computed on its own (the kernels' batch
+        invariance)."""
+        ops = quant_ops()
+        if ops is not None and self.layout > ops.PANEL:
+            n = ops.PANEL_ROWS
+            panels, where = torch.unique(ids // n, return_inverse=True)
+            data = self.data.view(-1, n * self.data.shape[1])[panels].view(-1, self.data.shape[1])
+            return QuantWeight(data, self.qtype, self.cols, self.layout), where * n + ids % n
+        rows, where = torch.unique(ids, return_inverse=True)
+        return QuantWeight(self.data[rows], self.qtype, self.cols, self.layout), where
+
+    def requantized(self, qtype: GGMLQuantizationType, chunk_rows: int = 8192) -> QuantWeight:
+        """The same matrix re-quantized to `qtype` (round to nearest from the dequantized
+        values), a chunk of rows at a time so a large one never exists in float32 whole."""
+        parts = [quantize_float(self.dequantize(torch.arange(a, min(a + chunk_rows, self.rows))),
+                                qtype).data for a in range(0, self.rows, chunk_rows)]
+        return QuantWeight(torch.cat(parts), qtype, self.cols)
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -50,6 +50,8 @@ class DraftModelProposer(Proposer):
     ) -> None:
         self.runner = ModelRunner(model, blocks.num_blocks, block_size, device)
         self.runner.logit_ids = None if spec is None else spec.draft_vocab_size
+        # greedy forwards through the two-stage head where the model can have one
+        self.coarse_head = (spec is None or spec.draft_coarse_head) and model.add_coarse_head()
         self.blocks = blocks
         self.spec = spec  # how each request's drafts are drawn and verified (None: greedy)
         self.computed: dict[str, int] = {}  # draft KV is valid for positions < computed
@@ -143,10 +145,17 @@ class DraftModelProposer(Proposer):
         q row it was drawn from (None for an argmax); the forward's size and time go to
         `proposal.forwards`."""
         start = time.perf_counter()
-        logits = self.runner.execute(self.runner.build_input(spans))  # [R, V]
-        tokens = logits.argmax(dim=-1)
         probs: list[torch.Tensor | None] = [None] * len(requests)
         draws = [self._draws(r) for r in requests]
+        inp = self.runner.build_input(spans)
+        if self.coarse_head and all(d == "greedy" and r.grammar is None
+                                    for d, r in zip(draws, requests, strict=True)):
+            tokens = self.runner.execute_greedy(inp)
+            proposal.forwards.append(DraftForward(inp.input_ids.numel(), len(spans),
+                                                  time.perf_counter() - start))
+            return tokens.tolist(), probs
+        logits = self.runner.execute(inp)  # [R, V]
+        tokens = logits.argmax(dim=-1)
         drafted = drafted or [[] for _ in requests]
         constrained = [i for i, r in enumerate(requests)
                        if r.grammar is not None and draws[i] == "greedy"]
@@ -165,7 +174,7 @@ class DraftModelProposer(Proposer):
             tokens[sampled] = picked
             for row, i in enumerate(sampled):
                 probs[i] = q[row]
-        proposal.forwards.append(DraftForward(sum(len(span.token_ids) for span in spans),
-                                              len(spans), time.perf_counter() - start))
+        proposal.forwards.append(DraftForward(inp.input_ids.numel(), len(spans),
+                                              time.perf_counter() - start))
         return tokens.tolist(), probs
 

@@ -242,23 +242,28 @@ class Speculator:
                 self.cost.observe_target(n, attention_work(n, 0), rows,
                                          _time_forward(target, table, n, rows), anchor=True)
             if draft is not None:
+                # greedy drafts go through the draft's coarse head where it has one
+                greedy = getattr(self.proposer, "coarse_head", False)
                 for n, rows in WARMUP_DRAFT:
-                    self.cost.observe_draft(n, rows, _time_forward(draft, table, n, rows),
+                    self.cost.observe_draft(n, rows, _time_forward(draft, table, n, rows, greedy),
                                             anchor=True)
         logger.info("speculation cost model warmed up in %.1f s: target step %.0f ms at 1 "
                     "token, %.0f ms at %d", time.perf_counter() - start,
                     self.cost.target_time(1) * 1e3, self.cost.target_time(64) * 1e3, 64)
 
 
-def _time_forward(runner: ModelRunner, table: list[int], n: int, rows: int) -> float:
+def _time_forward(runner: ModelRunner, table: list[int], n: int, rows: int,
+                  greedy: bool = False) -> float:
     """Best of two timed forwards (after an untimed one that pays first-call costs): the
     anchors should describe the machine, not a hiccup. A forward longer than a quarter
-    second is timed once (a hiccup is small beside it, and warm-up stays short)."""
+    second is timed once (a hiccup is small beside it, and warm-up stays short). `greedy`:
+    argmax ids instead of logits (ModelRunner.execute_greedy)."""
     window = QuerySpan([0] * n, 0, table, rows)
-    runner.execute(runner.build_input([window]))
+    execute = runner.execute_greedy if greedy else runner.execute
+    execute(runner.build_input([window]))
     times: list[float] = []
     while len(times) < 2 and sum(times) < 0.25:
         start = time.perf_counter()
-        runner.execute(runner.build_input([window]))
+        execute(runner.build_input([window]))
         times.append(time.perf_counter() - start)
     return min(times)

@@ -26,6 +26,7 @@ from braid.models.quant import (
     QuantEmbedding,
     QuantLinear,
     QuantWeight,
+    as_kernel_format,
     huge_page_zeros,
     quantize_float,
     weights_to_huge_pages,
@@ -382,6 +383,81 @@ def test_logits_of_the_first_ids_only(target: Qwen2ForCausalLM, num_ids: int) ->
     assert some.shape == full.shape
     assert torch.equal(some[:, :num_ids], full[:, :num_ids])
     assert torch.isneginf(some[:, num_ids:]).all()
+
+
+@pytest.mark.parametrize("qtype, rows", [(Q.Q8_0, 48), (Q.Q5_0, 40), (Q.Q6_K, 32)])
+def test_rows_taken_from_a_weight_give_those_rows_products(qtype: Q, rows: int) -> None:
+    """take_rows (whole panels, or rows where the layout has none; ids repeated and out of
+    order): bit-identical to the same rows of the full product."""
+    w = as_kernel_format(QuantWeight(random_weight(qtype, rows, 256, seed=5), qtype, 256))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6))
+    ids = torch.tensor([rows - 1, 3, 17, 3, 0])
+    part, where = w.take_rows(ids)
+    assert part.layout == w.layout and part.rows < rows + 16
+    assert torch.equal(part.matmul(x)[:, where], w.matmul(x)[:, ids])
+
+
+@pytest.fixture(scope="module")
+def coarse_model(gguf_path: Path) -> Qwen2ForCausalLM:
+    model = load_model(str(gguf_path))[0]
+    assert model.add_coarse_head()
+    return model
+
+
+def test_coarse_head_is_a_q4_0_copy_of_the_head(coarse_model: Qwen2ForCausalLM,
+                                                target: Qwen2ForCausalLM) -> None:
+    """The tied Q8_0 head gets a Q4_0 copy (close to it, about half its bytes); the bytes a
+    forward streams do not count it; a second call builds nothing new."""
+    coarse = coarse_model.coarse_head
+    assert coarse is not None and [w.qtype for _, w in coarse.segments] == [Q.Q4_0]
+    head = coarse_model.lm_head
+    assert isinstance(head, QuantLinear)
+    assert coarse.weight_bytes() < 0.55 * head.weight_bytes()
+    hidden = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(7))
+    x = coarse_model.norm(hidden)
+    assert rel_error(coarse(x), head(x)) < INT4_RTOL
+    assert coarse_model.weight_bytes() == target.weight_bytes()
+    assert coarse_model.add_coarse_head() and coarse_model.coarse_head is coarse
+
+
+def test_no_coarse_head_for_a_float_or_narrow_head(float_folder: Path, gguf_path: Path) -> None:
+    assert not load_model(str(float_folder), quantization="none")[0].add_coarse_head()
+    int4 = load_model(str(float_folder), quantization="int4")[0]  # its own head is Q4_0
+    assert not int4.add_coarse_head() and int4.coarse_head is None
+
+
+@pytest.mark.parametrize("num_ids", [None, 16, 100])
+def test_greedy_tokens_through_the_coarse_head_are_the_argmax(
+        coarse_model: Qwen2ForCausalLM, monkeypatch: pytest.MonkeyPatch,
+        num_ids: int | None) -> None:
+    """Candidates from the coarse head, scored by the exact one: each row's argmax of the
+    full logits (the first of equal ones), also where too many candidates make the exact
+    head run whole, and for a draft vocabulary limit."""
+    import braid.models.qwen2 as qwen2
+
+    gen = torch.Generator().manual_seed(8)
+    hidden = torch.cat([torch.randn(64, HIDDEN, generator=gen),
+                        torch.zeros(1, HIDDEN)])  # all logits equal: the lowest id wins
+    expected = coarse_model.compute_logits(hidden, num_ids).argmax(dim=-1)
+    assert torch.equal(coarse_model.greedy_tokens(hidden, num_ids), expected)
+    monkeypatch.setattr(qwen2, "MAX_RESCORED", 0)
+    assert torch.equal(coarse_model.greedy_tokens(hidden, num_ids), expected)
+
+
+def test_a_draft_with_a_coarse_head_stays_lossless(
+        gguf_path: Path, target: Qwen2ForCausalLM, reference: dict[str, list[int]]) -> None:
+    """The same model drafting through its coarse head proposes the target's own tokens;
+    with speculative_config "draft_coarse_head": false the draft's head runs whole."""
+    for coarse in (True, False):
+        draft = load_model(str(gguf_path))[0]
+        e = engine(target, draft, max_num_batched_tokens=16, speculative_config=spec_config(
+            "draft_model", 3, draft_coarse_head=coarse))
+        proposer = e.speculator.proposer  # type: ignore[union-attr]
+        assert proposer.coarse_head is coarse and (draft.coarse_head is not None) is coarse
+        assert run(e, STAGGERED, GREEDY) == reference
+        assert e.stats.spec_stats.num_drafts > 0 and e.stats.spec_stats.acceptance_rate == 1.0
+    with pytest.raises(ConfigError, match="draft_coarse_head must be true or false"):
+        engine(target, speculative_config=spec_config("draft_model", draft_coarse_head="yes"))
 
 
 def test_engine_loads_a_quantized_target_and_a_float_draft(

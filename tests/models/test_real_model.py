@@ -103,3 +103,17 @@ def test_quantized_target_is_batch_invariant(default_target: Any) -> None:
         window = runner.execute(runner.build_input([QuerySpan(ids[36:], 36, table, 4),
                                                     QuerySpan([3] * 5, 0, [4, 5], 1)]))
     assert torch.equal(window[:4], alone[36:])
+
+
+def test_default_draft_coarse_head_keeps_its_argmax(default_draft: Any) -> None:
+    """The default draft's two-stage head (Q4_0 candidates, Q8_0 scores) picks the exact
+    head's argmax at every position of a held text and of a HumanEval prompt."""
+    from braid.bench.datasets import humaneval
+
+    model, tokenizer = default_draft
+    assert model.add_coarse_head()
+    ids = held_text_ids(tokenizer) + tokenizer.encode(humaneval(1)[0].prompt,
+                                                      add_special_tokens=False)
+    runner = ModelRunner(model, len(ids) // 16 + 1, 16, torch.device("cpu"))
+    inp = runner.build_input([QuerySpan(ids, 0, list(range(len(ids) // 16 + 1)), len(ids))])
+    assert torch.equal(runner.execute_greedy(inp), runner.execute(inp).argmax(dim=-1))
