@@ -103,6 +103,44 @@ class AcceptanceEstimator:
         self._requests.pop(request_id, None)
 
 
+@dataclass
+class StartPersistence:
+    """Output tokens a request emits while drafting once it has started (the draft caught up
+    on its backlog), until the policy turns it off or it finishes: a decayed mean over starts.
+    A catch-up is repaid only over those tokens. Where acceptance sits near break-even (chat
+    at two requests) started requests drafted ~5 windows and stopped, so their catch-ups were
+    mostly lost; on code at one request a request drafts to its end. Steps in which nobody
+    drafts pull the mean back toward `prior` (half-way in ~140 steps), so what one workload
+    taught does not keep the next from starting."""
+
+    prior: float
+    decay: float = 0.7  # per recorded start
+    idle_decay: float = 0.995  # per step without drafts: share of the gap to the prior kept
+    mean: float = -1.0  # < 0: the prior
+    _open: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (start, latest)
+
+    def __post_init__(self) -> None:
+        if self.mean < 0:
+            self.mean = self.prior
+
+    def drafting(self, request_id: str, num_output_tokens: int, started: bool) -> None:
+        """The request drafts this step (`started`: after catching the draft up)."""
+        if started and request_id not in self._open:
+            self._open[request_id] = (num_output_tokens, num_output_tokens)
+        elif request_id in self._open:
+            self._open[request_id] = (self._open[request_id][0], num_output_tokens)
+
+    def stopped(self, request_id: str, num_output_tokens: int | None = None) -> None:
+        """The request no longer drafts (k = 0 with `num_output_tokens` emitted, or it
+        finished: its last drafting step's count and that window's token)."""
+        if (span := self._open.pop(request_id, None)) is not None:
+            end = span[1] + 1 if num_output_tokens is None else num_output_tokens
+            self.mean = self.decay * self.mean + (1 - self.decay) * max(end - span[0], 1)
+
+    def idle(self) -> None:
+        self.mean = self.prior - self.idle_decay * (self.prior - self.mean)
+
+
 @dataclass(slots=True)
 class StepPlan:
     """What the next step is expected to hold besides drafts, and what drafting costs."""

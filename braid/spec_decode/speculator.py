@@ -21,6 +21,7 @@ from braid.engine.scheduler import NextStep, Scheduler
 from braid.spec_decode.cost_model import StepCostModel, attention_work
 from braid.spec_decode.policy import (
     AcceptanceEstimator,
+    StartPersistence,
     StepPlan,
     choose_ks,
     expected_tokens,
@@ -43,7 +44,8 @@ WARMUP_DRAFT = (*((q, q) for q in range(1, 9)), (12, 12), (16, 16), (32, 1), (64
                 (128, 1))
 LOG_EVERY = 100  # steps between cost-model log lines
 # A draft backlog (a prompt the draft has not seen) is paid once; its cost is spread over at
-# most this many of the request's future tokens when deciding whether to start drafting.
+# most this many of the request's future tokens when deciding whether to start drafting (and
+# over fewer where started requests have drafted fewer before they stopped: StartPersistence).
 CATCH_UP_HORIZON = 256
 # A request that would start drafting (catching the draft up on a backlog) must be predicted
 # to speed its own tokens up by at least this much; see choose_ks.
@@ -74,6 +76,7 @@ class Speculator:
         self.target_itl = target_itl  # seconds; each step's prefill cap follows from it
         self.acceptance = AcceptanceEstimator(prior=PRIOR_ALPHA[spec.method])
         self.cost = StepCostModel()
+        self.persistence = StartPersistence(prior=CATCH_UP_HORIZON)
         self.chosen_k: Counter[int] = Counter()  # how often each k was chosen for a request
         self.predicted_step_time = 0.0  # of the step the last proposal was made for
         self._steps = 0
@@ -89,14 +92,22 @@ class Speculator:
         ks = self._choose(running, scheduler.next_step(), caps)
         if self.proposer.needs_kv_slots:
             ks = [scheduler.reserve_draft_slots(r, k) for r, k in zip(running, ks, strict=True)]
+        backlog = [k > 0 and self.proposer.lag(r) > self._usual_lag
+                   for r, k in zip(running, ks, strict=True)]
         proposal = self.proposer.propose(running, ks)
         for f in proposal.forwards:
             self.observe_draft(f.num_tokens, f.num_rows, f.seconds)
-        for r, d in zip(running, proposal.drafts, strict=True):
-            if not r.is_prefilling:
-                self.chosen_k[len(d)] += 1
+        for r, d, started in zip(running, proposal.drafts, backlog, strict=True):
+            if r.is_prefilling:
+                continue
+            self.chosen_k[len(d)] += 1
+            if d:
+                self.persistence.drafting(r.request_id, r.num_output_tokens, started)
+            elif self._cap(r):
+                self.persistence.stopped(r.request_id, r.num_output_tokens)
         if any(caps) and not any(proposal.drafts):
             self.acceptance.age()
+            self.persistence.idle()
         drafts = {r.request_id: d for r, d in zip(running, proposal.drafts, strict=True)}
         probs = {} if proposal.probs is None else {
             r.request_id: q for r, q in zip(running, proposal.probs, strict=True) if q is not None}
@@ -176,11 +187,12 @@ class Speculator:
         """Draft tokens request `req` (`lag` tokens behind the draft) adds to the first draft
         forward if it drafts now. The usual lag recurs every step and is charged in full; a
         longer backlog (the prompt, or tokens emitted while its k was 0) is paid once and is
-        spread over the steps the request has left."""
+        spread over the steps it will draft: its remaining tokens, at most as many as started
+        requests have drafted before they stopped (StartPersistence)."""
         usual = self._usual_lag
         if lag <= usual:
             return float(max(lag, 1))
-        remaining = min(self.max_model_len - req.num_tokens, CATCH_UP_HORIZON)
+        remaining = min(self.max_model_len - req.num_tokens, self.persistence.mean)
         max_tokens = req.sampling_params.max_tokens
         if max_tokens is not None:
             remaining = min(remaining, max_tokens - req.num_output_tokens)
@@ -209,6 +221,7 @@ class Speculator:
     def forget(self, request_id: str) -> None:
         self.proposer.forget(request_id)
         self.acceptance.forget(request_id)
+        self.persistence.stopped(request_id)
 
     def request_figures(self, req: Request) -> dict[str, float | str]:
         """Per-response figures: the acceptance estimate, and how this request's drafts were

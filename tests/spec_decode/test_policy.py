@@ -12,6 +12,7 @@ from braid.spec_decode.cost_model import EXACT_UP_TO, ForwardCost, StepCostModel
 from braid.spec_decode.policy import (
     EXPLORE_TRIALS,
     AcceptanceEstimator,
+    StartPersistence,
     StepPlan,
     choose_ks,
     expected_tokens,
@@ -377,3 +378,47 @@ def test_the_draft_margin_waits_for_acceptance_evidence() -> None:
     for _ in range(200):
         spec.acceptance.age()
     assert spec._draft_margin() == 0.0
+
+
+def test_start_persistence_is_a_decayed_mean_of_what_started_requests_drafted() -> None:
+    """A span opens at a start (not at a caught-up request's drafting), closes when the
+    request stops or finishes; idle steps pull the mean back toward the prior."""
+    p = StartPersistence(prior=256.0)
+    assert p.mean == 256.0
+    p.drafting("a", 10, started=False)  # drafting without a start opens nothing
+    p.stopped("a", 30)
+    assert p.mean == 256.0
+    p.drafting("a", 10, started=True)
+    p.drafting("a", 14, started=True)  # still the same span
+    p.stopped("a", 22)
+    assert p.mean == pytest.approx(0.7 * 256 + 0.3 * 12)
+    p.drafting("b", 0, started=True)
+    p.drafting("b", 5, started=False)
+    p.stopped("b")  # finished: its last drafting step and that window's token
+    assert p.mean == pytest.approx(0.7 * (0.7 * 256 + 0.3 * 12) + 0.3 * 6)
+    low = p.mean
+    for _ in range(140):
+        p.idle()
+    assert low < p.mean < 256 and p.mean == pytest.approx((256 + low) / 2, rel=0.02)
+
+
+def test_a_backlog_s_catch_up_is_spread_over_what_started_requests_drafted() -> None:
+    """The backlog is charged over the request's remaining tokens, at most the persistence:
+    where started requests stopped after a few windows a start costs far more a step."""
+    from braid.config import SpecConfig
+    from braid.engine.request import Request
+    from braid.sampling_params import SamplingParams
+    from braid.spec_decode.ngram import NgramProposer
+    from braid.spec_decode.speculator import Speculator
+
+    spec = Speculator(SpecConfig(method="ngram", num_speculative_tokens=3),
+                      NgramProposer(2, 5), max_model_len=1024)
+    req = Request("r", list(range(300)), SamplingParams(max_tokens=128))
+    usual = spec._usual_lag
+    assert spec._catch_up_cost(req, 0.8, 2) == 2.0  # the usual lag: charged in full
+    long_lived = spec._catch_up_cost(req, 0.8, 300)
+    per_window = expected_tokens(0.8, 3)
+    assert long_lived == pytest.approx(usual + (300 - usual) / (128 / per_window))
+    spec.persistence.mean = 12.0
+    assert spec._catch_up_cost(req, 0.8, 300) == pytest.approx(
+        usual + (300 - usual) / (12 / per_window))
