@@ -429,6 +429,7 @@ class Qwen2ForCausalLM(nn.Module):
         if missing:
             raise KeyError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
         self._fused = None  # built again from the new weights on the next forward
+        self.coarse_head = None  # a copy of the old head (add_coarse_head builds it again)
         if self.config.tie_word_embeddings and isinstance(self.lm_head, QuantLinear):
             assert isinstance(self.embed_tokens, QuantEmbedding) and self.embed_tokens.quant
             self.lm_head.segments = [(0, self.embed_tokens.quant)]

@@ -151,12 +151,18 @@ class DraftModelProposer(Proposer):
         if self.coarse_head and all(d == "greedy" and r.grammar is None
                                     for d, r in zip(draws, requests, strict=True)):
             tokens = self.runner.execute_greedy(inp)
-            proposal.forwards.append(DraftForward(inp.input_ids.numel(), len(spans),
-                                                  time.perf_counter() - start))
-            return tokens.tolist(), probs
-        logits = self.runner.execute(inp)  # [R, V]
+        else:
+            tokens = self._pick(self.runner.execute(inp), requests, draws,
+                                drafted or [[] for _ in requests], probs)
+        proposal.forwards.append(DraftForward(inp.input_ids.numel(), len(spans),
+                                              time.perf_counter() - start))
+        return tokens.tolist(), probs
+
+    def _pick(self, logits: torch.Tensor, requests: list[Request], draws: list[str],
+              drafted: list[list[int]], probs: list[torch.Tensor | None]) -> torch.Tensor:
+        """Each row's draft token from the draft's logits [R, V], as `draws` says; the q rows
+        sampled tokens were drawn from go into `probs`."""
         tokens = logits.argmax(dim=-1)
-        drafted = drafted or [[] for _ in requests]
         constrained = [i for i, r in enumerate(requests)
                        if r.grammar is not None and draws[i] == "greedy"]
         if constrained:  # a greedy draft under a grammar takes the best token it allows
@@ -174,7 +180,5 @@ class DraftModelProposer(Proposer):
             tokens[sampled] = picked
             for row, i in enumerate(sampled):
                 probs[i] = q[row]
-        proposal.forwards.append(DraftForward(inp.input_ids.numel(), len(spans),
-                                              time.perf_counter() - start))
-        return tokens.tolist(), probs
+        return tokens
 

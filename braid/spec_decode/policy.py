@@ -116,12 +116,11 @@ class StartPersistence:
     prior: float
     decay: float = 0.7  # per recorded start
     idle_decay: float = 0.995  # per step without drafts: share of the gap to the prior kept
-    mean: float = -1.0  # < 0: the prior
+    mean: float = field(init=False)  # starts at the prior
     _open: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (start, latest)
 
     def __post_init__(self) -> None:
-        if self.mean < 0:
-            self.mean = self.prior
+        self.mean = self.prior
 
     def drafting(self, request_id: str, num_output_tokens: int, started: bool) -> None:
         """The request drafts this step (`started`: after catching the draft up)."""
