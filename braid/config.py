@@ -61,6 +61,13 @@ class SpecConfig:
     # head scores them (Qwen2ForCausalLM.add_coarse_head). The draft streams ~14% fewer bytes
     # a forward for the same argmax in every position measured; lossless either way.
     draft_coarse_head: bool = True
+    # Prompt lookup beside the draft model: a request whose last prompt_lookup_min..max
+    # tokens occurred earlier in its sequence takes what followed them there as its drafts,
+    # with no draft forward (the draft catches up on those tokens the next time it runs for
+    # the request); the goodput policy plans such drafts as free and learns their acceptance
+    # apart from the model's. Code repeats names and lines: on HumanEval ~a quarter of the
+    # windows come from a lookup. Lossless either way (the target verifies every draft).
+    draft_prompt_lookup: bool = True
 
     MAX_TOKENS = 16
     METHODS = ("ngram", "draft_model")
@@ -127,6 +134,9 @@ class SpecConfig:
         if not isinstance(self.draft_coarse_head, bool):
             raise ConfigError(f"{where}: draft_coarse_head must be true or false, got "
                               f"{self.draft_coarse_head!r}")
+        if not isinstance(self.draft_prompt_lookup, bool):
+            raise ConfigError(f"{where}: draft_prompt_lookup must be true or false, got "
+                              f"{self.draft_prompt_lookup!r}")
         if self.method == "draft_model" and self.model is None:
             self.model = DEFAULT_DRAFT
         if self.method == "ngram" and self.model is not None:

@@ -57,6 +57,7 @@ class ServerMetrics:
         self._seen = _Seen()
         self._accepted_per_pos: list[int] = []
         self._chosen_k_seen: dict[int, int] = {}
+        self._lookup_windows_seen = 0
         self._tracked: dict[str, _Tracked] = {}
 
     def _labels(self) -> list[str]:
@@ -94,6 +95,9 @@ class ServerMetrics:
                                               "Draft tokens proposed and verified")
         self.num_accepted_tokens = self._counter("braid:spec_decode_num_accepted_tokens",
                                                  "Draft tokens accepted")
+        self.lookup_windows = self._counter(
+            "braid:spec_decode_lookup_windows",
+            "Windows whose drafts came from a prompt lookup instead of the draft model")
         self.grammar_rejected_drafts = self._counter(
             "braid:structured_output_rejected_draft_tokens",
             "Draft tokens cut before verification because the request's grammar refused them")
@@ -174,6 +178,8 @@ class ServerMetrics:
             for _ in range(count - self._chosen_k_seen.get(k, 0)):
                 self.chosen_k.observe(k)
             self._chosen_k_seen[k] = count
+        self.lookup_windows.inc(figures.lookup_windows - self._lookup_windows_seen)
+        self._lookup_windows_seen = figures.lookup_windows
         self.predicted_step_time.set(figures.predicted_step_time)
         self.cost_model_error.set(figures.cost_model_error)
         self.acceptance_estimate.set(figures.acceptance_estimate)

@@ -164,6 +164,9 @@ class StepPlan:
     start_margin: float = 0.0
     # Any plan with drafts must beat the plan without them by this share (see choose_ks).
     draft_margin: float = 0.0
+    # Per request: True if its drafts come from a prompt lookup (SpecConfig
+    # draft_prompt_lookup): they cost verification tokens but no draft forward.
+    free: list[bool] = field(default_factory=list)
 
 
 def choose_ks(
@@ -175,7 +178,7 @@ def choose_ks(
     Drafting K tokens for anyone costs K draft forwards for the batch, so for each K (the
     largest k) the k_i are allocated greedily by marginal gain per marginal cost (E is
     concave in k; a request's first draft also pays for catching the draft up), and the
-    best K wins.
+    best K wins. Drafts from a prompt lookup (plan.free) cost only their verification.
 
     Goodput is judged on the decode batch: the step's decodes, its drafts, and the requests
     still prefilling or waiting (they will decode beside these within a few steps). The
@@ -218,8 +221,10 @@ def _best(alphas: list[float], max_ks: list[int], plan: StepPlan, cost: StepCost
     goodput."""
     room = max(0, plan.budget - plan.num_decodes - plan.num_prefill_tokens)
     best_ks, best = [0] * len(alphas), goodput_of(alphas, [0] * len(alphas), plan, cost)
-    for top in range(1, max(max_ks, default=0) + 1):
-        ks = _greedy(alphas, [min(m, top) for m in max_ks], room, plan, cost)
+    free = _per_request(plan, len(alphas))[2]
+    for top in range(1, max(max_ks, default=0) + 1):  # free drafts add no draft forward
+        ks = _greedy(alphas, [m if f else min(m, top) for m, f in zip(max_ks, free, strict=True)],
+                     room, plan, cost)
         value = goodput_of(alphas, ks, plan, cost)
         if value > best * (1 + 1e-9):
             best_ks, best = ks, value
@@ -234,8 +239,8 @@ class _Step:
     drafts: int = 0  # sum of k
     draft_attention: float = 0.0  # attention work the drafts add to the target forward
     first_draft: float = 0.0  # query tokens of the first draft forward
-    drafting: int = 0  # requests that draft
-    top: int = 0  # largest k: number of draft forwards
+    drafting: int = 0  # requests that draft with the draft model
+    top: int = 0  # largest k of those: number of draft forwards
 
 
 def _greedy(alphas: list[float], caps: list[int], room: int, plan: StepPlan,
@@ -243,7 +248,7 @@ def _greedy(alphas: list[float], caps: list[int], room: int, plan: StepPlan,
     """Add draft tokens one at a time, each where it adds the most expected tokens per
     second it costs; return the best prefix of that path."""
     n = len(alphas)
-    contexts, catch_up = _per_request(plan, n)
+    contexts, catch_up, free = _per_request(plan, n)
     step = _step_of(alphas, [0] * n, plan)
     # Marginal prices, from the cost model around the batch without drafts.
     base = plan.num_decodes + plan.num_pending
@@ -269,11 +274,12 @@ def _greedy(alphas: list[float], caps: list[int], room: int, plan: StepPlan,
         step.drafts += 1
         step.draft_attention += (attention_work(k + 2, contexts[i])
                                  - attention_work(k + 1, contexts[i]))
-        if k == 0:
+        if k == 0 and not free[i]:
             step.drafting += 1
             step.first_draft += catch_up[i]
         ks[i] = k + 1
-        step.top = max(step.top, k + 1)
+        if not free[i]:
+            step.top = max(step.top, k + 1)
         value = _ratio(step, n, plan, cost)
         if value > best * (1 + 1e-9):
             best, best_ks = value, list(ks)
@@ -311,20 +317,22 @@ def _ratio(step: _Step, num_requests: int, plan: StepPlan, cost: StepCostModel) 
     return emitted / seconds if seconds > 0 else math.inf
 
 
-def _per_request(plan: StepPlan, n: int) -> tuple[list[int], list[float]]:
-    """The plan's contexts and catch-up costs (defaults: no context, one token each)."""
-    return plan.contexts or [0] * n, plan.catch_up or [1.0] * n
+def _per_request(plan: StepPlan, n: int) -> tuple[list[int], list[float], list[bool]]:
+    """The plan's contexts, catch-up costs and free flags (defaults: no context, one token
+    each, every request drafting with the draft model)."""
+    return plan.contexts or [0] * n, plan.catch_up or [1.0] * n, plan.free or [False] * n
 
 
 def _step_of(alphas: list[float], ks: list[int], plan: StepPlan) -> _Step:
-    contexts, catch_up = _per_request(plan, len(alphas))
+    contexts, catch_up, free = _per_request(plan, len(alphas))
+    modelled = [0 if f else k for k, f in zip(ks, free, strict=True)]  # draft-model drafts
     return _Step(
         emitted=sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True)),
         drafts=sum(ks),
         draft_attention=sum(attention_work(1 + k, c) - attention_work(1, c)
                             for k, c in zip(ks, contexts, strict=True) if k),
-        first_draft=sum(c for k, c in zip(ks, catch_up, strict=True) if k),
-        drafting=sum(1 for k in ks if k), top=max(ks, default=0))
+        first_draft=sum(c for k, c in zip(modelled, catch_up, strict=True) if k),
+        drafting=sum(1 for k in modelled if k), top=max(modelled, default=0))
 
 
 def goodput_of(alphas: list[float], ks: list[int], plan: StepPlan, cost: StepCostModel

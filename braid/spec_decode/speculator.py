@@ -19,6 +19,7 @@ from braid.engine.request import Request
 from braid.engine.runner import ModelRunner, QuerySpan
 from braid.engine.scheduler import NextStep, Scheduler
 from braid.spec_decode.cost_model import StepCostModel, attention_work
+from braid.spec_decode.ngram import NgramMatcher
 from braid.spec_decode.policy import (
     AcceptanceEstimator,
     StartPersistence,
@@ -64,7 +65,8 @@ class SpeculatorFigures:
     chosen_k: dict[int, int]  # how often each k was chosen for a decoding request
     predicted_step_time: float  # seconds, of the step the last proposal was made for
     cost_model_error: float  # moving mean of the target step's relative prediction error
-    acceptance_estimate: float  # global per-draft acceptance
+    acceptance_estimate: float  # global per-draft acceptance (the proposer's own drafts)
+    lookup_windows: int = 0  # windows whose drafts came from a prompt lookup instead
 
 
 class Speculator:
@@ -75,6 +77,13 @@ class Speculator:
         self.max_model_len = max_model_len
         self.target_itl = target_itl  # seconds; each step's prefill cap follows from it
         self.acceptance = AcceptanceEstimator(prior=PRIOR_ALPHA[spec.method])
+        # Prompt lookup beside a draft model (SpecConfig.draft_prompt_lookup): its drafts'
+        # acceptance is learned apart from the model's (they differ, ~0.6 vs ~0.85 on code).
+        self.lookup = (NgramMatcher(spec.prompt_lookup_min, spec.prompt_lookup_max)
+                       if spec.method == "draft_model" and spec.draft_prompt_lookup else None)
+        self.lookup_acceptance = AcceptanceEstimator(prior=PRIOR_ALPHA["ngram"])
+        self._looked_up: set[str] = set()  # requests whose pending drafts came from a lookup
+        self.lookup_windows = 0
         self.cost = StepCostModel()
         self.persistence = StartPersistence(prior=CATCH_UP_HORIZON)
         self.chosen_k: Counter[int] = Counter()  # how often each k was chosen for a request
@@ -89,26 +98,38 @@ class Speculator:
         [k, V] of those the proposer sampled (for rejection sampling)."""
         running = list(scheduler.running)
         caps = [0 if r.is_prefilling else self._cap(r) for r in running]
-        ks = self._choose(running, scheduler.next_step(), caps)
+        lookups = self._lookups(running, caps)
+        caps = [min(c, len(look)) if look else c for c, look in zip(caps, lookups, strict=True)]
+        ks = self._choose(running, scheduler.next_step(), caps, lookups)
         if self.proposer.needs_kv_slots:
             ks = [scheduler.reserve_draft_slots(r, k) for r, k in zip(running, ks, strict=True)]
+        # the proposer drafts for the requests without a lookup; it leaves the others behind
+        model_ks = [0 if look else k for k, look in zip(ks, lookups, strict=True)]
         backlog = [k > 0 and self.proposer.lag(r) > self._usual_lag
-                   for r, k in zip(running, ks, strict=True)]
-        proposal = self.proposer.propose(running, ks)
+                   for r, k in zip(running, model_ks, strict=True)]
+        proposal = self.proposer.propose(running, model_ks)
         for f in proposal.forwards:
             self.observe_draft(f.num_tokens, f.num_rows, f.seconds)
-        for r, d, started in zip(running, proposal.drafts, backlog, strict=True):
+        all_drafts = [look[:k] if look else d
+                      for look, k, d in zip(lookups, ks, proposal.drafts, strict=True)]
+        for r, d, look, started in zip(running, all_drafts, lookups, backlog, strict=True):
             if r.is_prefilling:
                 continue
             self.chosen_k[len(d)] += 1
-            if d:
+            self._looked_up.discard(r.request_id)
+            if look:  # neither starts nor stops the draft model's drafting
+                if d:
+                    self._looked_up.add(r.request_id)
+                    self.lookup_windows += 1
+            elif d:
                 self.persistence.drafting(r.request_id, r.num_output_tokens, started)
             elif self._cap(r):
                 self.persistence.stopped(r.request_id, r.num_output_tokens)
-        if any(caps) and not any(proposal.drafts):
+        modelled = [c for c, look in zip(caps, lookups, strict=True) if not look]
+        if any(modelled) and not any(proposal.drafts):
             self.acceptance.age()
             self.persistence.idle()
-        drafts = {r.request_id: d for r, d in zip(running, proposal.drafts, strict=True)}
+        drafts = {r.request_id: d for r, d in zip(running, all_drafts, strict=True)}
         probs = {} if proposal.probs is None else {
             r.request_id: q for r, q in zip(running, proposal.probs, strict=True) if q is not None}
         return drafts, probs
@@ -121,35 +142,48 @@ class Speculator:
             k = min(k, max_tokens - req.num_output_tokens - 1)
         return max(k, 0)
 
-    def _choose(self, running: Sequence[Request], nxt: NextStep, caps: list[int]) -> list[int]:
+    def _lookups(self, running: Sequence[Request], caps: list[int]) -> list[list[int]]:
+        """Per request, what a prompt lookup proposes (up to its cap; [] for none or without
+        draft_prompt_lookup)."""
+        if self.lookup is None:
+            return [[] for _ in running]
+        return [self.lookup.match(r.token_ids(0, r.num_tokens), cap) if cap else []
+                for r, cap in zip(running, caps, strict=True)]
+
+    def _choose(self, running: Sequence[Request], nxt: NextStep, caps: list[int],
+                lookups: list[list[int]]) -> list[int]:
         if self.config.policy == "fixed":
             return caps
-        plan, alphas = self._plan(running, nxt)
+        plan, alphas = self._plan(running, nxt, lookups)
         if not any(caps):
             return caps
         ks = choose_ks(alphas, caps, plan, self.cost)
         self.predicted_step_time = step_seconds(alphas, ks, plan, self.cost)
         return ks
 
-    def _plan(self, running: Sequence[Request], nxt: NextStep
-              ) -> tuple[StepPlan, list[float]]:
+    def _plan(self, running: Sequence[Request], nxt: NextStep,
+              lookups: list[list[int]] | None = None) -> tuple[StepPlan, list[float]]:
         """The scheduler's next step (`nxt`: decodes first, then prefill chunks fill the
         budget), what drafting would cost each running request, and the acceptance each is
         planned with: optimistic only where trying costs no more than the usual catch-up
-        (see EXPLORE_TRIALS)."""
+        (see EXPLORE_TRIALS). Requests with a prompt lookup (`lookups`) draft from it: no
+        draft forward, their own acceptance estimate."""
+        free = [bool(look) for look in lookups] if lookups else [False] * len(running)
         contexts = [r.num_computed_tokens for r in running]
-        lags = [self.proposer.lag(r) for r in running]
+        lags = [0 if f else self.proposer.lag(r) for r, f in zip(running, free, strict=True)]
         starting = [lag > self._usual_lag for lag in lags]
-        alphas = [self.acceptance.alpha(r.request_id, optimistic=not start)
-                  for r, start in zip(running, starting, strict=True)]
+        alphas = [self.lookup_acceptance.alpha(r.request_id) if f
+                  else self.acceptance.alpha(r.request_id, optimistic=not start)
+                  for r, f, start in zip(running, free, starting, strict=True)]
         demand = nxt.num_prefill_tokens
         plan = StepPlan(
             num_decodes=len(nxt.decoding), num_prefill_tokens=demand, budget=nxt.budget,
             num_pending=nxt.num_pending,
             base_attention=sum(attention_work(1, r.num_computed_tokens) for r in nxt.decoding),
             contexts=contexts,
-            catch_up=[0.0 if r.is_prefilling else self._catch_up_cost(r, a, lag)  # never drafts
-                      for r, a, lag in zip(running, alphas, lags, strict=True)],
+            catch_up=[0.0 if r.is_prefilling or f else self._catch_up_cost(r, a, lag)
+                      for r, a, lag, f in zip(running, alphas, lags, free, strict=True)],
+            free=free,
             starting=starting,
             start_margin=START_MARGIN,
             draft_margin=self._draft_margin())
@@ -200,7 +234,10 @@ class Speculator:
         return usual + (lag - usual) / steps
 
     def on_verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
-        self.acceptance.update(req.request_id, num_drafted, num_accepted)
+        looked_up = req.request_id in self._looked_up
+        self._looked_up.discard(req.request_id)
+        estimator = self.lookup_acceptance if looked_up else self.acceptance
+        estimator.update(req.request_id, num_drafted, num_accepted)
 
     def observe_step(self, tokens: int, attention: int, rows: int, seconds: float) -> None:
         if self.config.policy != "goodput":
@@ -210,9 +247,11 @@ class Speculator:
         self._steps += 1
         if self._steps % LOG_EVERY == 0:
             logger.info("cost model: step of %d tokens predicted %.0f ms, took %.0f ms; mean "
-                        "relative error %.1f%%; acceptance estimate %.2f; k chosen %s",
+                        "relative error %.1f%%; acceptance estimate %.2f; k chosen %s; %d "
+                        "windows from prompt lookups",
                         tokens, predicted * 1e3, seconds * 1e3, self.cost.error_ema * 100,
-                        self.acceptance.global_alpha, dict(sorted(self.chosen_k.items())))
+                        self.acceptance.global_alpha, dict(sorted(self.chosen_k.items())),
+                        self.lookup_windows)
 
     def observe_draft(self, tokens: int, rows: int, seconds: float) -> None:
         if self.config.policy == "goodput":
@@ -221,6 +260,8 @@ class Speculator:
     def forget(self, request_id: str) -> None:
         self.proposer.forget(request_id)
         self.acceptance.forget(request_id)
+        self.lookup_acceptance.forget(request_id)
+        self._looked_up.discard(request_id)
         self.persistence.stopped(request_id)
 
     def request_figures(self, req: Request) -> dict[str, float | str]:
@@ -236,7 +277,8 @@ class Speculator:
 
     def figures(self) -> SpeculatorFigures:
         return SpeculatorFigures(dict(self.chosen_k), self.predicted_step_time,
-                                 self.cost.error_ema, self.acceptance.global_alpha)
+                                 self.cost.error_ema, self.acceptance.global_alpha,
+                                 self.lookup_windows)
 
     # ---- start-up -----------------------------------------------------------------------
 

@@ -367,8 +367,8 @@ def test_quantized_draft_equal_to_target_accepts_everything(
         gguf_path: Path, target: Qwen2ForCausalLM, reference: dict[str, list[int]], k: int,
         budget: int) -> None:
     draft = load_model(str(gguf_path))[0]
-    e = engine(target, draft, speculative_config=spec_config("draft_model", k),
-               max_num_batched_tokens=budget)
+    e = engine(target, draft, max_num_batched_tokens=budget, speculative_config=spec_config(
+        "draft_model", k, draft_prompt_lookup=False))
     assert run(e, STAGGERED, GREEDY) == reference
     assert e.stats.spec_stats.num_drafts > 0 and e.stats.spec_stats.acceptance_rate == 1.0
 
@@ -451,7 +451,7 @@ def test_a_draft_with_a_coarse_head_stays_lossless(
     for coarse in (True, False):
         draft = load_model(str(gguf_path))[0]
         e = engine(target, draft, max_num_batched_tokens=16, speculative_config=spec_config(
-            "draft_model", 3, draft_coarse_head=coarse))
+            "draft_model", 3, draft_coarse_head=coarse, draft_prompt_lookup=False))
         proposer = e.speculator.proposer  # type: ignore[union-attr]
         assert proposer.coarse_head is coarse and (draft.coarse_head is not None) is coarse
         assert run(e, STAGGERED, GREEDY) == reference

@@ -58,6 +58,8 @@ def test_goodput_policy_observability(tiny_model_dir: Path,
     assert values["braid:step_time_seconds"] > 0
     assert 0 < values["braid:spec_decode_acceptance_estimate"] <= 1
     assert "braid:spec_decode_cost_model_relative_error" in values
+    assert values["braid:spec_decode_lookup_windows_total"] <= values[
+        "braid:spec_decode_num_drafts_total"]
 
 
 def test_itl_target_serves_requests_after_idle_and_bursts(

@@ -186,6 +186,24 @@ def test_a_draft_backlog_delays_drafting_for_that_request_alone() -> None:
     assert choose_ks([0.9, 0.9], [5, 5], p, cost) == [5, 5]
 
 
+def test_drafts_from_a_lookup_cost_only_their_verification() -> None:
+    """A draft forward as dear as the target step makes model drafts a loss at an
+    acceptance where drafts from a prompt lookup (no draft forward) still pay; a request
+    with a lookup drafts beside one whose model drafts would not pay."""
+    cost = cost_model(per_token=0.0005, fixed=0.05, draft=0.05)
+    p = plan(1)
+    assert choose_ks([0.6], [3], p, cost) == [0]
+    p.free = [True]
+    assert choose_ks([0.6], [3], p, cost) == [3]
+    two = plan(2)
+    two.free = [True, False]
+    ks = choose_ks([0.6, 0.6], [5, 5], two, cost)
+    assert ks[0] >= 3 and ks[1] == 0
+    free = goodput_of([0.6, 0.6], ks, two, cost)
+    two.free = []
+    assert goodput_of([0.6, 0.6], ks, two, cost) < free  # the same ks, with forwards
+
+
 def test_nnls_is_the_constrained_optimum() -> None:
     rng = np.random.default_rng(0)
     a = rng.uniform(0, 1, (40, 6))

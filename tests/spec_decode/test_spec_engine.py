@@ -19,7 +19,8 @@ def spec_engine(method: str, k: int, draft_weights=WEIGHTS, draft_cfg=CFG, polic
                 **options):
     spec = {"method": method, "num_speculative_tokens": k, "prompt_lookup_min": 1,
             "prompt_lookup_max": 3, "policy": policy}
-    for key in ("draft_sampling", "verification", "draft_vocab_size"):  # speculative_config
+    for key in ("draft_sampling", "verification", "draft_vocab_size", "draft_prompt_lookup",
+                "prompt_lookup_min"):  # speculative_config
         if key in options:
             spec[key] = options.pop(key)
     if method == "draft_model":
@@ -36,7 +37,8 @@ def reference() -> dict[str, list[int]]:
 @pytest.mark.parametrize("k", [1, 3, 7])
 @pytest.mark.parametrize("budget", [8, 32])
 def test_draft_equal_to_target_accepts_everything(reference, k: int, budget: int) -> None:
-    engine = spec_engine("draft_model", k, max_num_batched_tokens=budget)
+    engine = spec_engine("draft_model", k, max_num_batched_tokens=budget,
+                         draft_prompt_lookup=False)
     assert run(engine, STAGGERED, GREEDY) == reference
     spec = engine.stats.spec_stats
     assert spec.num_drafts > 0 and spec.acceptance_rate == 1.0
@@ -56,11 +58,84 @@ def drafted_tokens(engine) -> list[int]:
     return seen
 
 
+class LinearCost:
+    """Synthetic step cost: a target step of `base` seconds plus `per_token` a query token, a
+    draft forward of `draft` seconds."""
+
+    error_ema = 0.0
+
+    def __init__(self, base: float, per_token: float, draft: float) -> None:
+        self.base, self.per_token, self.draft = base, per_token, draft
+
+    def target_time(self, tokens: float, attention: float = 0.0, rows: float | None = None
+                    ) -> float:
+        return self.base + self.per_token * tokens
+
+    def draft_time(self, tokens: float, rows: float | None = None) -> float:
+        return self.draft
+
+    def observe_target(self, *args, **kwargs) -> None:
+        pass
+
+    def observe_draft(self, *args, **kwargs) -> None:
+        pass
+
+
+def windows_by_source(engine) -> dict[str, list[tuple[int, int]]]:
+    """(drafted, accepted) of every verified window from now on, by where its drafts came
+    from ("lookup" or "model"), as the speculator attributes them."""
+    speculator, seen = engine.speculator, {"lookup": [], "model": []}
+    verified = speculator.on_verified
+
+    def recording(req, num_drafted, num_accepted):
+        source = "lookup" if req.request_id in speculator._looked_up else "model"
+        seen[source].append((num_drafted, num_accepted))
+        verified(req, num_drafted, num_accepted)
+
+    speculator.on_verified = recording
+    return seen
+
+
+@pytest.mark.parametrize("policy", ["fixed", "goodput"])
+@pytest.mark.parametrize("k,budget", [(1, 8), (3, 32), (7, 16)])
+def test_prompt_lookup_beside_the_draft_is_lossless(reference, policy: str, k: int,
+                                                    budget: int) -> None:
+    """Requests whose tokens recur take their drafts from a prompt lookup and skip the draft
+    forwards; the draft catches up on what it skipped the next time it drafts for them. With
+    the target as its own draft every model window is accepted whole, which it would not be
+    if a catch-up after lookup windows left the draft's cache stale."""
+    engine = spec_engine("draft_model", k, policy=policy, max_num_batched_tokens=budget,
+                         prompt_lookup_min=3)  # (with 1 almost every window is a lookup)
+    engine.speculator.cost = LinearCost(0.1, 0.001, 0.01)  # drafting pays, deterministically
+    assert engine.speculator.lookup is not None  # on by default
+    windows = windows_by_source(engine)
+    assert run(engine, STAGGERED, GREEDY) == reference
+    for _ in range(3):
+        assert engine.step() == []  # idle, then a second batch
+    assert run(engine, {0: [1, 4]}, GREEDY) == {k: reference[k] for k in ("1", "4")}
+    assert windows["lookup"] and windows["model"]
+    assert engine.speculator.lookup_windows == len(windows["lookup"])
+    assert all(accepted == drafted for drafted, accepted in windows["model"])
+    # lookups miss where the tiny model does not repeat itself
+    assert any(accepted < drafted for drafted, accepted in windows["lookup"])
+
+
+def test_prompt_lookup_can_be_turned_off() -> None:
+    engine = spec_engine("draft_model", 3, draft_prompt_lookup=False)
+    windows = windows_by_source(engine)
+    run(engine, STAGGERED, GREEDY)
+    assert engine.speculator.lookup is None and not windows["lookup"] and windows["model"]
+    assert spec_engine("ngram", 3).speculator.lookup is None  # the ngram method is one
+    with pytest.raises(ConfigError, match="draft_prompt_lookup must be true or false"):
+        spec_engine("draft_model", 3, draft_prompt_lookup="yes")
+
+
 @pytest.mark.parametrize("limit", [16, 100, 272])
 def test_a_draft_vocabulary_limit_is_lossless(reference, limit: int) -> None:
     """The draft scores only ids below the limit: it never proposes others, and the target's
     own tokens above it are rejected drafts, never wrong output."""
-    engine = spec_engine("draft_model", 3, max_num_batched_tokens=32, draft_vocab_size=limit)
+    engine = spec_engine("draft_model", 3, max_num_batched_tokens=32, draft_vocab_size=limit,
+                         draft_prompt_lookup=False)
     drafted = drafted_tokens(engine)
     assert run(engine, STAGGERED, GREEDY) == reference
     assert drafted and max(drafted) < limit
@@ -92,6 +167,7 @@ def test_unrelated_draft_is_still_lossless(reference, k: int) -> None:
         draft_weights=random_weights(other, seed=5),
         draft_cfg=other,
         max_num_batched_tokens=16,
+        draft_prompt_lookup=False,
     )
     assert run(engine, STAGGERED, GREEDY) == reference
     assert engine.stats.spec_stats.num_draft_tokens > 0
@@ -166,7 +242,7 @@ def test_draft_dtype_resolution_and_errors() -> None:
 
 
 def test_per_request_figures_in_output() -> None:
-    engine = spec_engine("draft_model", 3)
+    engine = spec_engine("draft_model", 3, draft_prompt_lookup=False)
     engine.add_request("a", prompts()[1], GREEDY)
     final = [o for o in engine.run_until_done() if o.finished][0]
     spec = final.metrics.spec_stats
@@ -280,7 +356,8 @@ def test_goodput_switches_off_under_load_and_back_on_losslessly() -> None:
         return done, history
 
     reference, _ = drive(make_engine(max_num_batched_tokens=64))
-    engine = spec_engine("draft_model", 3, policy="goodput", max_num_batched_tokens=64)
+    engine = spec_engine("draft_model", 3, policy="goodput", max_num_batched_tokens=64,
+                         draft_prompt_lookup=False)
     engine.speculator.cost = HingeCost()
     draft = engine.speculator.proposer
     forwards: list[int] = []  # query tokens of every draft forward
