@@ -98,9 +98,8 @@ class Speculator:
         [k, V] of those the proposer sampled (for rejection sampling)."""
         running = list(scheduler.running)
         caps = [0 if r.is_prefilling else self._cap(r) for r in running]
-        lookups = self._lookups(running, caps)
-        caps = [min(c, len(look)) if look else c for c, look in zip(caps, lookups, strict=True)]
-        ks = self._choose(running, scheduler.next_step(), caps, lookups)
+        ks, lookups = self._choose(running, scheduler.next_step(), caps,
+                                   self._lookups(running, caps))
         if self.proposer.needs_kv_slots:
             ks = [scheduler.reserve_draft_slots(r, k) for r, k in zip(running, ks, strict=True)]
         # the proposer drafts for the requests without a lookup; it leaves the others behind
@@ -151,15 +150,25 @@ class Speculator:
                 for r, cap in zip(running, caps, strict=True)]
 
     def _choose(self, running: Sequence[Request], nxt: NextStep, caps: list[int],
-                lookups: list[list[int]]) -> list[int]:
+                lookups: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+        """k per request, and the lookups the requests with k > 0 draft from."""
+        def capped(lookups: list[list[int]]) -> list[int]:
+            return [min(c, len(look)) if look else c
+                    for c, look in zip(caps, lookups, strict=True)]
+
         if self.config.policy == "fixed":
-            return caps
+            return capped(lookups), lookups
         plan, alphas = self._plan(running, nxt, lookups)
         if not any(caps):
-            return caps
-        ks = choose_ks(alphas, caps, plan, self.cost)
+            return caps, lookups
+        ks = choose_ks(alphas, capped(lookups), plan, self.cost)
+        if any(look and not k for look, k in zip(lookups, ks, strict=True)):
+            # a lookup not worth verifying leaves its request to the draft model
+            lookups = [look if k else [] for look, k in zip(lookups, ks, strict=True)]
+            plan, alphas = self._plan(running, nxt, lookups)
+            ks = choose_ks(alphas, capped(lookups), plan, self.cost)
         self.predicted_step_time = step_seconds(alphas, ks, plan, self.cost)
-        return ks
+        return ks, lookups
 
     def _plan(self, running: Sequence[Request], nxt: NextStep,
               lookups: list[list[int]] | None = None) -> tuple[StepPlan, list[float]]:

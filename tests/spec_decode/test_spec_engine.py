@@ -9,6 +9,7 @@ from braid.config import ConfigError, EngineConfig, resolve_draft_dtype
 from braid.engine.scheduler import SchedulerOutput
 from braid.models.qwen2 import can_pack, native_bf16
 from braid.sampling_params import SamplingParams
+from braid.spec_decode.policy import AcceptanceEstimator
 from tests.engine.test_engine import CFG, STAGGERED, WEIGHTS, make_engine, prompts, run
 from tests.tiny import braid_model, random_weights, tiny_config
 
@@ -118,6 +119,22 @@ def test_prompt_lookup_beside_the_draft_is_lossless(reference, policy: str, k: i
     assert all(accepted == drafted for drafted, accepted in windows["model"])
     # lookups miss where the tiny model does not repeat itself
     assert any(accepted < drafted for drafted, accepted in windows["lookup"])
+
+
+def test_a_lookup_not_worth_verifying_leaves_the_request_to_the_draft(reference) -> None:
+    """Verification tokens are dear (half a step each) and lookups are expected to fail:
+    the policy would verify none of them, so the requests draft with the model (cheap, and
+    accepted) instead of not at all, though nearly every step has a lookup (n-grams of 1)."""
+    seen = {}
+    for lookup in (True, False):
+        engine = spec_engine("draft_model", 3, policy="goodput", max_num_batched_tokens=32,
+                             draft_prompt_lookup=lookup)
+        engine.speculator.cost = LinearCost(0.1, 0.05, 0.001)
+        engine.speculator.lookup_acceptance = AcceptanceEstimator(prior=0.01)
+        seen[lookup] = windows_by_source(engine)
+        assert run(engine, STAGGERED, GREEDY) == reference
+    assert not seen[True]["lookup"]
+    assert seen[True]["model"] == seen[False]["model"]  # as if lookups were off
 
 
 def test_prompt_lookup_can_be_turned_off() -> None:
