@@ -35,6 +35,10 @@ logger = logging.getLogger("braid")
 
 # Prior acceptance before any verification (roughly what each method gets on code).
 PRIOR_ALPHA = {"draft_model": 0.7, "ngram": 0.3}
+# Prior of lookups beside a draft model: n-grams of 2-5 matched on the target's greedy
+# outputs proposed 0.49 accepted tokens per draft token on HumanEval and 0.47 on ShareGPT
+# (docs/benchmarks.md section 5, run 10); with 0.3 the policy tried a few lookups a run only.
+LOOKUP_PRIOR_ALPHA = 0.5
 # Warm-up forwards (query tokens, logits rows): verification-like windows that need logits
 # at every position (every size up to 8: small forwards are not smooth in size on a CPU, and
 # decode batches of a few requests are where k = 1 and k = 2 are told apart), prefill-like
@@ -81,7 +85,7 @@ class Speculator:
         # acceptance is learned apart from the model's (they differ, ~0.6 vs ~0.85 on code).
         self.lookup = (NgramMatcher(spec.prompt_lookup_min, spec.prompt_lookup_max)
                        if spec.method == "draft_model" and spec.draft_prompt_lookup else None)
-        self.lookup_acceptance = AcceptanceEstimator(prior=PRIOR_ALPHA["ngram"])
+        self.lookup_acceptance = AcceptanceEstimator(prior=LOOKUP_PRIOR_ALPHA)
         self._looked_up: set[str] = set()  # requests whose pending drafts came from a lookup
         self.lookup_windows = 0
         self.cost = StepCostModel()
