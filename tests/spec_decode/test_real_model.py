@@ -18,8 +18,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 def run(target: Any, draft: Any | None, prompts: list[str], policy: str = "fixed",
         concurrency: int = 4, params: SamplingParams = GREEDY, **spec_options: Any
-        ) -> tuple[list[list[int]], Any]:
-    """Outputs of `prompts` (greedy unless `params`), at most `concurrency` in flight."""
+        ) -> tuple[list[list[int]], LLMEngine]:
+    """Outputs of `prompts` (greedy unless `params`), at most `concurrency` in flight, and
+    the engine that ran them."""
     model, tokenizer = target
     spec = ({"method": "draft_model", "num_speculative_tokens": 3, "policy": policy,
              **spec_options} if draft else None)
@@ -33,7 +34,7 @@ def run(target: Any, draft: Any | None, prompts: list[str], policy: str = "fixed
             engine.add_request(str(i), prompts[i], params)
         done.update({o.request_id: o.outputs[0].token_ids for o in engine.run_until_done()
                      if o.finished})
-    return [done[str(i)] for i in range(len(prompts))], engine.stats.spec_stats
+    return [done[str(i)] for i in range(len(prompts))], engine
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +46,14 @@ def plain(default_target: Any) -> tuple[list[str], list[list[int]]]:
 def test_draft_speculation_is_lossless_on_humaneval(default_target: Any, default_draft: Any,
                                                     plain: Any) -> None:
     prompts, reference = plain
-    spec_out, spec = run(default_target, default_draft, prompts)
-    print(f"draft k=3 on 4 HumanEval prompts: {spec.as_dict()}")
-    assert spec_out == reference
-    assert spec.num_drafts > 0 and spec.acceptance_rate > 0.3
+    for lookup in (True, False):  # drafts from prompt lookups beside the model's, or not
+        spec_out, engine = run(default_target, default_draft, prompts,
+                               draft_prompt_lookup=lookup)
+        spec = engine.stats.spec_stats
+        print(f"draft k=3 on 4 HumanEval prompts, lookups {lookup}: {spec.as_dict()}")
+        assert spec_out == reference
+        assert spec.num_drafts > 0 and spec.acceptance_rate > 0.3
+        assert (engine.speculator.lookup_windows > 0) is lookup  # type: ignore[union-attr]
 
 
 def test_goodput_policy_is_lossless_on_humaneval(default_target: Any, float_target: Any,
@@ -61,7 +66,8 @@ def test_goodput_policy_is_lossless_on_humaneval(default_target: Any, float_targ
     spec_out, _ = run(default_target, default_draft, prompts[:2], "goodput", concurrency=1)
     assert spec_out == reference[:2]
     float_reference = run(float_target, None, prompts[:2])[0]
-    spec_out, spec = run(float_target, default_draft, prompts[:2], "goodput", concurrency=1)
+    spec_out, engine = run(float_target, default_draft, prompts[:2], "goodput", concurrency=1)
+    spec = engine.stats.spec_stats
     assert spec_out == float_reference
     assert spec.num_drafts > 0 and spec.acceptance_rate > 0.3
 
@@ -76,7 +82,8 @@ def test_seeded_sampling_is_unchanged_by_speculation(default_target: Any,
     reference = run(default_target, None, prompts, params=params)[0]
     for options in ({"draft_sampling": "coupled"}, {"draft_sampling": "greedy"},
                     {"policy": "goodput"}):
-        out, spec = run(default_target, default_draft, prompts, params=params, **options)
+        out, engine = run(default_target, default_draft, prompts, params=params, **options)
+        spec = engine.stats.spec_stats
         print(f"seeded, temperature 0.7, {options}: {spec.as_dict()}")
         assert out == reference, options
         if "policy" not in options:
