@@ -65,8 +65,9 @@ class SpecConfig:
     # tokens occurred earlier in its sequence takes what followed them there as its drafts,
     # with no draft forward (the draft catches up on those tokens the next time it runs for
     # the request); the goodput policy plans such drafts as free and learns their acceptance
-    # apart from the model's. Code repeats names and lines: on HumanEval ~a quarter of the
-    # windows come from a lookup. Lossless either way (the target verifies every draft).
+    # apart from the model's; a lookup shorter than the request's k, or one not worth
+    # verifying, leaves the request to the model. Code repeats names and lines. Lossless
+    # either way (the target verifies every draft). Method ngram drafts only by lookup.
     draft_prompt_lookup: bool = True
 
     MAX_TOKENS = 16

@@ -222,7 +222,11 @@ def _best(alphas: list[float], max_ks: list[int], plan: StepPlan, cost: StepCost
     room = max(0, plan.budget - plan.num_decodes - plan.num_prefill_tokens)
     best_ks, best = [0] * len(alphas), goodput_of(alphas, [0] * len(alphas), plan, cost)
     free = _per_request(plan, len(alphas))[2]
-    for top in range(1, max(max_ks, default=0) + 1):  # free drafts add no draft forward
+    # Free drafts add no draft forward, so they are not capped by `top`; top = 0 is the plan
+    # with lookup drafts only (the greedy path may otherwise place a costly first model draft
+    # before a lookup's later ones and never reach it).
+    modelled = max((m for m, f in zip(max_ks, free, strict=True) if not f), default=0)
+    for top in range(0 if any(free) else 1, modelled + 1):
         ks = _greedy(alphas, [m if f else min(m, top) for m, f in zip(max_ks, free, strict=True)],
                      room, plan, cost)
         value = goodput_of(alphas, ks, plan, cost)
@@ -259,7 +263,7 @@ def _greedy(alphas: list[float], caps: list[int], room: int, plan: StepPlan,
     def key(i: int, k: int) -> float:
         gain = expected_tokens(alphas[i], k + 1) - expected_tokens(alphas[i], k)
         seconds = t_token + t_attention * (contexts[i] + 2 * k + 2)
-        if k == 0:
+        if k == 0 and not free[i]:
             seconds += d_token * catch_up[i]
         return -gain / seconds
 

@@ -35,9 +35,8 @@ logger = logging.getLogger("braid")
 
 # Prior acceptance before any verification (roughly what each method gets on code).
 PRIOR_ALPHA = {"draft_model": 0.7, "ngram": 0.3}
-# Prior of lookups beside a draft model: n-grams of 2-5 matched on the target's greedy
-# outputs proposed 0.49 accepted tokens per draft token on HumanEval and 0.47 on ShareGPT
-# (docs/benchmarks.md section 5, run 10); with 0.3 the policy tried a few lookups a run only.
+# Prior of lookups beside a draft model: about what n-grams of 2-5 accept on the target's
+# own outputs, code and chat alike (docs/benchmarks.md section 5, run 10).
 LOOKUP_PRIOR_ALPHA = 0.5
 # Warm-up forwards (query tokens, logits rows): verification-like windows that need logits
 # at every position (every size up to 8: small forwards are not smooth in size on a CPU, and
@@ -82,12 +81,12 @@ class Speculator:
         self.target_itl = target_itl  # seconds; each step's prefill cap follows from it
         self.acceptance = AcceptanceEstimator(prior=PRIOR_ALPHA[spec.method])
         # Prompt lookup beside a draft model (SpecConfig.draft_prompt_lookup): its drafts'
-        # acceptance is learned apart from the model's (they differ, ~0.6 vs ~0.85 on code).
+        # acceptance is learned apart from the model's (lookups accept markedly less).
         self.lookup = (NgramMatcher(spec.prompt_lookup_min, spec.prompt_lookup_max)
                        if spec.method == "draft_model" and spec.draft_prompt_lookup else None)
         self.lookup_acceptance = AcceptanceEstimator(prior=LOOKUP_PRIOR_ALPHA)
         self._looked_up: set[str] = set()  # requests whose pending drafts came from a lookup
-        self.lookup_windows = 0
+        self.lookup_windows = 0  # verified windows whose drafts came from a lookup
         self.cost = StepCostModel()
         self.persistence = StartPersistence(prior=CATCH_UP_HORIZON)
         self.chosen_k: Counter[int] = Counter()  # how often each k was chosen for a request
@@ -102,8 +101,8 @@ class Speculator:
         [k, V] of those the proposer sampled (for rejection sampling)."""
         running = list(scheduler.running)
         caps = [0 if r.is_prefilling else self._cap(r) for r in running]
-        ks, lookups = self._choose(running, scheduler.next_step(), caps,
-                                   self._lookups(running, caps))
+        found = self._lookups(running, caps)
+        ks, lookups = self._choose(running, scheduler.next_step(), caps, found)
         if self.proposer.needs_kv_slots:
             ks = [scheduler.reserve_draft_slots(r, k) for r, k in zip(running, ks, strict=True)]
         # the proposer drafts for the requests without a lookup; it leaves the others behind
@@ -120,10 +119,12 @@ class Speculator:
                 continue
             self.chosen_k[len(d)] += 1
             self._looked_up.discard(r.request_id)
-            if look:  # neither starts nor stops the draft model's drafting
+            if look:
+                # neither starts nor stops the draft model's drafting; the tokens this window
+                # emits are lag the draft catches up on when the model drafts for the request
+                # again, priced then like any backlog beyond the usual lag (a start)
                 if d:
                     self._looked_up.add(r.request_id)
-                    self.lookup_windows += 1
             elif d:
                 self.persistence.drafting(r.request_id, r.num_output_tokens, started)
             elif self._cap(r):
@@ -132,6 +133,9 @@ class Speculator:
         if any(modelled) and not any(proposal.drafts):
             self.acceptance.age()
             self.persistence.idle()
+        if any(found) and not any(d for d, look in zip(all_drafts, lookups, strict=True)
+                                  if look):
+            self.lookup_acceptance.age()  # lookups found, none verified: explore again in time
         drafts = {r.request_id: d for r, d in zip(running, all_drafts, strict=True)}
         probs = {} if proposal.probs is None else {
             r.request_id: q for r, q in zip(running, proposal.probs, strict=True) if q is not None}
@@ -146,31 +150,27 @@ class Speculator:
         return max(k, 0)
 
     def _lookups(self, running: Sequence[Request], caps: list[int]) -> list[list[int]]:
-        """Per request, what a prompt lookup proposes (up to its cap; [] for none or without
-        draft_prompt_lookup)."""
+        """Per request, what a prompt lookup proposes: `cap` tokens, or [] (none found, a
+        shorter one that the draft model would out-draft, or no draft_prompt_lookup)."""
         if self.lookup is None:
             return [[] for _ in running]
-        return [self.lookup.match(r.token_ids(0, r.num_tokens), cap) if cap else []
-                for r, cap in zip(running, caps, strict=True)]
+        found = [self.lookup.match(r.token_ids(0, r.num_tokens), cap) if cap else []
+                 for r, cap in zip(running, caps, strict=True)]
+        return [look if len(look) == cap else [] for look, cap in zip(found, caps, strict=True)]
 
     def _choose(self, running: Sequence[Request], nxt: NextStep, caps: list[int],
                 lookups: list[list[int]]) -> tuple[list[int], list[list[int]]]:
-        """k per request, and the lookups the requests with k > 0 draft from."""
-        def capped(lookups: list[list[int]]) -> list[int]:
-            return [min(c, len(look)) if look else c
-                    for c, look in zip(caps, lookups, strict=True)]
-
-        if self.config.policy == "fixed":
-            return capped(lookups), lookups
-        plan, alphas = self._plan(running, nxt, lookups)
-        if not any(caps):
+        """k per request, and the lookups to draft from (where k > 0; lookups are full
+        length, see `_lookups`)."""
+        if self.config.policy == "fixed" or not any(caps):
             return caps, lookups
-        ks = choose_ks(alphas, capped(lookups), plan, self.cost)
+        plan, alphas = self._plan(running, nxt, lookups)
+        ks = choose_ks(alphas, caps, plan, self.cost)
         if any(look and not k for look, k in zip(lookups, ks, strict=True)):
             # a lookup not worth verifying leaves its request to the draft model
             lookups = [look if k else [] for look, k in zip(lookups, ks, strict=True)]
             plan, alphas = self._plan(running, nxt, lookups)
-            ks = choose_ks(alphas, capped(lookups), plan, self.cost)
+            ks = choose_ks(alphas, caps, plan, self.cost)
         self.predicted_step_time = step_seconds(alphas, ks, plan, self.cost)
         return ks, lookups
 
@@ -249,6 +249,7 @@ class Speculator:
     def on_verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         looked_up = req.request_id in self._looked_up
         self._looked_up.discard(req.request_id)
+        self.lookup_windows += looked_up
         estimator = self.lookup_acceptance if looked_up else self.acceptance
         estimator.update(req.request_id, num_drafted, num_accepted)
 

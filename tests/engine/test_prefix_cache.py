@@ -189,7 +189,7 @@ def test_a_failed_step_publishes_nothing(monkeypatch) -> None:
 def test_draft_catch_up_skips_a_cached_prefix() -> None:
     """The draft's KV is cached with the target's: a second request on the same prompt gets
     its first drafts without the draft recomputing the prefix."""
-    engine = spec_engine("draft_model", 3, max_num_batched_tokens=256, draft_prompt_lookup=False)
+    engine = spec_engine("draft_model", 3, max_num_batched_tokens=256)
     proposer = engine.speculator.proposer
     sizes: list[int] = []
     run = proposer.runner.execute

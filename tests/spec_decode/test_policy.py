@@ -202,6 +202,14 @@ def test_drafts_from_a_lookup_cost_only_their_verification() -> None:
     free = goodput_of([0.6, 0.6], ks, two, cost)
     two.free = []
     assert goodput_of([0.6, 0.6], ks, two, cost) < free  # the same ks, with forwards
+    # A well-accepted model request beside a lookup: one model draft would pay for itself
+    # less than the lookup's later drafts, so the plan with lookup drafts only must be
+    # among those compared, not just the greedy path's prefixes (which put the model's
+    # first draft before the lookup's third).
+    two.free = [True, False]
+    ks = choose_ks([0.6, 0.95], [5, 5], two, cost)
+    assert ks[1] == 0 and ks[0] >= 3
+    assert goodput_of([0.6, 0.95], ks, two, cost) > goodput_of([0.6, 0.95], [2, 0], two, cost)
 
 
 def test_nnls_is_the_constrained_optimum() -> None:

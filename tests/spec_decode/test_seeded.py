@@ -83,6 +83,10 @@ CONFIGS = {
     "draft_k3_preempted": lambda: draft(3, num_kv_blocks=64, max_num_batched_tokens=32),
     "goodput": lambda: spec_engine("draft_model", 4, policy="goodput",
                                    max_num_batched_tokens=32),
+    "goodput_lookups": lambda: spec_engine("draft_model", 3, policy="goodput",
+                                           max_num_batched_tokens=32, draft_prompt_lookup=True),
+    "draft_k3_lookups_preempted": lambda: draft(3, num_kv_blocks=64, max_num_batched_tokens=32,
+                                                draft_prompt_lookup=True),
     "greedy_drafts": lambda: spec_engine("draft_model", 3, max_num_batched_tokens=32,
                                          draft_sampling="greedy"),
     "independent_drafts_rejection": lambda: spec_engine(
@@ -97,7 +101,9 @@ def test_seeded_outputs_equal_no_speculation_alone(alone, config: str) -> None:
     assert run_seeded(engine, STAGGERED, unseeded=True) == alone
     if engine.speculator is not None:
         assert engine.stats.spec_stats.num_drafts > 0
-    if config == "draft_k3_preempted":
+    if config.endswith("lookups_preempted"):
+        assert engine.speculator.lookup_windows > 0  # type: ignore[union-attr]
+    if config.endswith("preempted"):
         assert engine.stats.num_preemptions > 0
 
 
@@ -120,8 +126,7 @@ def test_coupled_drafts_are_accepted_more_than_greedy_ones_when_sampling() -> No
     greedy drafts are accepted only when the sample is the argmax."""
     rates = {}
     for how in ("coupled", "greedy"):
-        engine = spec_engine("draft_model", 3, max_num_batched_tokens=32, draft_sampling=how,
-                             draft_prompt_lookup=False)
+        engine = spec_engine("draft_model", 3, max_num_batched_tokens=32, draft_sampling=how)
         run_seeded(engine, {0: [0, 1, 3]})
         rates[how] = engine.stats.spec_stats.acceptance_rate
     assert rates["coupled"] == 1.0 > rates["greedy"]
