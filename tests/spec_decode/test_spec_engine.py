@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from braid.config import ConfigError, EngineConfig, SpecConfig, resolve_draft_dtype
+from braid.config import ConfigError, EngineConfig, resolve_draft_dtype
 from braid.engine.scheduler import SchedulerOutput
 from braid.models.qwen2 import can_pack, native_bf16
 from braid.sampling_params import SamplingParams
-from braid.spec_decode.policy import AcceptanceEstimator
 from tests.engine.test_engine import CFG, STAGGERED, WEIGHTS, make_engine, prompts, run
 from tests.tiny import braid_model, random_weights, tiny_config
 
@@ -81,95 +80,6 @@ class LinearCost:
 
     def observe_draft(self, *args, **kwargs) -> None:
         pass
-
-
-def windows_by_source(engine) -> dict[str, list]:
-    """(drafted, accepted) of every verified window from now on, by where its drafts came
-    from ("lookup" or "model"), as the speculator attributes them; "order": (request id,
-    source) of each window in turn."""
-    speculator, seen = engine.speculator, {"lookup": [], "model": [], "order": []}
-    verified = speculator.on_verified
-
-    def recording(req, num_drafted, num_accepted):
-        source = "lookup" if req.request_id in speculator._looked_up else "model"
-        seen[source].append((num_drafted, num_accepted))
-        seen["order"].append((req.request_id, source))
-        verified(req, num_drafted, num_accepted)
-
-    speculator.on_verified = recording
-    return seen
-
-
-@pytest.mark.parametrize("policy", ["fixed", "goodput"])
-@pytest.mark.parametrize("k,budget", [(1, 8), (2, 16), (3, 32)])
-def test_prompt_lookup_beside_the_draft_is_lossless(reference, policy: str, k: int,
-                                                    budget: int) -> None:
-    """Requests whose tokens recur take their drafts from a prompt lookup and skip the draft
-    forwards; the draft catches up on what it skipped the next time it drafts for them. With
-    the target as its own draft every model window is accepted whole, which it would not be
-    if a catch-up after lookup windows left the draft's cache stale."""
-    engine = spec_engine("draft_model", k, policy=policy, max_num_batched_tokens=budget,
-                         prompt_lookup_min=3,  # (with 1 almost every window is a lookup)
-                         draft_prompt_lookup=True)
-    engine.speculator.cost = LinearCost(0.1, 0.001, 0.01)  # drafting pays, deterministically
-    windows = windows_by_source(engine)
-    assert run(engine, STAGGERED, GREEDY) == reference
-    for _ in range(3):
-        assert engine.step() == []  # idle, then a second batch
-    assert run(engine, {0: [1, 4]}, GREEDY) == {i: reference[i] for i in ("1", "4")}
-    assert windows["lookup"] and windows["model"]
-    assert engine.speculator.lookup_windows == len(windows["lookup"])
-    assert all(accepted == drafted for drafted, accepted in windows["model"])
-    if policy == "fixed":  # (the goodput policy verifies fewer, surer ones here)
-        # lookups miss where the tiny model does not repeat itself, so the windows
-        # attributed to the model (all accepted) are not lookups
-        assert any(accepted < drafted for drafted, accepted in windows["lookup"])
-    # the model drafted again for requests after their lookup windows (catching up)
-    after_lookup = {rid for rid, source in windows["order"] if source == "lookup"}
-    resumed = set()
-    for rid, source in windows["order"]:
-        if source == "model" and rid in after_lookup:
-            resumed.add(rid)
-        after_lookup |= {rid} if source == "lookup" else set()
-    assert resumed
-
-
-def test_prompt_lookup_is_on_by_default() -> None:
-    spec = SpecConfig.from_dict({"method": "draft_model", "num_speculative_tokens": 3})
-    assert spec.draft_prompt_lookup is True
-
-
-def test_a_lookup_not_worth_verifying_leaves_the_request_to_the_draft(reference) -> None:
-    """Verification tokens are dear (half a step each) and lookups are expected to fail:
-    the policy would verify none of them, so the requests draft with the model (cheap, and
-    accepted) instead of not at all, though nearly every step has a lookup (n-grams of 1)."""
-    seen, found = {}, []
-    for lookup in (True, False):
-        engine = spec_engine("draft_model", 3, policy="goodput", max_num_batched_tokens=32,
-                             draft_prompt_lookup=lookup)
-        engine.speculator.cost = LinearCost(0.1, 0.05, 0.001)
-        engine.speculator.lookup_acceptance = AcceptanceEstimator(prior=0.01)
-        seen[lookup] = windows_by_source(engine)
-        def counting(*args, lookups=engine.speculator._lookups):
-            out = lookups(*args)
-            found.extend(look for look in out if look)
-            return out
-
-        engine.speculator._lookups = counting
-        assert run(engine, STAGGERED, GREEDY) == reference
-    assert found and not seen[True]["lookup"]
-    assert seen[False]["model"]
-    assert seen[True]["model"] == seen[False]["model"]  # as if lookups were off
-
-
-def test_prompt_lookup_can_be_turned_off() -> None:
-    engine = spec_engine("draft_model", 3, draft_prompt_lookup=False)
-    windows = windows_by_source(engine)
-    run(engine, STAGGERED, GREEDY)
-    assert engine.speculator.lookup is None and not windows["lookup"] and windows["model"]
-    assert spec_engine("ngram", 3).speculator.lookup is None  # the ngram method is one
-    with pytest.raises(ConfigError, match="draft_prompt_lookup must be true or false"):
-        spec_engine("draft_model", 3, draft_prompt_lookup="yes")
 
 
 @pytest.mark.parametrize("limit", [16, 100, 272])
