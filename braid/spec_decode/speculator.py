@@ -26,7 +26,6 @@ from braid.spec_decode.policy import (
     StepPlan,
     choose_ks,
     expected_tokens,
-    goodput_of,
     prefill_under_target,
     step_seconds,
 )
@@ -162,25 +161,16 @@ class Speculator:
     def _choose(self, running: Sequence[Request], nxt: NextStep, caps: list[int],
                 lookups: list[list[int]]) -> tuple[list[int], list[list[int]]]:
         """k per request, and the lookups to draft from (where k > 0; lookups are full
-        length, see `_lookups`). A lookup the policy would not verify leaves its request to
-        the draft model (the step is planned again), and the lookups it would verify compete
-        with the model too: where the draft is cheap and accepted more (memory slow), the
-        same step with every request left to the model may emit more per second."""
+        length, see `_lookups`)."""
         if self.config.policy == "fixed" or not any(caps):
             return caps, lookups
         plan, alphas = self._plan(running, nxt, lookups)
         ks = choose_ks(alphas, caps, plan, self.cost)
         if any(look and not k for look, k in zip(lookups, ks, strict=True)):
+            # a lookup not worth verifying leaves its request to the draft model
             lookups = [look if k else [] for look, k in zip(lookups, ks, strict=True)]
             plan, alphas = self._plan(running, nxt, lookups)
             ks = choose_ks(alphas, caps, plan, self.cost)
-        if any(lookups):
-            model_plan, model_alphas = self._plan(running, nxt)
-            model_ks = choose_ks(model_alphas, caps, model_plan, self.cost)
-            if (goodput_of(model_alphas, model_ks, model_plan, self.cost)
-                    > goodput_of(alphas, ks, plan, self.cost)):
-                ks, plan, alphas = model_ks, model_plan, model_alphas
-                lookups = [[] for _ in lookups]
         self.predicted_step_time = step_seconds(alphas, ks, plan, self.cost)
         return ks, lookups
 
