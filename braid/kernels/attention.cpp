@@ -152,10 +152,15 @@ AVX512 float scaled_softmax_exp_avx512(float* scores, int64_t n, float scale) {
 }
 
 // The `group` query heads of one row that share KV head `kv_head` (q: their [group, 16 * C]
-// values), over the row's n keys -> out [group, 16 * C]. Each head is the same operations
-// in the same order whatever else the step holds: scores four keys at a time (one
-// accumulator per key, summed across lanes), the softmax above, then the values weighted and
-// added up in C registers, divided by the sum at the end.
+// values), over the row's n keys -> out [group, 16 * C]; scores has room for group * (n + 1).
+// Each head is the same operations in the same order whatever else the step holds: scores
+// four keys at a time (one accumulator per key, summed across lanes), the softmax above,
+// then the values weighted and added up key by key in C registers, divided by the sum at
+// the end. Keys and values are visited in blocks of KEY_BLOCK, every head of the group per
+// block, so each block is read from memory once and then from L1 (a head's arithmetic does
+// not depend on the blocking: its partial sums pass through `out` unchanged).
+constexpr int64_t KEY_BLOCK = 32;
+
 template <int C>
 AVX512 void attend_group_avx512(const float* q, int64_t group, const float* kp, const float* vp,
                                 const int64_t* pos_slots, int64_t n, int64_t kvh,
@@ -163,35 +168,79 @@ AVX512 void attend_group_avx512(const float* q, int64_t group, const float* kp, 
   constexpr int64_t d = 16 * C;
   const auto key = [&](int64_t j) { return kp + (pos_slots[j] * kvh + kv_head) * d; };
   const auto value = [&](int64_t j) { return vp + (pos_slots[j] * kvh + kv_head) * d; };
+  const auto prefetch = [&](const float* row) {
+    for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(row + 16 * c), _MM_HINT_T0);
+  };
+  for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK) {
+    const int64_t j1 = std::min(n, j0 + KEY_BLOCK);
+    for (int64_t j = j1; j < std::min(n, j1 + KEY_BLOCK); ++j) prefetch(key(j));
+    for (int64_t g = 0; g < group; ++g) {
+      float* s = scores + g * n;
+      __m512 qz[C];
+      for (int c = 0; c < C; ++c) qz[c] = _mm512_loadu_ps(q + g * d + 16 * c);
+      int64_t j = j0;
+      for (; j + 4 <= j1; j += 4) {
+        const float* k[4] = {key(j), key(j + 1), key(j + 2), key(j + 3)};
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                         _mm512_setzero_ps()};
+        for (int c = 0; c < C; ++c)
+          for (int u = 0; u < 4; ++u)
+            acc[u] = _mm512_fmadd_ps(qz[c], _mm512_loadu_ps(k[u] + 16 * c), acc[u]);
+        for (int u = 0; u < 4; ++u) s[j + u] = _mm512_reduce_add_ps(acc[u]);
+      }
+      for (; j < j1; ++j) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int c = 0; c < C; ++c)
+          acc = _mm512_fmadd_ps(qz[c], _mm512_loadu_ps(key(j) + 16 * c), acc);
+        s[j] = _mm512_reduce_add_ps(acc);
+      }
+    }
+  }
+  float* sums = scores + group * n;
+  for (int64_t g = 0; g < group; ++g) sums[g] = scaled_softmax_exp_avx512(scores + g * n, n, scale);
+  for (int64_t i = 0; i < group * d; ++i) out[i] = 0.f;
+  for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK) {
+    const int64_t j1 = std::min(n, j0 + KEY_BLOCK);
+    for (int64_t j = j1; j < std::min(n, j1 + KEY_BLOCK); ++j) prefetch(value(j));
+    int64_t g = 0;
+    for (; g + 2 <= group; g += 2) {  // two heads at a time: 2C independent sums
+      const float* s0 = scores + g * n;
+      const float* s1 = s0 + n;
+      __m512 o0[C], o1[C];
+      for (int c = 0; c < C; ++c) {
+        o0[c] = _mm512_loadu_ps(out + g * d + 16 * c);
+        o1[c] = _mm512_loadu_ps(out + (g + 1) * d + 16 * c);
+      }
+      for (int64_t j = j0; j < j1; ++j) {
+        const __m512 p0 = _mm512_set1_ps(s0[j]), p1 = _mm512_set1_ps(s1[j]);
+        const float* v = value(j);
+        for (int c = 0; c < C; ++c) {
+          const __m512 vz = _mm512_loadu_ps(v + 16 * c);
+          o0[c] = _mm512_fmadd_ps(p0, vz, o0[c]);
+          o1[c] = _mm512_fmadd_ps(p1, vz, o1[c]);
+        }
+      }
+      for (int c = 0; c < C; ++c) {
+        _mm512_storeu_ps(out + g * d + 16 * c, o0[c]);
+        _mm512_storeu_ps(out + (g + 1) * d + 16 * c, o1[c]);
+      }
+    }
+    for (; g < group; ++g) {
+      const float* s0 = scores + g * n;
+      __m512 o0[C];
+      for (int c = 0; c < C; ++c) o0[c] = _mm512_loadu_ps(out + g * d + 16 * c);
+      for (int64_t j = j0; j < j1; ++j) {
+        const __m512 p0 = _mm512_set1_ps(s0[j]);
+        const float* v = value(j);
+        for (int c = 0; c < C; ++c) o0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v + 16 * c), o0[c]);
+      }
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + g * d + 16 * c, o0[c]);
+    }
+  }
   for (int64_t g = 0; g < group; ++g) {
-    __m512 qz[C];
-    for (int c = 0; c < C; ++c) qz[c] = _mm512_loadu_ps(q + g * d + 16 * c);
-    int64_t j = 0;
-    for (; j + 4 <= n; j += 4) {
-      const float* k[4] = {key(j), key(j + 1), key(j + 2), key(j + 3)};
-      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                       _mm512_setzero_ps()};
-      for (int c = 0; c < C; ++c)
-        for (int u = 0; u < 4; ++u)
-          acc[u] = _mm512_fmadd_ps(qz[c], _mm512_loadu_ps(k[u] + 16 * c), acc[u]);
-      for (int u = 0; u < 4; ++u) scores[j + u] = _mm512_reduce_add_ps(acc[u]);
-    }
-    for (; j < n; ++j) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int c = 0; c < C; ++c)
-        acc = _mm512_fmadd_ps(qz[c], _mm512_loadu_ps(key(j) + 16 * c), acc);
-      scores[j] = _mm512_reduce_add_ps(acc);
-    }
-    const float sum = scaled_softmax_exp_avx512(scores, n, scale);
-    __m512 oz[C];
-    for (int c = 0; c < C; ++c) oz[c] = _mm512_setzero_ps();
-    for (j = 0; j < n; ++j) {
-      const __m512 p = _mm512_set1_ps(scores[j]);
-      const float* v = value(j);
-      for (int c = 0; c < C; ++c) oz[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), oz[c]);
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / sum);
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + g * d + 16 * c, _mm512_mul_ps(oz[c], inv));
+    const __m512 inv = _mm512_set1_ps(1.f / sums[g]);
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(out + g * d + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(out + g * d + 16 * c), inv));
   }
 }
 
@@ -258,7 +307,7 @@ torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tenso
       std::vector<float> scores;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t row = task / kvh, kv_head = task % kvh, n = len[row];
-        scores.resize(n);
+        scores.resize(group * (n + 1));
         const int64_t first = row * h + kv_head * group;  // the group's first query head
         fn(qp + first * d, group, kp, vp, table + seq[row] * kv_max, n, kvh, kv_head,
            (float)scale, scores.data(), op + first * d);
