@@ -137,6 +137,9 @@ class ServerMetrics:
             "Moving average of |predicted - measured| / measured target step time")
         self.acceptance_estimate = self._gauge(
             "braid:spec_decode_acceptance_estimate", "Global per-draft acceptance estimate")
+        self.lookup_acceptance_estimate = self._gauge(
+            "braid:spec_decode_lookup_acceptance_estimate",
+            "Global per-draft acceptance estimate of prompt lookups beside the draft model")
 
     # ---- updates (engine thread) -------------------------------------------------------
 
@@ -183,6 +186,8 @@ class ServerMetrics:
         self.predicted_step_time.set(figures.predicted_step_time)
         self.cost_model_error.set(figures.cost_model_error)
         self.acceptance_estimate.set(figures.acceptance_estimate)
+        if figures.lookup_acceptance_estimate is not None:
+            self.lookup_acceptance_estimate.set(figures.lookup_acceptance_estimate)
 
     def _record_per_position(self, accepted: list[int]) -> None:
         for pos, value in enumerate(accepted):

@@ -69,7 +69,8 @@ class SpeculatorFigures:
     predicted_step_time: float  # seconds, of the step the last proposal was made for
     cost_model_error: float  # moving mean of the target step's relative prediction error
     acceptance_estimate: float  # global per-draft acceptance (the proposer's own drafts)
-    lookup_windows: int = 0  # windows whose drafts came from a prompt lookup instead
+    lookup_windows: int  # windows whose drafts came from a prompt lookup instead
+    lookup_acceptance_estimate: float | None  # the lookups' own (None: no lookups beside)
 
 
 class Speculator:
@@ -292,20 +293,25 @@ class Speculator:
         self.persistence.stopped(request_id)
 
     def request_figures(self, req: Request) -> dict[str, float | str]:
-        """Per-response figures: the acceptance estimate, and how this request's drafts were
-        verified and (draft model) drawn."""
+        """Per-response figures: the acceptance estimates (the model's, and the lookups'
+        where they draft beside it), and how this request's drafts were verified and (draft
+        model) drawn."""
         figures: dict[str, float | str] = {
             "acceptance_estimate": round(self.acceptance.alpha(req.request_id), 4),
             "verification": self.config.verification_for(req.sampling_params),
         }
         if self.config.method == "draft_model":
             figures["draft_sampling"] = self.config.draft_sampling_for(req.sampling_params)
+        if self.lookup is not None:
+            figures["lookup_acceptance_estimate"] = round(
+                self.lookup_acceptance.alpha(req.request_id), 4)
         return figures
 
     def figures(self) -> SpeculatorFigures:
-        return SpeculatorFigures(dict(self.chosen_k), self.predicted_step_time,
-                                 self.cost.error_ema, self.acceptance.global_alpha,
-                                 self.lookup_windows)
+        return SpeculatorFigures(
+            dict(self.chosen_k), self.predicted_step_time, self.cost.error_ema,
+            self.acceptance.global_alpha, self.lookup_windows,
+            None if self.lookup is None else self.lookup_acceptance.global_alpha)
 
     # ---- start-up -----------------------------------------------------------------------
 

@@ -57,6 +57,7 @@ def test_goodput_policy_observability(tiny_model_dir: Path,
     assert values["braid:spec_decode_chosen_k_count"] > 0
     assert values["braid:step_time_seconds"] > 0
     assert 0 < values["braid:spec_decode_acceptance_estimate"] <= 1
+    assert 0 < values["braid:spec_decode_lookup_acceptance_estimate"] <= 1  # on by default
     assert "braid:spec_decode_cost_model_relative_error" in values
     assert values["braid:spec_decode_lookup_windows_total"] <= values[
         "braid:spec_decode_num_drafts_total"]

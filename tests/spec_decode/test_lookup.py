@@ -132,3 +132,21 @@ def test_the_model_drafting_again_after_lookups_is_not_a_start(reference) -> Non
     assert resumed  # model, then lookups, then the model again for these requests
     assert sorted(starts) == sorted(set(starts))
     assert engine.speculator._lookup_lag == {}  # nothing left once the requests finished
+
+
+def test_the_lookups_acceptance_is_reported_apart() -> None:
+    """Per response and in the speculator's figures, beside the model's own estimate."""
+    for lookup in (True, False):
+        engine = spec_engine("draft_model", 2, policy="fixed", max_num_batched_tokens=32,
+                             prompt_lookup_min=1, draft_prompt_lookup=lookup)
+        engine.add_request("a", [5, 6, 7, 5, 6, 7, 5, 6], GREEDY)
+        final = [o for o in engine.run_until_done() if o.finished][0]
+        figures = engine.speculator.figures()
+        if lookup:
+            assert figures.lookup_windows > 0
+            assert 0 < final.metrics.spec_stats["lookup_acceptance_estimate"] < 1
+            assert figures.lookup_acceptance_estimate == \
+                engine.speculator.lookup_acceptance.global_alpha
+        else:
+            assert "lookup_acceptance_estimate" not in final.metrics.spec_stats
+            assert figures.lookup_acceptance_estimate is None
