@@ -87,10 +87,6 @@ class Speculator:
                        if spec.method == "draft_model" and spec.draft_prompt_lookup else None)
         self.lookup_acceptance = AcceptanceEstimator(prior=LOOKUP_PRIOR_ALPHA)
         self._looked_up: set[str] = set()  # requests whose pending drafts came from a lookup
-        # Tokens that lookup windows emitted since the model last drafted for a request it
-        # was drafting for: lag the draft catches up on in its next forward as usual, not a
-        # backlog that makes that forward a start.
-        self._lookup_lag: dict[str, int] = {}
         self.lookup_windows = 0  # verified windows whose drafts came from a lookup
         self.cost = StepCostModel()
         self.persistence = StartPersistence(prior=CATCH_UP_HORIZON)
@@ -112,7 +108,7 @@ class Speculator:
             ks = [scheduler.reserve_draft_slots(r, k) for r, k in zip(running, ks, strict=True)]
         # the proposer drafts for the requests without a lookup; it leaves the others behind
         model_ks = [0 if look else k for k, look in zip(ks, lookups, strict=True)]
-        backlog = [k > 0 and self.proposer.lag(r) > self._usual_lag(r.request_id)
+        backlog = [k > 0 and self.proposer.lag(r) > self._usual_lag
                    for r, k in zip(running, model_ks, strict=True)]
         proposal = self.proposer.propose(running, model_ks)
         for f in proposal.forwards:
@@ -126,16 +122,12 @@ class Speculator:
             self._looked_up.discard(r.request_id)
             if look:
                 # neither starts nor stops the draft model's drafting; the tokens this window
-                # emits (on_verified) are lag the draft catches up on when the model drafts
-                # for the request again: usual lag where the model was drafting for it, else
-                # part of the backlog a start pays
+                # emits are lag the draft catches up on when the model drafts for the request
+                # again, priced then like any backlog beyond the usual lag (a start; counting
+                # them as usual lag measured no better, docs/benchmarks.md section 5 run 11)
                 if d:
                     self._looked_up.add(r.request_id)
-                    if self.proposer.lag(r) <= self._usual_lag(r.request_id):
-                        self._lookup_lag.setdefault(r.request_id, 0)
-                continue
-            self._lookup_lag.pop(r.request_id, None)  # caught up now, or paused (a backlog)
-            if d:
+            elif d:
                 self.persistence.drafting(r.request_id, r.num_output_tokens, started)
             elif self._cap(r):
                 self.persistence.stopped(r.request_id, r.num_output_tokens)
@@ -194,8 +186,7 @@ class Speculator:
         free = [bool(look) for look in lookups] if lookups else [False] * len(running)
         contexts = [r.num_computed_tokens for r in running]
         lags = [0 if f else self.proposer.lag(r) for r, f in zip(running, free, strict=True)]
-        starting = [lag > self._usual_lag(r.request_id)
-                    for r, lag in zip(running, lags, strict=True)]
+        starting = [lag > self._usual_lag for lag in lags]
         alphas = [self.lookup_acceptance.alpha(r.request_id) if f
                   else self.acceptance.alpha(r.request_id, optimistic=not start)
                   for r, f, start in zip(running, free, starting, strict=True)]
@@ -235,11 +226,11 @@ class Speculator:
             return None
         return self._plan(list(scheduler.running), nxt)[0].num_prefill_tokens
 
-    def _usual_lag(self, request_id: str) -> int:
+    @property
+    def _usual_lag(self) -> int:
         """What a drafting request's window leaves the draft behind by (the accepted drafts
-        and the bonus token, plus what lookup windows emitted since the model's last one); a
-        longer lag is a backlog that starting to draft must pay."""
-        return self.config.num_speculative_tokens + 1 + self._lookup_lag.get(request_id, 0)
+        and the bonus token); a longer lag is a backlog that starting to draft must pay."""
+        return self.config.num_speculative_tokens + 1
 
     def _catch_up_cost(self, req: Request, alpha: float, lag: int) -> float:
         """Draft tokens request `req` (`lag` tokens behind the draft) adds to the first draft
@@ -247,7 +238,7 @@ class Speculator:
         longer backlog (the prompt, or tokens emitted while its k was 0) is paid once and is
         spread over the steps it will draft: its remaining tokens, at most as many as started
         requests have drafted before they stopped (StartPersistence)."""
-        usual = self._usual_lag(req.request_id)
+        usual = self._usual_lag
         if lag <= usual:
             return float(max(lag, 1))
         remaining = min(self.max_model_len - req.num_tokens, self.persistence.mean)
@@ -261,8 +252,6 @@ class Speculator:
         looked_up = req.request_id in self._looked_up
         self._looked_up.discard(req.request_id)
         self.lookup_windows += looked_up
-        if looked_up and req.request_id in self._lookup_lag:
-            self._lookup_lag[req.request_id] += num_accepted + 1  # the window's tokens
         estimator = self.lookup_acceptance if looked_up else self.acceptance
         estimator.update(req.request_id, num_drafted, num_accepted)
 
@@ -289,7 +278,6 @@ class Speculator:
         self.acceptance.forget(request_id)
         self.lookup_acceptance.forget(request_id)
         self._looked_up.discard(request_id)
-        self._lookup_lag.pop(request_id, None)
         self.persistence.stopped(request_id)
 
     def request_figures(self, req: Request) -> dict[str, float | str]:

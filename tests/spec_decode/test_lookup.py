@@ -106,34 +106,6 @@ def test_prompt_lookup_can_be_turned_off() -> None:
         spec_engine("draft_model", 3, draft_prompt_lookup="yes")
 
 
-def test_the_model_drafting_again_after_lookups_is_not_a_start(reference) -> None:
-    """Lookup windows leave the draft behind by the tokens they emit; where the model was
-    drafting for the request, its next window catches up on those as usual lag: not a start
-    (no start margin, no backlog amortization). With a fixed k every step drafts, so each
-    request starts once, when the draft first catches up on its prompt."""
-    engine = spec_engine("draft_model", 2, policy="fixed", max_num_batched_tokens=32,
-                         prompt_lookup_min=1, draft_prompt_lookup=True)  # lookups galore
-    windows = windows_by_source(engine)
-    starts: list[str] = []
-    persistence = engine.speculator.persistence
-    drafting = persistence.drafting
-
-    def recording(request_id, num_output_tokens, started):
-        if started:
-            starts.append(request_id)
-        drafting(request_id, num_output_tokens, started)
-
-    persistence.drafting = recording
-    assert run(engine, STAGGERED, GREEDY) == reference
-    order = windows["order"]
-    resumed = {rid for i, (rid, source) in enumerate(order) if source == "model"
-               and any(r == rid and s == "lookup" for r, s in order[:i])
-               and any(r == rid and s == "model" for r, s in order[:i])}
-    assert resumed  # model, then lookups, then the model again for these requests
-    assert sorted(starts) == sorted(set(starts))
-    assert engine.speculator._lookup_lag == {}  # nothing left once the requests finished
-
-
 def test_the_lookups_acceptance_is_reported_apart() -> None:
     """Per response and in the speculator's figures, beside the model's own estimate."""
     for lookup in (True, False):
