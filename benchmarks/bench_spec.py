@@ -15,7 +15,10 @@ Closed loop: `concurrency` requests in flight until all prompts are done (greedy
 level runs max(--num-prompts, --prompts-per-slot * concurrency) prompts, so high levels
 measure a steady state, not one batch that starts and ends together. Prints a
 table (throughput, speedup over no speculation, acceptance) and saves JSON and a plot of
-throughput vs concurrency in --out.
+throughput vs concurrency in --out. With --repeats the modes alternate order run by run and
+the ratio to no speculation is the median of each repeat's own ratio; --warm-engines keeps
+one engine per mode over the repeats (what a running server has learned) instead of a fresh
+one per run (which pays the policy's exploration every time).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -145,7 +149,11 @@ def main() -> None:
     parser.add_argument("--draft-quantization", default=None, choices=QUANTIZATIONS,
                         help="the draft's --quantization (default: the target's)")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="runs of every mode per load, in alternating order (mean tok/s)")
+                        help="runs of every mode per load, in alternating order (mean tok/s; "
+                        "the ratio to none is the median of the repeats' own ratios)")
+    parser.add_argument("--warm-engines", action="store_true",
+                        help="one engine per mode and load, kept for all its repeats (what a "
+                        "running server has learned), instead of a fresh engine per run")
     parser.add_argument("--out", default="docs/benchmarks")
     parser.add_argument("--stem", default=None, help="file name of the JSON and plot "
                         "(default spec_WORKLOAD)")
@@ -173,26 +181,39 @@ def main() -> None:
     temperatures = [float(t) for t in args.temperature.split(",")]
     for temperature in temperatures:
         for c in levels:
+            engines: dict[str, LLMEngine] = {}  # --warm-engines: kept over the repeats
             for rep in range(args.repeats):
                 for mode in modes if rep % 2 == 0 else modes[::-1]:
-                    record(results, measure(mode, c, counts[c], prompts, target, draft,
-                                            max(levels), args, temperature))
+                    engine = engines.get(mode) or make_engine(mode, target, draft, max(levels),
+                                                              args, prompts[0])
+                    if args.warm_engines:
+                        engines[mode] = engine
+                    record(results, measure(engine, mode, c, counts[c], prompts, args,
+                                            temperature))
                     save(results, args)  # after every run: a long run that stops keeps its rows
     for temperature in temperatures:
         print(f"\ntemperature {temperature}:")
         print(markdown_table([r for r in results if r["temperature"] == temperature]))
 
 
-def measure(mode: str, c: int, count: int, prompts: list[list[int]], target: Any, draft: Any,
-            max_num_seqs: int, args: argparse.Namespace, temperature: float = 0.0
-            ) -> dict[str, Any]:
-    """One run of `mode` at concurrency c on a fresh engine (after a short warm-up)."""
+def make_engine(mode: str, target: Any, draft: Any, max_num_seqs: int,
+                args: argparse.Namespace, warm_up: list[int]) -> LLMEngine:
+    """An engine for `mode` on the loaded models, after a short warm-up on `warm_up`. A
+    warm engine sees the same prompts again: prefix caching is off there, so every repeat
+    does the same work."""
     engine = LLMEngine(
         EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                      max_num_seqs=max_num_seqs, kv_cache_gib=1.0, log_stats_interval=0,
+                     enable_prefix_caching=not args.warm_engines,
                      speculative_config=spec_config(mode)),
         model=target[0], tokenizer=target[1], draft_model=draft)
-    run_mode(engine, prompts[:1], 1, 8)  # warm-up
+    run_mode(engine, [warm_up], 1, 8)
+    return engine
+
+
+def measure(engine: LLMEngine, mode: str, c: int, count: int, prompts: list[list[int]],
+            args: argparse.Namespace, temperature: float = 0.0) -> dict[str, Any]:
+    """One run of `mode` at concurrency c (its figures from this run only)."""
     engine.stats.spec_stats = SpecStats()
     if engine.speculator is not None:
         engine.speculator.chosen_k.clear()
@@ -213,12 +234,28 @@ def record(results: list[dict[str, Any]], run: dict[str, Any]) -> None:
     print_row(row, results)
 
 
+def ratio_to_none(row: dict[str, Any], results: list[dict[str, Any]]) -> float | None:
+    """The row's speed over no speculation's at its load: the median over the repeats of
+    each repeat's own ratio where both ran more than once (the machine's speed drifts by more
+    than the effects measured, and a repeat's runs are minutes apart), else of the means."""
+    base = next((x for x in results if x["mode"] == "none" and x["concurrency"]
+                 == row["concurrency"] and x.get("temperature") == row["temperature"]), None)
+    if base is None:
+        return None
+    pairs = [r / b for r, b in zip(row["tok_per_s_runs"], base["tok_per_s_runs"],
+                                   strict=False)]  # (mid-repeat, one may have run once more)
+    if len(pairs) < 2:
+        return row["tok_per_s"] / base["tok_per_s"]
+    return statistics.median(pairs)
+
+
 def markdown_table(results: list[dict[str, Any]]) -> str:
     """tok/s and the ratio to no speculation, one row per mode, one column per load; the
     best fixed k at each load in bold."""
     levels = sorted({r["concurrency"] for r in results})
     modes = list(dict.fromkeys(r["mode"] for r in results))
     at = {(r["mode"], r["concurrency"]): r["tok_per_s"] for r in results}
+    ratio = {(r["mode"], r["concurrency"]): ratio_to_none(r, results) for r in results}
     best = {c: max((v for (m, cc), v in at.items() if cc == c and m.startswith(("draft", "ngram"))),
                    default=None) for c in levels}
     lines = ["| mode | " + " | ".join(f"c={c}" for c in levels) + " |",
@@ -226,20 +263,19 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     for mode in modes:
         cells = []
         for c in levels:
-            v, base = at.get((mode, c)), at.get(("none", c))
+            v, x = at.get((mode, c)), ratio.get((mode, c))
             if v is None:
                 cells.append("-")
                 continue
-            cell = f"{v:.2f} ({v / base:.2f}x)" if base else f"{v:.2f}"
+            cell = f"{v:.2f} ({x:.2f}x)" if x is not None else f"{v:.2f}"
             cells.append(f"**{cell}**" if v == best[c] else cell)
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def print_row(r: dict[str, Any], results: list[dict[str, Any]]) -> None:
-    base = next((x for x in results if x["mode"] == "none" and x["concurrency"]
-                 == r["concurrency"] and x.get("temperature") == r["temperature"]), None)
-    speedup = f"{r['tok_per_s'] / base['tok_per_s']:.2f}x" if base else "-"
+    x = ratio_to_none(r, results)
+    speedup = f"{x:.2f}x" if x is not None else "-"
     spec = (f"acceptance {r['acceptance_rate']:.2f}, mean length "
             f"{r['mean_acceptance_length']:.2f}" if r["num_drafts"] else "")
     ks = f", k chosen {r['chosen_k']}" if "chosen_k" in r else ""
