@@ -131,6 +131,8 @@ class Speculator:
                 self.persistence.drafting(r.request_id, r.num_output_tokens, started)
             elif self._cap(r):
                 self.persistence.stopped(r.request_id, r.num_output_tokens)
+            if (look or not d) and self._cap(r):
+                self.acceptance.rest(r.request_id)  # no model drafts: its evidence ages
         modelled = [c for c, look in zip(caps, lookups, strict=True) if not look]
         if any(modelled) and not any(proposal.drafts):
             self.acceptance.age()

@@ -155,6 +155,25 @@ def test_idle_steps_age_the_evidence_until_starting_requests_explore_again() -> 
     assert est.alpha("new", optimistic=False) == est.alpha("new") < 0.75
 
 
+def test_steps_without_drafts_age_a_request_s_own_evidence() -> None:
+    """A request at k = 0 measures nothing: its own evidence ages with each such step (as
+    with each verified window) until its estimate is the global one again."""
+    est = AcceptanceEstimator(prior=0.7)
+    for _ in range(100):
+        est.update("x", 3, 3)
+    for _ in range(6):
+        est.update("r", 3, 0)
+    low, trials = est.alpha("r"), est.global_trials
+    assert low < 0.5 < 0.95 < est.alpha("new")
+    est.rest("r")
+    assert low < est.alpha("r")
+    for _ in range(60):
+        est.rest("r")
+        est.rest("unknown")  # a request without evidence has none to age
+    assert est.alpha("r") == pytest.approx(est.alpha("new"), abs=0.01)
+    assert est.global_trials == trials  # the global evidence is not a request's
+
+
 def test_itl_target_caps_the_prefill_chunk_then_the_drafts() -> None:
     from braid.spec_decode.policy import prefill_under_target
 
