@@ -230,8 +230,11 @@ class Speculator:
 
     @property
     def _usual_lag(self) -> int:
-        """What a drafting request's window leaves the draft behind by (the accepted drafts
-        and the bonus token); a longer lag is a backlog that starting to draft must pay."""
+        """The lag up to which a request is not starting to draft: a model window leaves the
+        draft 1-2 tokens behind, a short lookup window up to k + 1 more; a longer lag (its
+        prompt, tokens emitted at k = 0) is a backlog that starting must pay. (Within it the
+        lag is charged as it is; docs/benchmarks.md section 5 run 12 tried charging starts
+        the 1-2 tokens of a drafting request's lag instead.)"""
         return self.config.num_speculative_tokens + 1
 
     def _catch_up_cost(self, req: Request, alpha: float, lag: int) -> float:
