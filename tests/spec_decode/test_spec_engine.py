@@ -353,10 +353,10 @@ def test_a_request_whose_first_windows_failed_drafts_again() -> None:
     does not draft, so it drafts again once its estimate is back near the global one (the
     draft is the target: in truth every window is accepted), not never."""
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    prompt = prompts()[1]
+    reference = run(make_engine(), {0: [1]}, params)
     engine = spec_engine("draft_model", 3, policy="goodput")
     spec = engine.speculator
-    spec.cost = LinearCost(0.1, 0.001, 0.05)  # k = 1 pays from an acceptance of ~0.54
+    spec.cost = LinearCost(0.1, 0.001, 0.05)  # k = 1 pays from an acceptance of ~0.5
     for _ in range(100):  # other requests' windows were accepted whole
         spec.acceptance.update("other", 3, 3)
     spec.acceptance.forget("other")
@@ -369,23 +369,21 @@ def test_a_request_whose_first_windows_failed_drafts_again() -> None:
         verified(req, num_drafted, num_accepted)
 
     spec.on_verified = reported
-    engine.add_request("r", prompt, params)
-    history: list[int] = []  # drafts proposed for r after each of its decode steps
-    tokens: list[int] = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens = out.outputs[0].token_ids
-        if (req := engine.requests.get("r")) is not None and not req.is_prefilling:
+    history: list[int] = []  # drafts proposed for the request after each of its decodes
+    plain_step = engine.step
+
+    def step():
+        out = plain_step()
+        if (req := engine.requests.get("1")) is not None and not req.is_prefilling:
             history.append(len(req.spec_token_ids))
-    plain = make_engine()
-    plain.add_request("r", prompt, params)
-    while plain.has_unfinished_requests():
-        reference = [out.outputs[0].token_ids for out in plain.step()]
-    assert [tokens] == reference
+        return out
+
+    engine.step = step
+    assert run(engine, {0: [1]}, params) == reference
     assert unlucky
     stopped = history.index(0)
     assert any(history[stopped:]), history  # drafting again before the end
-    assert spec.acceptance.alpha("r") > 0.9
+    assert spec.acceptance.alpha("1") > 0.9
 
 
 def test_itl_target_caps_prefill_chunks_losslessly(reference) -> None:
