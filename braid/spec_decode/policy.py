@@ -27,13 +27,6 @@ EXPLORE_TRIALS = 16
 # steps starting requests plan with the optimistic estimate again: the measured mean plus
 # about 0.1, which restarts drafting where the mean was near break-even and nowhere else.
 IDLE_DECAY = 0.98
-# Per step in which a decoding request does not draft with the model, its own evidence is
-# worth this much less, as a verified window's is (AcceptanceEstimator.decay): its estimate
-# drifts back to the global one. Without it a request whose first windows went badly was
-# planned with that estimate to its end, since k = 0 verifies nothing; on HumanEval at
-# concurrency 1 a request the draft accepts ~0.9 on ran 126 of 128 tokens at k = 0 after
-# its first window.
-REST_DECAY = 0.9
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -66,10 +59,15 @@ class AcceptanceEstimator:
             counts[1] = decay * counts[1] + trials
 
     def rest(self, request_id: str) -> None:
-        """A step passed in which this request did not draft: its own evidence ages."""
+        """A step passed in which this request did not draft with the model: its own
+        evidence ages as with a verified window (`decay`), so its estimate drifts back to the
+        global one. Without it a request whose first windows went badly was planned with
+        that estimate to its end, since k = 0 verifies nothing; on HumanEval at concurrency
+        1 a request the draft accepts ~0.9 on ran 126 of 128 tokens at k = 0 after its first
+        window."""
         if (counts := self._requests.get(request_id)) is not None:
-            counts[0] *= REST_DECAY
-            counts[1] *= REST_DECAY
+            counts[0] *= self.decay
+            counts[1] *= self.decay
 
     def age(self) -> None:
         """A step passed without any verification: the global evidence ages."""

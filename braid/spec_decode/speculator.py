@@ -127,12 +127,12 @@ class Speculator:
                 # them as usual lag measured no better, docs/benchmarks.md section 5 run 11)
                 if d:
                     self._looked_up.add(r.request_id)
+                self.acceptance.rest(r.request_id)  # no model drafts: its evidence ages
             elif d:
                 self.persistence.drafting(r.request_id, r.num_output_tokens, started)
             elif self._cap(r):
                 self.persistence.stopped(r.request_id, r.num_output_tokens)
-            if (look or not d) and self._cap(r):
-                self.acceptance.rest(r.request_id)  # no model drafts: its evidence ages
+                self.acceptance.rest(r.request_id)
         modelled = [c for c, look in zip(caps, lookups, strict=True) if not look]
         if any(modelled) and not any(proposal.drafts):
             self.acceptance.age()
