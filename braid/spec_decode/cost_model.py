@@ -127,21 +127,31 @@ class ForwardCost:
         weight = 1.0 / np.maximum(y, 1e-6)  # relative error
         coef = nnls(x * weight[:, None], y * weight)
         self._coef = coef.tolist()
-        by_size: dict[int, list[float]] = {}
-        latest: dict[int, int] = {}  # index of the newest forward at each size (-1: anchors)
-        for i, (tokens, residual) in enumerate(zip(x[:, 1], y - x @ coef, strict=True)):
-            if tokens <= EXACT_UP_TO:
-                by_size.setdefault(int(tokens), []).append(float(residual))
-                latest[int(tokens)] = max(i - len(self.anchors), -1)
-        self._sizes = sorted(by_size)
-        fitted = [float(self.features(q, 0.0, q) @ coef) for q in self._sizes]
-        times = [f + float(np.median(by_size[q])) for q, f in zip(self._sizes, fitted,
-                                                                   strict=True)]
+        # The median residual at each measured size <= EXACT_UP_TO, and the index of the
+        # newest forward of that size (-1: anchors only), without a Python loop over samples
+        small = np.flatnonzero(x[:, 1] <= EXACT_UP_TO)
+        if not small.size:
+            return
+        sizes, group = np.unique(x[small, 1].astype(int), return_inverse=True)
+        residual = (y - x @ coef)[small]
+        ordered = residual[np.lexsort((residual, group))]  # by size, then residual
+        counts = np.bincount(group)
+        first = np.cumsum(counts) - counts
+        medians = (ordered[first + (counts - 1) // 2] + ordered[first + counts // 2]) / 2
+        newest = np.full(len(sizes), -1)
+        np.maximum.at(newest, group, small - len(self.anchors))
+        self._sizes = sizes.tolist()
+        q = sizes.astype(float)
+        features = np.column_stack([np.ones_like(q), q, *(np.maximum(q - knee, 0.0)
+                                                          for knee in KNEES),
+                                    np.zeros_like(q), q])
+        fitted = (features @ coef).tolist()
+        times = [f + m for f, m in zip(fitted, medians.tolist(), strict=True)]
         # More query tokens never make a forward cheaper. Where two neighbouring sizes say
         # otherwise, the older evidence gives way: a size measured while the machine was
         # slower and not visited since (the policy avoids what looks slow) would otherwise
         # stay dear and push the policy to a larger size that is truly dearer.
-        age = [latest[q] for q in self._sizes]
+        age = newest.tolist()
         for j in reversed(range(len(times) - 1)):
             if times[j] > times[j + 1] and age[j] < age[j + 1]:
                 times[j] = times[j + 1]

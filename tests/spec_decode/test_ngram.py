@@ -5,7 +5,9 @@ import time
 import numpy as np
 import pytest
 
-from braid.spec_decode.ngram import NgramMatcher
+from braid.engine.request import Request
+from braid.sampling_params import SamplingParams
+from braid.spec_decode.ngram import NgramMatcher, TokenHistory
 
 
 def ref_propose(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
@@ -75,6 +77,24 @@ def test_matches_reference_on_random_sequences(vocab: int) -> None:
         k = int(rng.integers(0, 6))
         got = NgramMatcher(lo, hi).match(np.array(tokens, dtype=np.int64), k)
         assert got == ref_propose(tokens, k, lo, hi), (tokens, k, lo, hi)
+
+
+def test_token_history_follows_each_request_as_it_grows() -> None:
+    rng = np.random.default_rng(1)
+    history = TokenHistory()
+    requests = [Request(str(i), rng.integers(0, 100, size=n).tolist(), SamplingParams())
+                for i, n in enumerate((3, 40, 200))]
+    for _ in range(150):  # past the first buffer's capacity of each
+        for req in requests:
+            if rng.random() < 0.7:
+                req.output_token_ids.extend(rng.integers(0, 100, size=rng.integers(1, 5)).tolist())
+            req.spec_token_ids = [7, 7]  # pending drafts are not part of the history
+            assert history.tokens(req).tolist() == req.prompt_token_ids + req.output_token_ids
+    history.forget("1")
+    again = Request("2", [5, 6], SamplingParams())  # an id used again, shorter than before
+    assert history.tokens(again).tolist() == [5, 6]
+    assert history.tokens(requests[1]).tolist() == (requests[1].prompt_token_ids
+                                                    + requests[1].output_token_ids)
 
 
 def test_timing_4k_context() -> None:

@@ -295,6 +295,25 @@ def test_prediction_is_the_fit_applied_to_the_features() -> None:
     assert model.correction(EXACT_UP_TO + 1) == 0.0
 
 
+def test_correction_is_the_median_residual_of_each_measured_size() -> None:
+    """Sizes measured an odd and an even number of times, in random order, beside sizes past
+    EXACT_UP_TO; times grow with size, so no size gives way to a neighbour."""
+    rng = random.Random(2)
+    model = ForwardCost()
+    sizes = [1, 2, 3, 5, 8, 13, 40, 64, 65, 200]
+    samples = [(q, 0.2 + 0.01 * q + 0.004 * rng.random()) for q in sizes
+               for _ in range(rng.randint(1, 6))]
+    rng.shuffle(samples)
+    for q, seconds in samples:
+        model.observe(q, 0.0, q, seconds)
+    coef = np.array(model._coefficients())
+    for q in sizes:
+        residuals = [s - float(coef @ ForwardCost.features(q, 0.0, q)) for t, s in samples
+                     if t == q]
+        expected = float(np.median(residuals)) if q <= EXACT_UP_TO else 0.0
+        assert model.correction(q) == pytest.approx(expected, abs=1e-12)
+
+
 def step_at_seven(q: float) -> float:
     """A CPU-like small-forward curve: flat to 6 tokens, 15% more from 7, linear from 12."""
     return 0.2 + (0.03 if q >= 7 else 0.0) + 0.015 * max(0.0, q - 11)
