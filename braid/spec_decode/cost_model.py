@@ -89,14 +89,24 @@ class ForwardCost:
         """Predicted seconds; `rows` defaults to every token (decode and verification).
         Plain Python (the policy asks hundreds of times per step; numpy's per-call overhead
         was most of its cost)."""
+        return (self.without_attention(tokens, tokens if rows is None else rows)
+                + self.seconds_per_attention * attention)
+
+    def without_attention(self, tokens: float, rows: float) -> float:
+        """Predicted seconds of the forward before its attention work, which is priced
+        linearly on top (seconds_per_attention): the policy's candidate steps share this part
+        and differ in attention, so it memoizes it."""
         c = self._coefficients()
-        seconds = c[0] + c[1] * tokens + c[-2] * attention / ATTENTION_UNIT
-        seconds += c[-1] * (tokens if rows is None else rows)
+        seconds = c[0] + c[1] * tokens + c[-1] * rows
         for j, knee in enumerate(KNEES):
             if tokens <= knee:
                 break
             seconds += c[2 + j] * (tokens - knee)
         return seconds + self.correction(tokens)
+
+    @property
+    def seconds_per_attention(self) -> float:
+        return self._coefficients()[-2] / ATTENTION_UNIT
 
     def correction(self, tokens: float) -> float:
         """What forwards measured at (or around) this size took beyond the fit."""

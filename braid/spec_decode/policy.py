@@ -211,27 +211,61 @@ def choose_ks(
     predicted) and off where the gain is inside the noise (chat, acceptance ~0.65, a few
     requests: ~+5%).
     """
-    best_ks, best = _best(alphas, max_ks, plan, cost)
+    prices = _Prices(cost)
+    best_ks, best = _best(alphas, max_ks, plan, prices)
     starters = sum(1 for k, s in zip(best_ks, plan.starting, strict=False) if k and s)
     if starters and plan.start_margin > 0:
         held = [0 if s else m for m, s in zip(max_ks, plan.starting, strict=True)]
-        kept_ks, kept = _best(alphas, held, plan, cost)
+        kept_ks, kept = _best(alphas, held, plan, prices)
         share = starters / max(1, plan.num_decodes + plan.num_pending)
         if not best > kept * (1 + plan.start_margin * share):
             best_ks, best = kept_ks, kept
     if any(best_ks) and plan.draft_margin > 0:
-        without = goodput_of(alphas, [0] * len(alphas), plan, cost)
+        without = _ratio(_step_of(alphas, [0] * len(alphas), plan), len(alphas), plan, prices)
         if not best > without * (1 + plan.draft_margin):
             return [0] * len(alphas)
     return best_ks
 
 
-def _best(alphas: list[float], max_ks: list[int], plan: StepPlan, cost: StepCostModel
+class _Prices:
+    """The cost model's predictions for one choose_ks call, memoized. Its candidate steps
+    differ in attention work (priced linearly) but share few token counts and drafting
+    shapes, and the greedy search prices thousands of them at 16 requests: unmemoized, the
+    cost model's calls were two thirds of the policy's time, ~2% of a step."""
+
+    __slots__ = ("cost", "per_attention", "_tokens", "_drafting")
+
+    def __init__(self, cost: StepCostModel) -> None:
+        self.cost = cost
+        self.per_attention = cost.target.seconds_per_attention
+        self._tokens: dict[float, float] = {}
+        self._drafting: dict[tuple[float, int, int], float] = {}
+
+    def batch(self, tokens: float, attention: float) -> float:
+        """cost.target_time(tokens, attention): a forward with logits at every token."""
+        seconds = self._tokens.get(tokens)
+        if seconds is None:
+            seconds = self._tokens[tokens] = self.cost.target.without_attention(tokens, tokens)
+        return seconds + self.per_attention * attention
+
+    def drafting(self, first_draft: float, drafting: int, top: int) -> float:
+        """The draft forwards of a step: the first over the drafting requests' catch-up, then
+        top - 1 of one token each."""
+        key = (first_draft, drafting, top)
+        seconds = self._drafting.get(key)
+        if seconds is None:
+            seconds = self._drafting[key] = (self.cost.draft_time(first_draft, drafting)
+                                             + self.cost.draft_time(drafting) * (top - 1))
+        return seconds
+
+
+def _best(alphas: list[float], max_ks: list[int], plan: StepPlan, prices: _Prices
           ) -> tuple[list[int], float]:
     """The greedy allocation for every largest k, and no drafts at all: the best, with its
     goodput."""
     room = max(0, plan.budget - plan.num_decodes - plan.num_prefill_tokens)
-    best_ks, best = [0] * len(alphas), goodput_of(alphas, [0] * len(alphas), plan, cost)
+    best_ks = [0] * len(alphas)
+    best = _ratio(_step_of(alphas, best_ks, plan), len(alphas), plan, prices)
     free = _per_request(plan, len(alphas))[2]
     # Free drafts add no draft forward, so they are not capped by `top`; top = 0 is the plan
     # with lookup drafts only (the greedy path may otherwise place a costly first model draft
@@ -239,8 +273,8 @@ def _best(alphas: list[float], max_ks: list[int], plan: StepPlan, cost: StepCost
     modelled = max((m for m, f in zip(max_ks, free, strict=True) if not f), default=0)
     for top in range(0 if any(free) else 1, modelled + 1):
         ks = _greedy(alphas, [m if f else min(m, top) for m, f in zip(max_ks, free, strict=True)],
-                     room, plan, cost)
-        value = goodput_of(alphas, ks, plan, cost)
+                     room, plan, prices)
+        value = _ratio(_step_of(alphas, ks, plan), len(alphas), plan, prices)
         if value > best * (1 + 1e-9):
             best_ks, best = ks, value
     return best_ks, best
@@ -259,7 +293,7 @@ class _Step:
 
 
 def _greedy(alphas: list[float], caps: list[int], room: int, plan: StepPlan,
-            cost: StepCostModel) -> list[int]:
+            prices: _Prices) -> list[int]:
     """Add draft tokens one at a time, each where it adds the most expected tokens per
     second it costs; return the best prefix of that path."""
     n = len(alphas)
@@ -267,68 +301,69 @@ def _greedy(alphas: list[float], caps: list[int], room: int, plan: StepPlan,
     step = _step_of(alphas, [0] * n, plan)
     # Marginal prices, from the cost model around the batch without drafts.
     base = plan.num_decodes + plan.num_pending
+    cost = prices.cost
     t_token = max((cost.target_time(base + 16) - cost.target_time(base)) / 16, 1e-6)
     t_attention = max(cost.target_time(base, 1e6) - cost.target_time(base), 0.0) / 1e6
     d_token = max((cost.draft_time(65, 1) - cost.draft_time(1, 1)) / 64, 0.0)
 
-    def key(i: int, k: int) -> float:
+    def entry(i: int, k: int) -> tuple[float, int, float]:
+        """(heap key, request, the expected tokens request i's draft k + 1 adds)."""
         gain = expected_tokens(alphas[i], k + 1) - expected_tokens(alphas[i], k)
         seconds = t_token + t_attention * (contexts[i] + 2 * k + 2)
         if k == 0 and not free[i]:
             seconds += d_token * catch_up[i]
-        return -gain / seconds
+        return -gain / seconds, i, gain
 
     ks = [0] * n
-    heap = [(key(i, 0), i) for i in range(n) if caps[i] > 0]
+    heap = [entry(i, 0) for i in range(n) if caps[i] > 0]  # one entry a request
     heapq.heapify(heap)
-    best, best_ks = _ratio(step, n, plan, cost), list(ks)
+    best, best_ks = _ratio(step, n, plan, prices), list(ks)
     while heap and step.drafts < room:
-        _, i = heapq.heappop(heap)
+        _, i, gain = heapq.heappop(heap)
         k = ks[i]
-        step.emitted += expected_tokens(alphas[i], k + 1) - expected_tokens(alphas[i], k)
+        step.emitted += gain
         step.drafts += 1
-        step.draft_attention += (attention_work(k + 2, contexts[i])
-                                 - attention_work(k + 1, contexts[i]))
+        # attention_work(k + 2, c) - attention_work(k + 1, c)
+        step.draft_attention += contexts[i] + 2 * k + 3
         if k == 0 and not free[i]:
             step.drafting += 1
             step.first_draft += catch_up[i]
         ks[i] = k + 1
         if not free[i]:
             step.top = max(step.top, k + 1)
-        value = _ratio(step, n, plan, cost)
+        value = _ratio(step, n, plan, prices)
         if value > best * (1 + 1e-9):
             best, best_ks = value, list(ks)
         if ks[i] < caps[i]:
-            heapq.heappush(heap, (key(i, ks[i]), i))
+            heapq.heappush(heap, entry(i, ks[i]))
     return best_ks
 
 
-def _seconds(step: _Step, plan: StepPlan, cost: StepCostModel, batch: bool) -> float:
+def _seconds(step: _Step, plan: StepPlan, prices: _Prices, batch: bool) -> float:
     """Predicted seconds of the target forward and the drafting. batch=False: the step as
     scheduled (decodes, drafts, prefill chunk); batch=True: the decode batch the policy
     judges drafts in (decodes and pending requests, drafts, no prefill chunk)."""
     if batch:
         tokens = plan.num_decodes + plan.num_pending + step.drafts
-        seconds = cost.target_time(tokens, plan.base_attention + step.draft_attention, tokens)
+        seconds = prices.batch(tokens, plan.base_attention + step.draft_attention)
     else:
         rows = plan.num_decodes + step.drafts
-        seconds = cost.target_time(rows + plan.num_prefill_tokens, plan.base_attention
-                                   + plan.prefill_attention + step.draft_attention, rows)
+        seconds = prices.cost.target_time(rows + plan.num_prefill_tokens, plan.base_attention
+                                          + plan.prefill_attention + step.draft_attention, rows)
     if step.top:
-        seconds += (cost.draft_time(step.first_draft, step.drafting)
-                    + cost.draft_time(step.drafting) * (step.top - 1))
+        seconds += prices.drafting(step.first_draft, step.drafting, step.top)
     return seconds
 
 
-def _ratio(step: _Step, num_requests: int, plan: StepPlan, cost: StepCostModel) -> float:
+def _ratio(step: _Step, num_requests: int, plan: StepPlan, prices: _Prices) -> float:
     """Expected emitted tokens per second of the decode batch (see choose_ks): the target
     forward, plus (when anyone drafts) one draft forward that catches the drafting requests
     up and yields their first draft, and top - 1 more over the drafting requests."""
-    if plan.max_seconds < math.inf and _seconds(step, plan, cost, False) > plan.max_seconds:
+    if plan.max_seconds < math.inf and _seconds(step, plan, prices, False) > plan.max_seconds:
         return -math.inf
     # The alphas cover decodes and requests still prefilling (which emit nothing extra).
     emitted = step.emitted - (num_requests - plan.num_decodes) + plan.num_pending
-    seconds = _seconds(step, plan, cost, True)
+    seconds = _seconds(step, plan, prices, True)
     return emitted / seconds if seconds > 0 else math.inf
 
 
@@ -353,13 +388,13 @@ def _step_of(alphas: list[float], ks: list[int], plan: StepPlan) -> _Step:
 def goodput_of(alphas: list[float], ks: list[int], plan: StepPlan, cost: StepCostModel
                ) -> float:
     """Expected emitted tokens per second of the decode batch with drafts `ks`."""
-    return _ratio(_step_of(alphas, ks, plan), len(alphas), plan, cost)
+    return _ratio(_step_of(alphas, ks, plan), len(alphas), plan, _Prices(cost))
 
 
 def step_seconds(alphas: list[float], ks: list[int], plan: StepPlan, cost: StepCostModel
                  ) -> float:
     """Predicted seconds of the next step as scheduled, with drafts `ks`."""
-    return _seconds(_step_of(alphas, ks, plan), plan, cost, False)
+    return _seconds(_step_of(alphas, ks, plan), plan, _Prices(cost), False)
 
 
 def prefill_under_target(demand: int, plan: StepPlan, cost: StepCostModel,
