@@ -223,6 +223,16 @@ class StepCostModel:
         """Predicted seconds of one target forward (`rows` logits rows, default all)."""
         return self.target(tokens, attention, rows)
 
+    def target_time_without_attention(self, tokens: float, rows: float | None = None
+                                      ) -> float:
+        """target_time(tokens, 0, rows): target_time(tokens, a, rows) is this plus
+        target_seconds_per_attention * a."""
+        return self.target.without_attention(tokens, tokens if rows is None else rows)
+
+    @property
+    def target_seconds_per_attention(self) -> float:
+        return self.target.seconds_per_attention
+
     def draft_time(self, tokens: float, rows: float | None = None) -> float:
         """Predicted seconds of one draft forward over `tokens` query tokens."""
         return self.draft(tokens, 0.0, rows) if tokens else 0.0

@@ -237,7 +237,7 @@ class _Prices:
 
     def __init__(self, cost: StepCostModel) -> None:
         self.cost = cost
-        self.per_attention = cost.target.seconds_per_attention
+        self.per_attention = cost.target_seconds_per_attention
         self._tokens: dict[float, float] = {}
         self._drafting: dict[tuple[float, int, int], float] = {}
 
@@ -245,7 +245,7 @@ class _Prices:
         """cost.target_time(tokens, attention): a forward with logits at every token."""
         seconds = self._tokens.get(tokens)
         if seconds is None:
-            seconds = self._tokens[tokens] = self.cost.target.without_attention(tokens, tokens)
+            seconds = self._tokens[tokens] = self.cost.target_time_without_attention(tokens)
         return seconds + self.per_attention * attention
 
     def drafting(self, first_draft: float, drafting: int, top: int) -> float:

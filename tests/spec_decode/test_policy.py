@@ -14,6 +14,7 @@ from braid.spec_decode.policy import (
     AcceptanceEstimator,
     StartPersistence,
     StepPlan,
+    _Prices,
     choose_ks,
     expected_tokens,
     goodput_of,
@@ -312,6 +313,26 @@ def test_correction_is_the_median_residual_of_each_measured_size() -> None:
                      if t == q]
         expected = float(np.median(residuals)) if q <= EXACT_UP_TO else 0.0
         assert model.correction(q) == pytest.approx(expected, abs=1e-12)
+
+
+def test_memoized_prices_are_the_cost_model_s_own() -> None:
+    """choose_ks prices its candidates through _Prices; asked again (memoized) or first, each
+    price must be exactly what the cost model predicts, or decisions would drift from it."""
+    rng = random.Random(3)
+    model = StepCostModel()
+    for _ in range(80):
+        q = rng.randint(1, 140)
+        seconds = 0.02 + 0.0004 * q + 0.002 * rng.random()
+        model.observe_target(q, rng.randint(0, 400) * q, q, seconds)
+        model.observe_draft(q, rng.randint(1, 4), 0.01 + 0.0001 * q + 0.001 * rng.random())
+    prices = _Prices(model)
+    for _ in range(2):
+        for q in (1, 2, 7, 16, 17, 63, 64, 65, 130):
+            for attention in (0, 1234, 5e5):
+                assert prices.batch(q, attention) == model.target_time(q, attention)
+        for first, drafting, top in ((1.0, 1, 1), (37.5, 3, 4), (200.25, 16, 2)):
+            assert prices.drafting(first, drafting, top) == (
+                model.draft_time(first, drafting) + model.draft_time(drafting) * (top - 1))
 
 
 def step_at_seven(q: float) -> float:

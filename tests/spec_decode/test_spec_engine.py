@@ -72,6 +72,12 @@ class LinearCost:
                     ) -> float:
         return self.base + self.per_token * tokens
 
+    def target_time_without_attention(self, tokens: float, rows: float | None = None
+                                      ) -> float:
+        return self.target_time(tokens)
+
+    target_seconds_per_attention = 0.0
+
     def draft_time(self, tokens: float, rows: float | None = None) -> float:
         return self.draft
 
