@@ -37,7 +37,8 @@ class NgramProposer(Proposer):
 class TokenHistory:
     """Each request's tokens (prompt and output) as one numpy array that grows by the tokens
     emitted since the last call: rebuilding it from the request's lists every step cost
-    ~50 us a request, about what the match itself costs."""
+    ~50 us a request, about what the match itself costs. A request's tokens only grow, and
+    its owner forgets it when it finishes (the engine forgets every finished request)."""
 
     def __init__(self) -> None:
         self._arrays: dict[str, tuple[np.ndarray, int]] = {}  # id -> (buffer, tokens in it)
@@ -46,7 +47,7 @@ class TokenHistory:
         """req's tokens [num_tokens] (a view of the buffer, valid until the next call)."""
         buffer, known = self._arrays.get(req.request_id, (None, 0))
         end = req.num_tokens
-        if buffer is None or known > end:  # a new request (or an id used again)
+        if buffer is None or known > end:  # a new request (or a shorter one, same id)
             buffer, known = np.empty(max(2 * end, 64), dtype=np.int64), 0
         elif end > buffer.shape[0]:
             grown = np.empty(2 * end, dtype=np.int64)

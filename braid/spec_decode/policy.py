@@ -221,7 +221,7 @@ def choose_ks(
         if not best > kept * (1 + plan.start_margin * share):
             best_ks, best = kept_ks, kept
     if any(best_ks) and plan.draft_margin > 0:
-        without = _ratio(_step_of(alphas, [0] * len(alphas), plan), len(alphas), plan, prices)
+        without = _goodput(alphas, [0] * len(alphas), plan, prices)
         if not best > without * (1 + plan.draft_margin):
             return [0] * len(alphas)
     return best_ks
@@ -264,8 +264,7 @@ def _best(alphas: list[float], max_ks: list[int], plan: StepPlan, prices: _Price
     """The greedy allocation for every largest k, and no drafts at all: the best, with its
     goodput."""
     room = max(0, plan.budget - plan.num_decodes - plan.num_prefill_tokens)
-    best_ks = [0] * len(alphas)
-    best = _ratio(_step_of(alphas, best_ks, plan), len(alphas), plan, prices)
+    best_ks, best = [0] * len(alphas), _goodput(alphas, [0] * len(alphas), plan, prices)
     free = _per_request(plan, len(alphas))[2]
     # Free drafts add no draft forward, so they are not capped by `top`; top = 0 is the plan
     # with lookup drafts only (the greedy path may otherwise place a costly first model draft
@@ -274,7 +273,7 @@ def _best(alphas: list[float], max_ks: list[int], plan: StepPlan, prices: _Price
     for top in range(0 if any(free) else 1, modelled + 1):
         ks = _greedy(alphas, [m if f else min(m, top) for m, f in zip(max_ks, free, strict=True)],
                      room, plan, prices)
-        value = _ratio(_step_of(alphas, ks, plan), len(alphas), plan, prices)
+        value = _goodput(alphas, ks, plan, prices)
         if value > best * (1 + 1e-9):
             best_ks, best = ks, value
     return best_ks, best
@@ -388,7 +387,11 @@ def _step_of(alphas: list[float], ks: list[int], plan: StepPlan) -> _Step:
 def goodput_of(alphas: list[float], ks: list[int], plan: StepPlan, cost: StepCostModel
                ) -> float:
     """Expected emitted tokens per second of the decode batch with drafts `ks`."""
-    return _ratio(_step_of(alphas, ks, plan), len(alphas), plan, _Prices(cost))
+    return _goodput(alphas, ks, plan, _Prices(cost))
+
+
+def _goodput(alphas: list[float], ks: list[int], plan: StepPlan, prices: _Prices) -> float:
+    return _ratio(_step_of(alphas, ks, plan), len(alphas), plan, prices)
 
 
 def step_seconds(alphas: list[float], ks: list[int], plan: StepPlan, cost: StepCostModel
