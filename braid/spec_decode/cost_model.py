@@ -64,9 +64,14 @@ class ForwardCost:
     _unfitted: int = 0  # forwards observed since the last fit
 
     @staticmethod
-    def features(tokens: float, attention: float, rows: float) -> np.ndarray:
-        hinges = [max(0.0, tokens - knee) for knee in KNEES]
-        return np.array([1.0, tokens, *hinges, attention / ATTENTION_UNIT, rows])
+    def features(tokens: float | np.ndarray, attention: float | np.ndarray,
+                 rows: float | np.ndarray) -> np.ndarray:
+        """[F] for one forward, or [N, F] for arrays of N."""
+        t = np.asarray(tokens, dtype=float)
+        hinges = [np.maximum(t - knee, 0.0) for knee in KNEES]
+        return np.stack(np.broadcast_arrays(np.ones_like(t), t, *hinges,
+                                            np.asarray(attention) / ATTENTION_UNIT,
+                                            np.asarray(rows, dtype=float)), axis=-1)
 
     def observe(self, tokens: float, attention: float, rows: float, seconds: float,
                 anchor: bool = False) -> None:
@@ -151,11 +156,7 @@ class ForwardCost:
         newest = np.full(len(sizes), -1)
         np.maximum.at(newest, group, small - len(self.anchors))
         self._sizes = sizes.tolist()
-        q = sizes.astype(float)
-        features = np.column_stack([np.ones_like(q), q, *(np.maximum(q - knee, 0.0)
-                                                          for knee in KNEES),
-                                    np.zeros_like(q), q])
-        fitted = (features @ coef).tolist()
+        fitted = (self.features(sizes, 0.0, sizes) @ coef).tolist()
         times = [f + m for f, m in zip(fitted, medians.tolist(), strict=True)]
         # More query tokens never make a forward cheaper. Where two neighbouring sizes say
         # otherwise, the older evidence gives way: a size measured while the machine was

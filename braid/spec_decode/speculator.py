@@ -19,7 +19,7 @@ from braid.engine.request import Request
 from braid.engine.runner import ModelRunner, QuerySpan
 from braid.engine.scheduler import NextStep, Scheduler
 from braid.spec_decode.cost_model import StepCostModel, attention_work
-from braid.spec_decode.ngram import NgramMatcher, TokenHistory
+from braid.spec_decode.ngram import NgramProposer
 from braid.spec_decode.policy import (
     AcceptanceEstimator,
     StartPersistence,
@@ -83,10 +83,9 @@ class Speculator:
         self.acceptance = AcceptanceEstimator(prior=PRIOR_ALPHA[spec.method])
         # Prompt lookup beside a draft model (SpecConfig.draft_prompt_lookup): its drafts'
         # acceptance is learned apart from the model's (lookups accept markedly less).
-        self.lookup = (NgramMatcher(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.lookup = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
                        if spec.method == "draft_model" and spec.draft_prompt_lookup else None)
         self.lookup_acceptance = AcceptanceEstimator(prior=LOOKUP_PRIOR_ALPHA)
-        self.history = TokenHistory()  # what the lookups match in
         self._looked_up: set[str] = set()  # requests whose pending drafts came from a lookup
         self.lookup_windows = 0  # verified windows whose drafts came from a lookup
         self.cost = StepCostModel()
@@ -159,8 +158,7 @@ class Speculator:
         shorter one that the draft model would out-draft, or no draft_prompt_lookup)."""
         if self.lookup is None:
             return [[] for _ in running]
-        found = [self.lookup.match(self.history.tokens(r), cap) if cap else []
-                 for r, cap in zip(running, caps, strict=True)]
+        found = self.lookup.propose(list(running), caps).drafts
         return [look if len(look) == cap else [] for look, cap in zip(found, caps, strict=True)]
 
     def _choose(self, running: Sequence[Request], nxt: NextStep, caps: list[int],
@@ -283,7 +281,8 @@ class Speculator:
         self.proposer.forget(request_id)
         self.acceptance.forget(request_id)
         self.lookup_acceptance.forget(request_id)
-        self.history.forget(request_id)
+        if self.lookup is not None:
+            self.lookup.forget(request_id)
         self._looked_up.discard(request_id)
         self.persistence.stopped(request_id)
 
