@@ -107,19 +107,24 @@ def _joined(head: Delta, tail: Delta) -> Delta:
 
 
 def _stream(ctx: ServerContext, job: Job, body: CompletionRequest, model: str):  # noqa: ANN202
-    echoed: dict[int, int] = {}  # choice index -> characters echoed in its first chunk
+    # choice index -> text_offset of its next token: the characters of the tokens sent so far,
+    # as the whole response counts them (a chunk's text can trail its tokens while part of a
+    # stop string is held back)
+    offsets: dict[int, int] = {}
 
     def render(choice: ChoiceState, delta: Delta, out: RequestOutput) -> list[str]:
-        first = choice.index not in echoed
+        first = choice.index not in offsets
         if not first and not delta.text and not out.finished and body.logprobs is None:
             return []
         c = out.outputs[0]
         if first:
             delta = _joined(_echo(ctx, body, out), delta)
-            echoed[choice.index] = len(delta.text) - choice.sent_chars
-        offset = echoed[choice.index] + choice.sent_chars - len(delta.text)
+        start = offsets.get(choice.index, 0)
+        logprobs = _logprobs(ctx, body, delta, start)
+        offsets[choice.index] = start if logprobs is None or not logprobs.tokens else (
+            logprobs.text_offset[-1] + len(logprobs.tokens[-1]))
         chunk = CompletionStreamResponse(id=job.id, model=model, choices=[CompletionChoice(
-            index=choice.index, text=delta.text, logprobs=_logprobs(ctx, body, delta, offset),
+            index=choice.index, text=delta.text, logprobs=logprobs,
             finish_reason=c.finish_reason if out.finished else None,
             stop_reason=c.stop_reason if out.finished else None,
             prompt_logprobs=prompt_logprobs(ctx.tokenizer, out) if first and

@@ -144,6 +144,34 @@ def test_stop_string_is_cut(server: ServerProcess, client: openai.OpenAI) -> Non
     assert "".join(c.choices[0].text for c in stream) == expected
 
 
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_logprobs_offsets_match_the_response_while_a_stop_is_held_back(
+        server: ServerProcess, client: openai.OpenAI, echo: bool) -> None:
+    """A stream holds back text that may begin a stop string; its logprobs' text_offset must
+    still count every token sent, as the whole response does: a stop that is hit (its first
+    characters held, then cut) and one that is not (held, then released)."""
+    prompt, ch, before = _ascii_stop(client, server.model)
+    full = client.completions.create(model=server.model, prompt=prompt, max_tokens=24,
+                                     temperature=0).choices[0].text
+    start = len(before)
+    for stop, reason in ((full[start:start + 3], "stop"), (ch + "\x00\x00", "length")):
+        args = dict(model=server.model, prompt=prompt, max_tokens=24, temperature=0,
+                    stop=[stop], logprobs=1, echo=echo)
+        whole = client.completions.create(**args).choices[0]  # type: ignore[call-overload]
+        assert whole.finish_reason == reason
+        tokens, offsets, text = [], [], []
+        for chunk in client.completions.create(stream=True, **args):  # type: ignore[call-overload]
+            c = chunk.choices[0]
+            text.append(c.text)
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                offsets += c.logprobs.text_offset
+        assert "".join(text) == whole.text
+        assert whole.logprobs is not None
+        assert tokens == whole.logprobs.tokens
+        assert offsets == whole.logprobs.text_offset
+
+
 def test_32_concurrent_streams_match_offline(server: ServerProcess, offline: LLM) -> None:
     prompts = [f"request number {i}: " for i in range(32)]
     refs = offline.generate(prompts, greedy(16), use_tqdm=False)
