@@ -123,6 +123,9 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
+        if self.min_tokens and self.structured_outputs is not None:
+            raise ValueError("min_tokens must be 0 with structured_outputs (the grammar decides "
+                             f"where the output ends), got {self.min_tokens}")
         if any(not s for s in self.stop_strings):
             raise ValueError(f"stop must not contain empty strings, got {self.stop!r}")
         if any(t < 0 for t in self.stop_token_ids or []):

@@ -37,3 +37,27 @@ def test_structured_output_offline(tmp_path) -> None:
                     SamplingParams(temperature=0, max_tokens=20, structured_outputs=choice),
                     use_tqdm=False)
     assert chat[0].outputs[0].text in ("alpha", "beta")
+
+
+def test_a_stop_token_text_is_kept_only_with_include_stop_str_in_output(tmp_path) -> None:
+    """vLLM's semantics: a stop_token_ids token is cut from the text unless
+    include_stop_str_in_output, which keeps it as it keeps a stop string."""
+    from braid import LLM, SamplingParams
+    from tests.tiny import save_tiny_model
+
+    llm = LLM(str(save_tiny_model(tmp_path)), num_kv_blocks=256, block_size=4,
+              max_model_len=256, log_stats_interval=0)
+
+    def first(**fields: object):  # noqa: ANN202
+        params = SamplingParams(temperature=0, ignore_eos=True, **fields)  # type: ignore[arg-type]
+        return llm.generate("stop here", params, use_tqdm=False)[0].outputs[0]
+
+    ref = first(max_tokens=12).token_ids
+    at = 4
+    stop = ref[at]
+    at = ref.index(stop)
+    for keep, upto in ((False, at), (True, at + 1)):
+        out = first(max_tokens=12, stop_token_ids=[stop], include_stop_str_in_output=keep)
+        assert out.token_ids == ref[: at + 1]
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert out.text == (first(max_tokens=upto).text if upto else "")

@@ -59,6 +59,15 @@ def test_min_tokens_above_max_tokens() -> None:
     assert SamplingParams(min_tokens=50, max_tokens=None).min_tokens == 50
 
 
+def test_min_tokens_with_structured_outputs_is_refused() -> None:
+    """A grammar ends the output where it completes; min_tokens could not hold."""
+    from braid.sampling_params import StructuredOutputsParams
+
+    with pytest.raises(ValueError, match=r"^min_tokens must be 0 with structured_outputs"):
+        SamplingParams(min_tokens=3, structured_outputs=StructuredOutputsParams(json_object=True))
+    SamplingParams(min_tokens=0, structured_outputs=StructuredOutputsParams(json_object=True))
+
+
 def test_message_shows_the_value() -> None:
     with pytest.raises(ValueError, match=r"^temperature must be >= 0, got -1"):
         SamplingParams(temperature=-1)

@@ -30,7 +30,11 @@ class OutputProcessor:
     def check_stop(self, req: Request, token: int) -> str | None:
         """`token` was just appended to `req`: extend its text and return the finish reason
         if the token ends it ("stop" or "length")."""
-        reason = self._check_token(req, token) or self._check_text(req, token)
+        reason = self._check_token(req, token)
+        if reason is None:
+            reason = self._check_text(req, token)
+        elif req.sampling_params.include_stop_str_in_output:
+            self._extend_text(req, token)  # a stop token's text is kept too (as vLLM does)
         if reason is None and _length_reached(req, self.max_model_len):
             reason = "length"
         return reason
@@ -54,13 +58,21 @@ class OutputProcessor:
             return "stop"
         return None
 
-    def _check_text(self, req: Request, token: int) -> str | None:
+    def _extend_text(self, req: Request, token: int) -> tuple[str, str] | None:
+        """(text before, text after) `token`'s text joins req's text; None: no tokenizer."""
         detok = self._detok.get(req.request_id)
         if detok is None:
             return None
         old = self._text[req.request_id]
         text = old + detok.add(token)
         self._text[req.request_id] = text
+        return old, text
+
+    def _check_text(self, req: Request, token: int) -> str | None:
+        extended = self._extend_text(req, token)
+        if extended is None:
+            return None
+        old, text = extended
         p = req.sampling_params
         if not p.stop_strings or req.num_output_tokens < p.min_tokens:
             return None

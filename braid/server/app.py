@@ -10,17 +10,18 @@ import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 
 from braid import __version__
 from braid.config import ConfigError, config_from_args
 from braid.server.engine_loop import AsyncEngine, ShuttingDown
-from braid.server.errors import bad_request, install_error_handlers
+from braid.server.errors import bad_request, install_error_handlers, validation_error
 from braid.server.metrics import ServerMetrics
 from braid.server.middleware import ApiKeyAuth, BodySizeLimit
 from braid.server.protocol import (
@@ -103,7 +104,13 @@ def _add_token_routes(app: FastAPI, ctx: ServerContext) -> None:
     """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize."""
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+    async def tokenize(fields: Annotated[dict[str, Any], Body()]) -> TokenizeResponse:
+        # messages pick the chat form (a union body would name the model class in errors)
+        form = TokenizeChatRequest if "messages" in fields else TokenizeCompletionRequest
+        try:
+            body = form.model_validate(fields)
+        except ValidationError as e:
+            raise validation_error(e) from None
         check_model(ctx, body.model)
         if isinstance(body, TokenizeChatRequest):
             tokens = await asyncio.to_thread(render_chat, ctx.tokenizer, body)

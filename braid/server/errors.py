@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from braid.server.protocol import ErrorInfo, ErrorResponse
@@ -55,16 +58,27 @@ def field_of(message: str) -> str:
     return message.split(" ", 1)[0].strip(":")
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
-    """Pydantic's first complaint as a 400 naming the top-level body field."""
-    first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+def validation_error(exc: RequestValidationError | ValidationError) -> APIError:
+    """Pydantic's complaint as a 400 naming the top-level body field. Of several, the one
+    deepest in the body: where a field takes one of several shapes (a string or a list of
+    parts), the shape the client meant got furthest, and its complaint is the useful one."""
+    errors: list[dict[str, Any]] = [dict(e) for e in exc.errors()]
+    first = max(errors, key=lambda e: len(e.get("loc", ())), default={})
+    loc = _path(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         return bad_request(f"malformed JSON body: {first.get('msg', 'invalid JSON')}", "body")
     if not loc:
         return bad_request(f"request body: {first.get('msg', 'invalid')}", "body")
     where = ".".join(loc)
     return bad_request(f"{where}: {first.get('msg', 'invalid value')}", loc[0])
+
+
+def _path(loc: Sequence[object]) -> list[str]:
+    """Pydantic's error location as the client's field path: without "body" and without
+    the labels it gives the shapes a field may take ("list[TextPart]", "NamedToolChoice");
+    the last part is always kept (it is the field or key complained about)."""
+    parts = [str(part) for part in loc if part != "body"]
+    return [p for p in parts[:-1] if "[" not in p and not p[:1].isupper()] + parts[-1:]
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -28,7 +28,10 @@ Text = Annotated[str, AfterValidator(_utf8)]
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage in every chunk
 
 
 class StructuredOutputsRequest(BaseModel):
@@ -105,6 +108,13 @@ class SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every streamed chunk (stream_options.continuous_usage_stats, which vLLM
+        honours only beside include_usage)."""
+        return self.include_usage and bool(self.stream_options
+                                           and self.stream_options.continuous_usage_stats)
+
     def unsupported_field(self) -> tuple[str, str] | None:
         """(field, why) for the first field set to something braid does not do yet."""
         if self.best_of not in (None, 1):
@@ -163,6 +173,8 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["text"] = "text"
     text: Text
 
@@ -200,10 +212,14 @@ class ToolDefinition(BaseModel):
 
 
 class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     name: Text
 
 
 class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["function"] = "function"
     function: FunctionName
 

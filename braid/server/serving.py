@@ -25,7 +25,7 @@ from braid.sampling_params import SamplingParams, StructuredOutputsParams
 from braid.server.engine_loop import AsyncEngine, OutputQueue, RequestFailed, ShuttingDown
 from braid.server.errors import APIError, bad_request, field_of
 from braid.server.protocol import SamplingRequest
-from braid.server.responses import ChoiceState, Delta
+from braid.server.responses import ChoiceState, Delta, usage
 from braid.structured.grammar import grammar_for
 from braid.tokenizer import Tokenizer
 
@@ -136,6 +136,18 @@ def structured(body: SamplingRequest) -> StructuredOutputsParams | None:
     except ValueError as e:
         raise bad_request(f"{where}: {e}", where) from None
     return params
+
+
+def check_room(ctx: ServerContext, prompts: list[list[int]], max_tokens: int | None,
+               param: str) -> None:
+    """400 where the tokens asked for (`param`) cannot follow the longest prompt within
+    max_model_len, as vLLM answers (instead of silently generating fewer)."""
+    longest = max(len(p) for p in prompts)
+    if max_tokens is not None and longest + max_tokens > ctx.max_model_len:
+        raise bad_request(
+            f"{param} is too large: {max_tokens}. The model's maximum context length is "
+            f"{ctx.max_model_len} tokens and the request has {longest} input tokens "
+            f"({max_tokens} > {ctx.max_model_len} - {longest})", param)
 
 
 def make_job(prefix: str, prompts: list[list[int]], params: SamplingParams, n: int) -> Job:
@@ -249,6 +261,14 @@ def sse(body: BaseModel) -> str:
     """One server-sent event; optional top-level fields are left out while unset."""
     skip = {k for k in ("usage", "braid") if getattr(body, k, None) is None}
     return f"data: {body.model_dump_json(exclude=skip)}\n\n"
+
+
+def sse_chunk(chunk: BaseModel, body: SamplingRequest, job: Job) -> str:
+    """A streamed chunk as an event, with the usage so far where the request asked for it in
+    every chunk (stream_options.continuous_usage_stats)."""
+    if body.continuous_usage:
+        chunk.usage = usage(job.prompts, job.choices)  # type: ignore[attr-defined]
+    return sse(chunk)
 
 
 SSE_DONE = "data: [DONE]\n\n"

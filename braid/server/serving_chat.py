@@ -32,11 +32,13 @@ from braid.server.serving import (
     Job,
     ServerContext,
     check_model,
+    check_room,
     event_stream,
     make_job,
     request_params,
     respond,
     sse,
+    sse_chunk,
     submit,
 )
 from braid.server.tools import ChoiceTools, template_messages, tool_constraint, tool_mode
@@ -46,6 +48,9 @@ from braid.tokenizer import PromptTooLong, Tokenizer
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest,
                                  raw: Request) -> Response:
     model = check_model(ctx, body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs: set logprobs to true to get top_logprobs",
+                          "top_logprobs")
     use_new_name = body.max_completion_tokens is not None
     try:
         mode, constraint = tool_mode(body), tool_constraint(body)
@@ -57,6 +62,8 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
         {"max_tokens": "max_completion_tokens"} if use_new_name else None,
         constraint=constraint)
     prompt = await asyncio.to_thread(render_chat, ctx.tokenizer, body, ctx.max_model_len)
+    check_room(ctx, [prompt], body.max_completion_tokens if use_new_name else body.max_tokens,
+               "max_completion_tokens" if use_new_name else "max_tokens")
     job = make_job("chatcmpl", [prompt], params, body.n)
     await submit(ctx, job, prompt_field="messages")
     tools = {c.index: ChoiceTools(mode, body) for c in job.choices} if mode else {}
@@ -134,7 +141,7 @@ def _stream(ctx: ServerContext, job: Job, body: ChatCompletionRequest, model: st
         if out.finished:
             body_chunk.braid = braid_info([out])
             body_chunk.choices[0].prompt_logprobs = prompt_logprobs(ctx.tokenizer, out)
-        return [sse(body_chunk)]
+        return [sse_chunk(body_chunk, body, job)]
 
     def tail() -> list[str]:
         if not body.include_usage:
@@ -144,5 +151,6 @@ def _stream(ctx: ServerContext, job: Job, body: ChatCompletionRequest, model: st
                                                  usage=usage(job.prompts, job.choices),
                                                  braid=braid_info(finals)))]
 
-    head = [sse(chunk(c.index, DeltaMessage(role="assistant", content=""))) for c in job.choices]
+    head = [sse_chunk(chunk(c.index, DeltaMessage(role="assistant", content="")), body, job)
+            for c in job.choices]
     return event_stream(ctx, job, head, render, tail)

@@ -28,11 +28,13 @@ from braid.server.serving import (
     Job,
     ServerContext,
     check_model,
+    check_room,
     event_stream,
     make_job,
     request_params,
     respond,
     sse,
+    sse_chunk,
     submit,
 )
 from braid.tokenizer import PromptTooLong, Tokenizer
@@ -50,6 +52,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest,
                                           ctx.max_model_len - 1)
     except PromptTooLong as e:
         raise prompt_too_long(str(e), ctx.max_model_len, "prompt") from None
+    check_room(ctx, prompts, body.max_tokens, "max_tokens")
     job = make_job("cmpl", prompts, params, body.n)
     await submit(ctx, job)
     return await respond(ctx, job, raw, body.stream, lambda: _stream(ctx, job, body, model),
@@ -131,7 +134,7 @@ def _stream(ctx: ServerContext, job: Job, body: CompletionRequest, model: str): 
             body.prompt_logprobs is not None else None)])
         if out.finished:
             chunk.braid = braid_info([out])
-        return [sse(chunk)]
+        return [sse_chunk(chunk, body, job)]
 
     def tail() -> list[str]:
         if not body.include_usage:

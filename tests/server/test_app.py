@@ -107,6 +107,28 @@ def test_chat_stream_with_usage(server: ServerProcess, client: openai.OpenAI,
     assert chunks[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
 
 
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_continuous_usage_stats(server: ServerProcess, client: openai.OpenAI,
+                                route: str) -> None:
+    """stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far;
+    only beside include_usage."""
+    def chunks(options: dict) -> list:  # type: ignore[type-arg]
+        args = dict(model=server.model, max_tokens=12, temperature=0, stream=True,
+                    stream_options=options, extra_body={"ignore_eos": True})
+        if route == "chat":
+            return list(client.chat.completions.create(
+                messages=[{"role": "user", "content": "usage?"}], **args))  # type: ignore[call-overload]
+        return list(client.completions.create(prompt="usage?", **args))  # type: ignore[call-overload]
+
+    every = chunks({"include_usage": True, "continuous_usage_stats": True})
+    assert all(c.usage is not None for c in every)
+    done = [c.usage.completion_tokens for c in every]
+    assert done == sorted(done) and done[-1] == 12
+    assert len({c.usage.prompt_tokens for c in every}) == 1
+    plain = chunks({"include_usage": False, "continuous_usage_stats": True})
+    assert all(c.usage is None for c in plain)
+
+
 def test_stream_sends_only_new_text_and_done(server: ServerProcess) -> None:
     body = {"model": server.model, "prompt": "xyz", "max_tokens": 16, "temperature": 0,
             "stream": True}

@@ -159,6 +159,60 @@ def test_tokenize_detokenize_version(server: ServerProcess) -> None:
     assert r.json() == {"prompt": "hey"}
     assert_400(post(server, "/detokenize", {"tokens": [10**6]}), "tokens")
     assert httpx.get(f"{server.url}/version").json()["version"]
+    # errors name the field the client sent, not the body's model class
+    assert_400(post(server, "/tokenize", {"messages": "x"}), "messages")
+    assert_400(post(server, "/tokenize", {"prompt": 5}), "prompt")
+    assert_400(post(server, "/tokenize", {"prompt": "x", "bogus": 1}), "bogus")
+    assert_400(post(server, "/tokenize", {}), "prompt")
+
+
+@pytest.mark.parametrize("where, body, param", [
+    ("stream_options", {"stream": True, "stream_options": {"include_usge": True}},
+     "stream_options"),
+    ("content part", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]}, "messages"),
+    ("tool_choice", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                     "tool_choice": {"type": "function", "function": {"name": "f", "x": 1}}},
+     "tool_choice"),
+])
+def test_unknown_nested_fields_are_400(server: ServerProcess, where: str, body: dict,
+                                      param: str) -> None:
+    r = chat(server, **body)
+    assert_400(r, param)
+    assert "extra" in r.json()["error"]["message"].lower(), where
+
+
+def test_top_logprobs_needs_logprobs(server: ServerProcess) -> None:
+    assert_400(chat(server, top_logprobs=2), "top_logprobs")
+    assert_400(chat(server, top_logprobs=0, logprobs=False), "top_logprobs")
+    r = chat(server, top_logprobs=2, logprobs=True)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+
+
+def test_max_tokens_past_the_context_is_400(server: ServerProcess) -> None:
+    """As vLLM: asked-for tokens that cannot follow the prompt within max_model_len (256
+    here) are refused, not silently cut; without max_tokens chat runs to the context's end."""
+    long = [104] * 250
+    r = completion(server, prompt=long, max_tokens=7)
+    assert_400(r, "max_tokens")
+    assert "250 input tokens" in r.json()["error"]["message"]
+    assert_400(post(server, "/v1/completions", {"prompt": long}), "max_tokens")  # default 16
+    r = completion(server, prompt=long, max_tokens=6, ignore_eos=True)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+    assert_400(chat(server, max_tokens=10**6), "max_tokens")
+    assert_400(chat(server, max_completion_tokens=10**6), "max_completion_tokens")
+    r = chat(server, max_tokens=None, content="h" * 200, ignore_eos=True)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["total_tokens"] == 256 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_min_tokens_with_structured_output_is_400(server: ServerProcess) -> None:
+    assert_400(chat(server, min_tokens=2, response_format={"type": "json_object"}),
+               "min_tokens")
+    assert_400(completion(server, min_tokens=2, structured_outputs={"choice": ["a", "b"]}),
+               "min_tokens")
 
 
 def test_docs_are_off_by_default(server: ServerProcess) -> None:
