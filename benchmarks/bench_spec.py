@@ -18,7 +18,9 @@ table (throughput, speedup over no speculation, acceptance) and saves JSON and a
 throughput vs concurrency in --out. With --repeats the modes alternate order run by run and
 the ratio to no speculation is the median of each repeat's own ratio; --warm-engines keeps
 one engine per mode over the repeats (what a running server has learned) instead of a fresh
-one per run (which pays the policy's exploration every time).
+one per run (which pays the policy's exploration every time). --ceiling prints instead what
+draft-model speculation could gain at concurrency 1 at best, from forwards timed now (see
+`ceiling`).
 """
 
 from __future__ import annotations
@@ -44,9 +46,11 @@ from braid.config import (
     resolve_draft_dtype,
 )
 from braid.engine.engine import LLMEngine
+from braid.engine.runner import QuerySpan
 from braid.engine.stats import SpecStats
 from braid.models.build import load_model
 from braid.sampling_params import SamplingParams
+from braid.spec_decode.policy import expected_tokens
 
 SAMPLING_MODES = {
     "greedy": {"draft_sampling": "greedy", "verification": "coupled"},
@@ -154,6 +158,9 @@ def main() -> None:
     parser.add_argument("--warm-engines", action="store_true",
                         help="one engine per mode and load, kept for all its repeats (what a "
                         "running server has learned), instead of a fresh engine per run")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="print the most draft-model speculation could gain at "
+                        "concurrency 1 on these prompts (see `ceiling`) and exit")
     parser.add_argument("--out", default="docs/benchmarks")
     parser.add_argument("--stem", default=None, help="file name of the JSON and plot "
                         "(default spec_WORKLOAD)")
@@ -175,6 +182,10 @@ def main() -> None:
           f" {args.workload}: {counts} prompts per concurrency, {args.max_tokens} new tokens,"
           f" temperature {args.temperature}, quantization {args.quantization} (draft "
           f"{args.draft_quantization or args.quantization})")
+    if args.ceiling:
+        ceiling(make_engine("goodput", target, draft, 1, args, prompts[0]),
+                prompts[:counts[min(levels)]], args.max_tokens)
+        return
     results: list[dict[str, Any]] = []
     # Load level outside, mode inside: the modes compared at one level run back to back, so
     # a drift in machine speed over the run does not masquerade as a difference between them.
@@ -209,6 +220,51 @@ def make_engine(mode: str, target: Any, draft: Any, max_num_seqs: int,
         model=target[0], tokenizer=target[1], draft_model=draft)
     run_mode(engine, [warm_up], 1, 8)
     return engine
+
+
+def ceiling(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
+            alphas: tuple[float, ...] = (0.85, 0.91, 0.95, 1.0), repeats: int = 9) -> None:
+    """The most draft-model speculation can gain at concurrency 1 here, from forwards timed
+    now on this machine (each size `repeats` times, round robin, medians): a prompt of the
+    mean length costs the target's prefill (both ways) and the draft's catch-up, then
+    max_tokens come at one decode each, or at the best fixed k for a per-draft acceptance
+    alpha (k draft forwards and a window of k + 1 per expected_tokens(alpha, k)). Host time,
+    prompt lookups and a request's last window are left out."""
+    proposer = getattr(engine.speculator, "proposer", None)
+    assert proposer is not None and hasattr(proposer, "runner"), "needs a draft model"
+    n = round(statistics.mean(len(p) for p in prompts))
+    context = n + max_tokens // 2
+    target, draft = engine.runner, proposer.runner
+    draft_forward = draft.execute_greedy if proposer.coarse_head else draft.execute
+    sizes = range(1, 10)
+    times: dict[str, list[float]] = {}
+    with engine.scheduler.scratch_blocks(context + max(sizes)) as table:
+        assert table is not None, "the KV cache is too small for the ceiling's forwards"
+        forwards = {f"window {t}": (target.execute, QuerySpan([0] * t, context, table, t))
+                    for t in sizes}
+        forwards["prefill"] = (target.execute, QuerySpan([0] * n, 0, table, 1))
+        forwards["catch-up"] = (draft_forward, QuerySpan([0] * n, 0, table, 1))
+        forwards["draft"] = (draft_forward, QuerySpan([0], context, table, 1))
+        for _ in range(repeats + 1):  # the first round pays first-call costs, untimed
+            for name, (run, span) in forwards.items():
+                inp = (target if run == target.execute else draft).build_input([span])
+                start = time.perf_counter()
+                run(inp)
+                times.setdefault(name, []).append(time.perf_counter() - start)
+    med = {name: statistics.median(t[1:]) for name, t in times.items()}
+    decode, draft_s = med["window 1"], med["draft"]
+    print(f"prompt {n} tokens, {max_tokens} new: target prefill {med['prefill'] * 1e3:.0f} ms, "
+          f"draft catch-up {med['catch-up'] * 1e3:.0f} ms, decode {decode * 1e3:.1f} ms, draft "
+          f"forward {draft_s * 1e3:.1f} ms ({draft_s / decode:.2f} decodes); windows of 2-9 "
+          "tokens: " + ", ".join(f"{med[f'window {t}'] / decode:.2f}" for t in sizes[1:])
+          + " decodes")
+    plain = med["prefill"] + max_tokens * decode
+    for alpha in alphas:
+        per_token, k = min(((k * draft_s + med[f"window {k + 1}"]) / expected_tokens(alpha, k),
+                            k) for k in sizes[:-1])
+        spec = med["prefill"] + med["catch-up"] + max_tokens * per_token
+        print(f"acceptance {alpha:.2f}: best k {k}, decoding {decode / per_token:.2f}x, end to "
+              f"end {plain / spec:.2f}x")
 
 
 def measure(engine: LLMEngine, mode: str, c: int, count: int, prompts: list[list[int]],
