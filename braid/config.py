@@ -106,10 +106,14 @@ class SpecConfig:
         if self.method not in self.METHODS:
             raise ConfigError(f"{where}: method must be one of {', '.join(self.METHODS)}, "
                               f"got {self.method!r}")
-        if not isinstance(self.num_speculative_tokens, int) or not (
+        if not _is_int(self.num_speculative_tokens) or not (
                 1 <= self.num_speculative_tokens <= self.MAX_TOKENS):
             raise ConfigError(f"{where}: num_speculative_tokens must be an integer in "
                               f"[1, {self.MAX_TOKENS}], got {self.num_speculative_tokens!r}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if not _is_int(getattr(self, name)):
+                raise ConfigError(f"{where}: {name} must be an integer, got "
+                                  f"{getattr(self, name)!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError(f"{where}: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                               f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
@@ -128,7 +132,7 @@ class SpecConfig:
                 raise ConfigError(f"{where}: {name} must be one of {', '.join(allowed)}, "
                                   f"got {getattr(self, name)!r}")
         if self.draft_vocab_size is not None and (
-                self.method != "draft_model" or not isinstance(self.draft_vocab_size, int)
+                self.method != "draft_model" or not _is_int(self.draft_vocab_size)
                 or self.draft_vocab_size < 1):
             raise ConfigError(f"{where}: draft_vocab_size must be a positive integer, for "
                               f"method draft_model, got {self.draft_vocab_size!r}")
@@ -142,6 +146,11 @@ class SpecConfig:
             self.model = DEFAULT_DRAFT
         if self.method == "ngram" and self.model is not None:
             raise ConfigError(f"{where}: 'model' is only for method draft_model")
+
+
+def _is_int(value: object) -> bool:
+    """An integer from JSON, not a bool (which Python counts as one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def resolve_draft_dtype(name: str, target_dtype: Any, device: str = "cpu") -> Any:

@@ -72,7 +72,9 @@ class ResponseFormat(BaseModel):
 class SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    # Python's JSON reader takes NaN and Infinity, and pydantic the strings "nan" and "inf":
+    # none is a sampling parameter
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = None
     n: int = Field(1, ge=1, le=128)

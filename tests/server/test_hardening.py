@@ -182,6 +182,19 @@ def test_unknown_nested_fields_are_400(server: ServerProcess, where: str, body: 
     assert "extra" in r.json()["error"]["message"].lower(), where
 
 
+@pytest.mark.parametrize("field, value", [("temperature", "inf"), ("temperature", "NaN"),
+                                          ("repetition_penalty", "Infinity"),
+                                          ("top_p", "nan")])
+def test_inf_and_nan_are_400(server: ServerProcess, field: str, value: str) -> None:
+    """JSON's reader here takes NaN and Infinity, pydantic the strings "inf" and "nan"."""
+    text = json.dumps({"model": server.model, "prompt": "hi", "max_tokens": 2, field: 1.0})
+    bare = [text.replace("1.0", value)] if value in ("NaN", "Infinity") else []  # JSON's own
+    for raw in (*bare, text.replace("1.0", f'"{value}"')):
+        r = httpx.post(f"{server.url}/v1/completions", content=raw,
+                       headers={"content-type": "application/json"}, timeout=60)
+        assert_400(r, field)
+
+
 def test_top_logprobs_needs_logprobs(server: ServerProcess) -> None:
     assert_400(chat(server, top_logprobs=2), "top_logprobs")
     assert_400(chat(server, top_logprobs=0, logprobs=False), "top_logprobs")

@@ -186,6 +186,17 @@ def test_bfloat16_draft_is_lossless(reference) -> None:
     assert engine.stats.spec_stats.num_drafts > 0 and engine.stats.spec_stats.acceptance_rate > 0.8
 
 
+@pytest.mark.parametrize("field, value", [
+    ("num_speculative_tokens", True), ("num_speculative_tokens", "3"),
+    ("num_speculative_tokens", 2.0), ("prompt_lookup_min", "2"), ("prompt_lookup_max", None),
+    ("prompt_lookup_max", False)])
+def test_integer_fields_refuse_other_types(field: str, value: object) -> None:
+    """A bool is not k = 1, and a string is a ConfigError naming the field, not a TypeError."""
+    config = {"method": "ngram", "num_speculative_tokens": 3, field: value}
+    with pytest.raises(ConfigError, match=f"{field} must be an integer"):
+        EngineConfig(model="tiny", speculative_config=config)
+
+
 def test_draft_dtype_resolution_and_errors() -> None:
     assert resolve_draft_dtype("float32", torch.float32) == torch.float32
     assert resolve_draft_dtype("bfloat16", torch.float32) == torch.bfloat16
