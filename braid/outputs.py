@@ -38,5 +38,8 @@ class RequestOutput:
     # With prompt_logprobs: per prompt token (None for the first) {token_id: logprob} of the
     # prompt token and the top-n; set once the whole prompt has been scored.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # With prompt_logprobs: each prompt token's rank in the vocabulary (1: the most likely;
+    # None for the first), as vLLM's Logprob.rank.
+    prompt_logprob_ranks: list[int | None] | None = None
     # Prompt tokens whose KV came from the prefix cache (vLLM's name; 0 before admission).
     num_cached_tokens: int = 0

@@ -43,9 +43,12 @@ class OutputProcessor:
         """Logprobs of the tokens just appended to `req` (as many as were appended)."""
         req.logprobs += logprobs
 
-    def add_prompt_logprobs(self, req: Request, logprobs: list[dict[int, float]]) -> None:
-        """Logprobs of the prompt tokens a step scored (the next ones in order)."""
+    def add_prompt_logprobs(self, req: Request, logprobs: list[dict[int, float]],
+                            ranks: list[int]) -> None:
+        """Logprobs (and vocabulary ranks) of the prompt tokens a step scored (the next ones
+        in order)."""
         req.prompt_logprobs += logprobs
+        req.prompt_ranks += ranks
 
     def _check_token(self, req: Request, token: int) -> str | None:
         p = req.sampling_params
@@ -99,6 +102,7 @@ class OutputProcessor:
             self._text.pop(req.request_id, None)
         else:
             text = text[: len(text) - _partial_stop_len(text, req.sampling_params.stop_strings)]
+        scored = _prompt_scored(req)
         completion = CompletionOutput(
             index=0,
             text=text,
@@ -113,7 +117,8 @@ class OutputProcessor:
             prompt_token_ids=req.prompt_token_ids,
             outputs=[completion],
             finished=req.is_finished,
-            prompt_logprobs=_prompt_logprobs(req),
+            prompt_logprobs=list(req.prompt_logprobs) if scored else None,
+            prompt_logprob_ranks=list(req.prompt_ranks) if scored else None,
             num_cached_tokens=req.num_cached_tokens or 0,
             metrics=RequestMetrics(
                 arrival_time=req.arrival_time,
@@ -125,13 +130,10 @@ class OutputProcessor:
         )
 
 
-def _prompt_logprobs(req: Request) -> list[dict[int, float] | None] | None:
-    """The prompt's logprobs once every prompt token has been scored (else None)."""
-    if req.sampling_params.prompt_logprobs is None:
-        return None
-    if len(req.prompt_logprobs) < req.num_prompt_tokens:
-        return None
-    return list(req.prompt_logprobs)
+def _prompt_scored(req: Request) -> bool:
+    """Whether the request asked for prompt logprobs and every prompt token has them."""
+    return (req.sampling_params.prompt_logprobs is not None
+            and len(req.prompt_logprobs) >= req.num_prompt_tokens)
 
 
 def _length_reached(req: Request, max_model_len: int) -> bool:

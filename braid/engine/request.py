@@ -52,6 +52,8 @@ class Request:
     # With sampling_params.prompt_logprobs: one entry per prompt token scored so far (the
     # first token has none), {token_id: logprob} holding the prompt token and the top-n.
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
+    # ... and each scored prompt token's rank in the vocabulary (1: the most likely).
+    prompt_ranks: list[int | None] = field(default_factory=lambda: [None])
     spec_stats: SpecStats = field(default_factory=SpecStats)  # this request's speculation figures
     # With sampling_params.structured_outputs: its grammar, compiled off the engine loop; the
     # scheduler admits the request once it is done.

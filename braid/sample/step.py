@@ -148,10 +148,12 @@ def _draft_probs(s: ScheduledRequest) -> torch.Tensor | None:
     return None if probs is None or not s.num_spec_tokens else probs[: s.num_spec_tokens]
 
 
-def score_prompts(sched: SchedulerOutput, logits: torch.Tensor) -> dict[str, Logprobs]:
+def score_prompts(sched: SchedulerOutput, logits: torch.Tensor
+                  ) -> dict[str, tuple[Logprobs, list[int]]]:
     """Prompt logprobs from `logits` [P, V]: the rows `prompt_logprob_rows` chose, in
-    scheduling order (raw model logprobs, like sampled tokens' logprobs), by request id."""
-    scored: dict[str, Logprobs] = {}
+    scheduling order (raw model logprobs, like sampled tokens' logprobs), and each prompt
+    token's rank in the vocabulary (1 + the tokens more likely), by request id."""
+    scored: dict[str, tuple[Logprobs, list[int]]] = {}
     if not logits.shape[0]:
         return scored
     r = 0
@@ -163,9 +165,11 @@ def score_prompts(sched: SchedulerOutput, logits: torch.Tensor) -> dict[str, Log
         first = req.num_computed_tokens + rows.start  # position scoring token first + 1
         targets = torch.tensor(req.prompt_token_ids[first + 1 : first + 1 + len(rows)])
         n = req.sampling_params.prompt_logprobs or 0
-        lp = gather_logprobs(logits[r : r + len(rows)].float().log_softmax(dim=-1), targets, n)
+        row_logprobs = logits[r : r + len(rows)].float().log_softmax(dim=-1)  # [R, V]
+        lp = gather_logprobs(row_logprobs, targets, n)
+        ranks = (row_logprobs > lp.logprobs[:, :1]).sum(dim=-1) + 1
         ids, values = lp.token_ids.tolist(), lp.logprobs.tolist()
-        scored[req.request_id] = [dict(zip(i, v, strict=True))
-                                  for i, v in zip(ids, values, strict=True)]
+        scored[req.request_id] = ([dict(zip(i, v, strict=True))
+                                   for i, v in zip(ids, values, strict=True)], ranks.tolist())
         r += len(rows)
     return scored

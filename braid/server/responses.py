@@ -85,10 +85,14 @@ def prompt_logprobs(tokenizer: Tokenizer, out: RequestOutput) -> PromptLogprobs 
     """vLLM's `prompt_logprobs`: per prompt token None (the first) or token id -> entry."""
     if out.prompt_logprobs is None:
         return None
+    ranks = out.prompt_logprob_ranks or [None] * len(out.prompt_logprobs)
     return [None if entry is None else {
-        str(t): PromptLogprob(logprob=max(lp, _MIN_LOGPROB),
+        str(t): PromptLogprob(logprob=max(lp, _MIN_LOGPROB), rank=rank if t == token else
+                              1 + sum(other > lp for other in entry.values()),
                               decoded_token=token_text(tokenizer, t))
-        for t, lp in entry.items()} for entry in out.prompt_logprobs]
+        for t, lp in entry.items()}
+        for entry, token, rank in zip(out.prompt_logprobs, out.prompt_token_ids, ranks,
+                                      strict=True)]
 
 
 def chat_logprobs(tokenizer: Tokenizer, delta: Delta, top_n: int) -> ChatLogprobs:

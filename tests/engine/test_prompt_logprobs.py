@@ -19,24 +19,31 @@ PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_log
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[list[dict[int, float] | None]]:
-    """Per prompt: None, then {prompt token: logprob, top-3...} from transformers."""
+def reference_logprobs() -> list[torch.Tensor]:
+    """Per prompt: transformers' logprobs [L, V] at every position."""
     model = hf_model(CFG, seed=0)
-    out = []
     with torch.no_grad():
-        for ids in prompts():
-            logprobs = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)  # [L, V]
-            entries: list[dict[int, float] | None] = [None]
-            for p in range(len(ids) - 1):
-                top = logprobs[p].topk(TOP)
-                entries.append({ids[p + 1]: logprobs[p, ids[p + 1]].item(),
-                                **dict(zip(top.indices.tolist(), top.values.tolist(),
-                                           strict=True))})
-            out.append(entries)
+        return [model(torch.tensor([ids])).logits[0].float().log_softmax(-1) for ids in prompts()]
+
+
+@pytest.fixture(scope="module")
+def reference(reference_logprobs) -> list[list[dict[int, float] | None]]:
+    """Per prompt: None, then {prompt token: logprob, top-3...} from transformers."""
+    out = []
+    for ids, logprobs in zip(prompts(), reference_logprobs, strict=True):
+        entries: list[dict[int, float] | None] = [None]
+        for p in range(len(ids) - 1):
+            top = logprobs[p].topk(TOP)
+            entries.append({ids[p + 1]: logprobs[p, ids[p + 1]].item(),
+                            **dict(zip(top.indices.tolist(), top.values.tolist(),
+                                       strict=True))})
+        out.append(entries)
     return out
 
 
-def run_all(engine: LLMEngine) -> dict[int, list[dict[int, float] | None]]:
+def run_all(engine: LLMEngine, ranks: dict[int, list[int | None]] | None = None
+            ) -> dict[int, list[dict[int, float] | None]]:
+    """Each request's prompt logprobs (and, into `ranks`, its prompt tokens' ranks)."""
     ps, got, step = prompts(), {}, 0
     while step <= max(STAGGERED) or engine.has_unfinished_requests():
         for i in STAGGERED.get(step, []):
@@ -45,6 +52,9 @@ def run_all(engine: LLMEngine) -> dict[int, list[dict[int, float] | None]]:
             if out.finished:
                 assert out.prompt_logprobs is not None
                 got[int(out.request_id)] = out.prompt_logprobs
+                if ranks is not None:
+                    assert out.prompt_logprob_ranks is not None
+                    ranks[int(out.request_id)] = out.prompt_logprob_ranks
         engine.blocks.check_invariants()
         step += 1
     return got
@@ -77,11 +87,26 @@ def test_prompt_logprobs_match_transformers(reference, name: str) -> None:
         assert engine.stats.num_preemptions > 0
 
 
+@pytest.mark.parametrize("name", ["chunks of 16", "preempted", "draft speculation"])
+def test_prompt_token_ranks_match_transformers(reference_logprobs, name: str) -> None:
+    """Each prompt token's vocabulary rank: 1 + the tokens transformers finds more likely
+    (within the logprobs' tolerance, so a near tie may go either way)."""
+    ranks: dict[int, list[int | None]] = {}
+    run_all(ENGINES[name](), ranks)
+    for i, ids in enumerate(prompts()):
+        assert len(ranks[i]) == len(ids) and ranks[i][0] is None
+        for p, rank in enumerate(ranks[i][1:]):
+            row, token = reference_logprobs[i][p], ids[p + 1]
+            surely_above = int((row > row[token] + 1e-3).sum()) + 1
+            maybe_above = int((row > row[token] - 1e-3).sum()) + 1
+            assert rank is not None and surely_above <= rank <= maybe_above
+
+
 def test_no_prompt_logprobs_unless_asked() -> None:
     engine = make_engine()
     engine.add_request("a", prompts()[1], SamplingParams(temperature=0, max_tokens=2))
     outs = [o for o in engine.run_until_done() if o.finished]
-    assert outs[0].prompt_logprobs is None
+    assert outs[0].prompt_logprobs is None and outs[0].prompt_logprob_ranks is None
 
 
 def test_logit_bias_forces_a_token_greedy_and_sampled() -> None:

@@ -141,6 +141,12 @@ def test_prompt_logprobs_over_http(server: ServerProcess) -> None:
     for entry, token in zip(entries[1:], [ord(c) for c in "ello"], strict=True):
         assert str(token) in entry and 2 <= len(entry) <= 3
         assert all(v["logprob"] <= 0 for v in entry.values())
+        # ranks as vLLM gives them: the top two hold 1 and 2, the prompt token its own rank
+        # in the vocabulary; a better rank never has a lower logprob
+        by_rank = sorted(entry.values(), key=lambda v: v["rank"])
+        assert [v["rank"] for v in by_rank][:2] == [1, 2]
+        assert [v["logprob"] for v in by_rank] == sorted((v["logprob"] for v in by_rank),
+                                                         reverse=True)
     r = chat(server, prompt_logprobs=0)
     entries = r.json()["choices"][0]["prompt_logprobs"]
     assert entries[0] is None and all(len(e) == 1 for e in entries[1:])
