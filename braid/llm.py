@@ -12,9 +12,12 @@ from tqdm.auto import tqdm
 from braid.config import DEFAULT_TARGET, EngineConfig
 from braid.engine.engine import LLMEngine
 from braid.outputs import RequestOutput
-from braid.sampling_params import SamplingParams
+from braid.sampling_params import SamplingParams, choice_seed
+from braid.server.protocol import ChatMessage
 
-Prompt = str | list[int]
+# A text, token ids, or vLLM's TextPrompt / TokensPrompt dicts ({"prompt": ...} or
+# {"prompt_token_ids": [...]})
+Prompt = str | list[int] | dict[str, Any]
 
 
 class LLM:
@@ -38,12 +41,19 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
         groups: list[list[str]] = []
-        for prompt, p in zip(prompt_list, params, strict=True):
-            rid = str(next(self._ids))
-            groups.append([f"{rid}-{j}" for j in range(p.n)] if p.n > 1 else [rid])
-            for sub_id, sub in zip(groups[-1], _fan_out(p), strict=True):
-                self.engine.add_request(sub_id, prompt, sub)
-        return self._run(groups, use_tqdm)
+        try:
+            for prompt, p in zip(prompt_list, params, strict=True):
+                rid = str(next(self._ids))
+                groups.append([f"{rid}-{j}" for j in range(p.n)] if p.n > 1 else [rid])
+                for sub_id, sub in zip(groups[-1], _fan_out(p), strict=True):
+                    self.engine.add_request(sub_id, prompt, sub)
+            return self._run(groups, use_tqdm)
+        except BaseException:
+            # a bad prompt, a failed step or an interrupt leaves none of this call's requests
+            # behind to run into the next call
+            for rid in itertools.chain.from_iterable(groups):
+                self.engine.abort(rid)
+            raise
 
     def chat(
         self,
@@ -58,9 +68,11 @@ class LLM:
             raise ValueError("chat needs a tokenizer; this model has none")
         conversations: Sequence[Any] = (
             [messages] if messages and isinstance(messages[0], dict) else messages)
+        # as the server renders them: content parts joined, a missing content empty
         prompts: list[Prompt] = [
-            tokenizer.encode(tokenizer.apply_chat_template(list(c), add_generation_prompt),
-                             add_special_tokens=False)
+            tokenizer.encode(tokenizer.apply_chat_template(
+                [ChatMessage.model_validate(m).as_template_dict() for m in c],
+                add_generation_prompt), add_special_tokens=False)
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -80,9 +92,7 @@ class LLM:
 def _fan_out(params: SamplingParams) -> list[SamplingParams]:
     if params.n == 1:
         return [params]
-    seed = params.seed
-    return [replace(params, n=1, seed=None if seed is None else seed + j)
-            for j in range(params.n)]
+    return [replace(params, n=1, seed=choice_seed(params.seed, j)) for j in range(params.n)]
 
 
 def _merge(outs: list[RequestOutput]) -> RequestOutput:
@@ -94,13 +104,29 @@ def _merge(outs: list[RequestOutput]) -> RequestOutput:
     return replace(first, request_id=first.request_id.rsplit("-", 1)[0], outputs=completions)
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+    if isinstance(prompts, str | dict):
+        return [_prompt_of(prompts)]
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [list(items)]  # type: ignore[arg-type]
-    return items  # type: ignore[return-value]
+    return [_prompt_of(p) for p in items]
+
+
+def _prompt_of(prompt: object) -> str | list[int]:
+    """A text or token ids from one prompt of any accepted form (ValueError otherwise)."""
+    if isinstance(prompt, dict):
+        if set(prompt) == {"prompt_token_ids"}:
+            return list(prompt["prompt_token_ids"])
+        if set(prompt) == {"prompt"}:
+            return _prompt_of(prompt["prompt"])
+        raise ValueError("a prompt dict takes one key, 'prompt' (a text) or "
+                         f"'prompt_token_ids' (token ids), got {sorted(prompt)}")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    raise ValueError(f"a prompt is a text, a list of token ids or a dict, got {prompt!r:.80}")
 
 
 def _as_params_list(

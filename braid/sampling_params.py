@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -98,6 +99,17 @@ class SamplingParams:
         return self.stop
 
     def _validate(self) -> None:
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+                     "seed"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) \
+                    or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         checks: list[tuple[bool, str]] = [
             (self.n >= 1, "n must be >= 1"),
             (self.temperature >= 0, "temperature must be >= 0"),
@@ -134,3 +146,11 @@ class SamplingParams:
             if token < 0 or not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias must map token ids >= 0 to biases in [-100, 100], "
                                  f"got {token!r}: {bias!r}")
+
+
+def choice_seed(seed: int | None, j: int) -> int | None:
+    """The seed of choice j of a request with n > 1: seed + j, wrapped into the 64 bits a
+    generator takes (None: unseeded)."""
+    if seed is None:
+        return None
+    return seed + j - 2**64 if seed + j >= 2**64 else seed + j

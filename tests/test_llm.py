@@ -61,3 +61,75 @@ def test_a_stop_token_text_is_kept_only_with_include_stop_str_in_output(tmp_path
         assert out.token_ids == ref[: at + 1]
         assert out.finish_reason == "stop" and out.stop_reason == stop
         assert out.text == (first(max_tokens=upto).text if upto else "")
+
+
+def test_a_failed_call_leaves_nothing_behind(tmp_path, monkeypatch) -> None:
+    """A bad prompt in a batch, a step that fails or a limit past the vocabulary: the call
+    raises, none of its requests stays in the engine, and the next call works."""
+    import pytest
+
+    from braid import LLM, SamplingParams
+    from braid.engine.engine import RequestError
+    from tests.tiny import save_tiny_model
+
+    llm = LLM(str(save_tiny_model(tmp_path)), num_kv_blocks=256, block_size=4,
+              max_model_len=64, log_stats_interval=0)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = llm.generate(["fine"], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(RequestError, match="prompt is"):
+        llm.generate(["fine", "x" * 100], greedy, use_tqdm=False)
+    assert not llm.engine.requests
+    with pytest.raises(RequestError, match="logprobs must be <= the vocabulary size"):
+        llm.generate(["fine"], SamplingParams(max_tokens=2, logprobs=10**6), use_tqdm=False)
+    assert not llm.engine.requests
+
+    def failing_step() -> None:
+        raise RuntimeError("a step failed")
+
+    with monkeypatch.context() as m:
+        m.setattr(llm.engine, "step", failing_step)
+        with pytest.raises(RuntimeError, match="a step failed"):
+            llm.generate(["fine", "also fine"], SamplingParams(n=2, max_tokens=4),
+                         use_tqdm=False)
+    assert not llm.engine.requests and llm.engine.blocks.num_used_blocks == 0
+    assert llm.generate(["fine"], greedy, use_tqdm=False)[0].outputs[0].token_ids == want
+    # n > 1 at the last seed: the choices' seeds wrap around instead of failing
+    out = llm.generate(["fine"], SamplingParams(n=2, seed=2**64 - 1, max_tokens=3),
+                       use_tqdm=False)[0]
+    assert len(out.outputs) == 2
+
+
+def test_prompt_forms_and_chat_messages_as_the_server_takes_them(tmp_path) -> None:
+    """vLLM's prompt dicts give what their text or ids give; other shapes are a clear error.
+    LLM.chat takes content parts and a missing content as the server does."""
+    import pytest
+
+    from braid import LLM, SamplingParams
+    from tests.tiny import save_tiny_model
+
+    llm = LLM(str(save_tiny_model(tmp_path)), num_kv_blocks=256, block_size=4,
+              max_model_len=256, log_stats_interval=0)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def ids(prompt) -> list[int]:  # noqa: ANN001
+        return llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+
+    tokens = llm.get_tokenizer().encode("dict prompt")
+    want = ids("dict prompt")
+    assert ids({"prompt": "dict prompt"}) == ids({"prompt_token_ids": tokens}) == want
+    assert ids([{"prompt": "dict prompt"}, "other"]) == want
+    for bad in ({"prompt": "x", "extra": 1}, {"text": "x"}, [["x"]], [3.5]):
+        with pytest.raises(ValueError, match="prompt"):
+            llm.generate(bad, greedy, use_tqdm=False)
+    assert not llm.engine.requests
+
+    def chat(messages: list[dict]) -> list[int]:
+        return llm.chat(messages, greedy, use_tqdm=False)[0].outputs[0].token_ids
+
+    plain = chat([{"role": "user", "content": "hi there"}])
+    assert chat([{"role": "user", "content": [{"type": "text", "text": "hi "},
+                                              {"type": "text", "text": "there"}]}]) == plain
+    assert chat([{"role": "user", "content": "hi there"},
+                 {"role": "assistant", "content": None}, {"role": "user"}])
+    with pytest.raises(ValueError, match="content"):
+        chat([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}])

@@ -68,6 +68,23 @@ def test_min_tokens_with_structured_outputs_is_refused() -> None:
     SamplingParams(min_tokens=0, structured_outputs=StructuredOutputsParams(json_object=True))
 
 
+@pytest.mark.parametrize("field, value", [
+    ("n", 2.0), ("top_k", 1.5), ("max_tokens", 2.5), ("min_tokens", True), ("logprobs", "3"),
+    ("seed", 1.0), ("temperature", float("inf")), ("top_p", float("nan")),
+    ("repetition_penalty", "2"), ("presence_penalty", True)])
+def test_wrong_types_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"^{field} must be (an integer|a finite number)"):
+        SamplingParams(**{field: value})
+
+
+def test_choice_seeds_wrap_into_64_bits() -> None:
+    from braid.sampling_params import choice_seed
+
+    assert choice_seed(None, 3) is None
+    assert choice_seed(5, 2) == 7
+    assert choice_seed(2**64 - 1, 1) == 0 and choice_seed(2**64 - 2, 3) == 1
+
+
 def test_message_shows_the_value() -> None:
     with pytest.raises(ValueError, match=r"^temperature must be >= 0, got -1"):
         SamplingParams(temperature=-1)

@@ -145,6 +145,10 @@ class LLMEngine:
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
         if any(token >= vocab for token in params.logit_bias or {}):
             raise RequestError(f"logit_bias token ids must be in [0, {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > vocab:
+                raise RequestError(f"{name} must be <= the vocabulary size ({vocab}), got "
+                                   f"{getattr(params, name)}")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV blocks; unknown or finished ids are ignored."""

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from braid.engine.engine import RequestError
 from braid.outputs import RequestOutput
-from braid.sampling_params import SamplingParams, StructuredOutputsParams
+from braid.sampling_params import SamplingParams, StructuredOutputsParams, choice_seed
 from braid.server.engine_loop import AsyncEngine, OutputQueue, RequestFailed, ShuttingDown
 from braid.server.errors import APIError, bad_request, field_of
 from braid.server.protocol import SamplingRequest
@@ -155,14 +155,8 @@ def make_job(prefix: str, prompts: list[list[int]], params: SamplingParams, n: i
     choices, per_choice = [], []
     for index, (p, j) in enumerate(itertools.product(range(len(prompts)), range(n))):
         choices.append(ChoiceState(index, f"{job_id}-{index}", p))
-        seed = None if params.seed is None else _wrap_seed(params.seed + j)
-        per_choice.append(dataclasses.replace(params, seed=seed))
+        per_choice.append(dataclasses.replace(params, seed=choice_seed(params.seed, j)))
     return Job(job_id, prompts, choices, per_choice)
-
-
-def _wrap_seed(seed: int) -> int:
-    """Choice j's seed is seed + j, wrapped into the 64 bits a generator takes."""
-    return seed - 2**64 if seed >= 2**64 else seed
 
 
 _counter = itertools.count()
