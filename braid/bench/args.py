@@ -66,10 +66,18 @@ def _dataset_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model name the server serves")
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--num-prompts", type=positive_int, default=100)
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, open loop (inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None,
@@ -91,7 +99,7 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default=MODES, help="comma-separated modes to run")
     p.add_argument("--request-rates", default=None, help="comma-separated req/s (default 0.1,"
                    "0.2,0.4; --quick 0.2,0.4)")
-    p.add_argument("--num-prompts", type=int, default=None,
+    p.add_argument("--num-prompts", type=positive_int, default=None,
                    help="prompts per rate (default 12; --quick 4)")
     p.add_argument("--quick", action="store_true", help="the small sizing (under 10 minutes)")
     p.add_argument("--server-args", default="",

@@ -29,13 +29,20 @@ logger = logging.getLogger("braid.bench")
 SCHEMA = "braid.bench.serve/1"
 
 
+class WarmUpFailed(ValueError):
+    """The warm-up request failed: the load would fail the same way (no server there, a
+    model it does not serve), so nothing is measured."""
+
+
 def benchmark(cfg: LoadConfig, prompts: list[BenchPrompt], slos: dict[str, float] | None = None,
               warmup: bool = True, info: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Warm up, scrape /metrics, run the load, scrape again; the result as a JSON-able dict."""
+    """Warm up, scrape /metrics, run the load, scrape again; the result as a JSON-able dict.
+    WarmUpFailed where the warm-up request fails (as vLLM's benchmark stops on its first)."""
     if warmup and prompts:
         first = asyncio.run(warm_up(cfg, prompts[0]))
         if not first.success:
-            logger.warning("warm-up request failed: %s", first.error)
+            raise WarmUpFailed(f"the warm-up request to {cfg.base_url} (model {cfg.model!r}) "
+                               f"failed: {first.error}")
     before = scrape(cfg.base_url)
     records, duration = asyncio.run(run_load(cfg, prompts))
     after = scrape(cfg.base_url)

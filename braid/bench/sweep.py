@@ -17,7 +17,13 @@ from typing import Any
 from braid.bench.datasets import BenchPrompt
 from braid.bench.loadgen import LoadConfig
 from braid.bench.metrics import parse_goodput
-from braid.bench.serve import benchmark, dataset_info, dataset_prompts, save_json
+from braid.bench.serve import (
+    WarmUpFailed,
+    benchmark,
+    dataset_info,
+    dataset_prompts,
+    save_json,
+)
 from braid.bench.server_process import ServerProcess
 from braid.bench.sweep_report import machine_info, write_report
 
@@ -102,6 +108,9 @@ def run_mode(args: argparse.Namespace, mode: str, prompts: list[BenchPrompt],
             cfg = _load_config(args, server.url, rate)
             entry["runs"].append(benchmark(cfg, prompts, parse_goodput(args.goodput),
                                            warmup=i == 0, info=dataset_info(args)))
+    except WarmUpFailed as e:
+        entry["error"] = str(e)[:500]
+        logger.error("mode %s: %s (log in %s)", mode, entry["error"], log_dir)
     finally:
         entry["exit_code"] = server.stop()
     entry["elapsed_s"] = time.monotonic() - start

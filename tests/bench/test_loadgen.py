@@ -111,6 +111,26 @@ def test_unreachable_server_fails_every_request() -> None:
     assert all(r.error.startswith("ConnectError") for r in records)
 
 
+def test_a_failed_warm_up_stops_the_benchmark_and_the_command(server: ServerProcess,
+                                                              capsys) -> None:
+    """No server there, or a model it does not serve: nothing is measured, and `braid bench
+    serve` says why and exits non-zero (it printed a table of failures and exited 0)."""
+    from braid.bench.serve import WarmUpFailed
+    from braid.cli import main
+
+    prompts = random_prompts(2, 4, 4)
+    for url, model in ((f"http://127.0.0.1:{free_port()}", server.model),
+                       (server.url, "not-served")):
+        with pytest.raises(WarmUpFailed, match="warm-up request"):
+            benchmark(LoadConfig(url, model, progress=False), prompts)
+        code = main(["bench", "serve", "--base-url", url, "--model", model, "--dataset",
+                     "random", "--num-prompts", "2", "--no-progress"])
+        assert code == 2 and "warm-up request" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "serve", "--model", "m", "--num-prompts", "0"])
+    assert "--num-prompts: must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_max_concurrency_one_is_a_closed_loop(server: ServerProcess) -> None:
     cfg = LoadConfig(server.url, server.model, max_concurrency=1, progress=False)
     records, _ = asyncio.run(run_load(cfg, random_prompts(3, input_len=4, output_len=6)))
