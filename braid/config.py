@@ -146,6 +146,9 @@ class SpecConfig:
             self.model = DEFAULT_DRAFT
         if self.method == "ngram" and self.model is not None:
             raise ConfigError(f"{where}: 'model' is only for method draft_model")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ConfigError(f"{where}: 'model' must be a model name or path, got "
+                              f"{self.model!r}")
 
 
 def _is_int(value: object) -> bool:
@@ -219,9 +222,20 @@ class EngineConfig:
                               f"got {self.quantization!r}")
         if self.log_stats_interval < 0:
             raise ConfigError("--log-stats-interval must be >= 0")
+        self._check_device()
         self.spec_config = (None if self.speculative_config is None
                      else SpecConfig.from_dict(self.speculative_config))
         self._check_itl_target()
+
+    def _check_device(self) -> None:
+        import torch
+
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ConfigError(f"--device: {e}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"--device {self.device}: this torch build or machine has no CUDA")
 
     def _check_itl_target(self) -> None:
         if self.target_itl_ms is None:

@@ -6,10 +6,18 @@ import argparse
 import os
 
 
+def _port(text: str) -> int:
+    """argparse type: a TCP port (0: any free one)."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server options")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--port", type=_port, default=8000)
     group.add_argument("--served-model-name", action="append", default=None,
                        help="name(s) clients use in `model` (repeatable; default: --model)")
     group.add_argument("--max-waiting-requests", type=int, default=256,

@@ -85,6 +85,30 @@ def test_budget_below_max_model_len_without_chunking_fails() -> None:
         make_engine(enable_chunked_prefill=False, max_num_batched_tokens=8)
 
 
+@pytest.mark.parametrize("device, match", [
+    ("foo", "--device: "), ("cuda", "--device cuda: this torch build or machine has no CUDA")])
+def test_a_bad_device_is_a_config_error_before_loading(device: str, match: str) -> None:
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(model="no model is loaded before the check", device=device)
+
+
+def test_a_draft_model_must_be_a_name_or_path() -> None:
+    with pytest.raises(ConfigError, match="'model' must be a model name or path, got 5"):
+        EngineConfig(model="tiny", speculative_config={
+            "method": "draft_model", "num_speculative_tokens": 3, "model": 5})
+
+
+def test_server_port_is_checked_by_the_parser(capsys) -> None:
+    from braid.cli import main
+
+    for port in ("-1", "99999"):
+        with pytest.raises(SystemExit):
+            main(["serve", "--port", port])
+        assert f"--port: must be in [0, 65535], got {port}" in capsys.readouterr().err
+
+
 def test_step_mixes_prefill_chunk_and_decodes() -> None:
     engine = make_engine(max_num_batched_tokens=16)
     ps = prompts()
