@@ -127,6 +127,8 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     resolve_sizing(args)
     rates = parse_rates(args.request_rates)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes:
+        raise ValueError("--modes: name at least one mode")
     for mode in modes:
         mode_flags(mode)
     parse_goodput(args.goodput)

@@ -14,6 +14,14 @@ def _port(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    """argparse type: a duration in seconds, >= 0."""
+    value = float(text)
+    if not value >= 0:  # also NaN
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server options")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -22,7 +30,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="name(s) clients use in `model` (repeatable; default: --model)")
     group.add_argument("--max-waiting-requests", type=int, default=256,
                        help="engine requests allowed to wait; beyond it new requests get 503")
-    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+    group.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
                        help="seconds SIGTERM waits for in-flight requests; then streams end with "
                             "an error event and other requests get 503")
     group.add_argument("--max-request-bytes", type=int, default=4 * 2**20,

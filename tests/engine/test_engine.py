@@ -107,6 +107,13 @@ def test_server_port_is_checked_by_the_parser(capsys) -> None:
         with pytest.raises(SystemExit):
             main(["serve", "--port", port])
         assert f"--port: must be in [0, 65535], got {port}" in capsys.readouterr().err
+    for timeout in ("-1", "nan"):
+        with pytest.raises(SystemExit):
+            main(["serve", "--shutdown-timeout", timeout])
+        assert f"--shutdown-timeout: must be >= 0 seconds, got {timeout}" in \
+            capsys.readouterr().err
+    assert main(["bench", "sweep", "--modes", " , "]) == 2
+    assert "--modes: name at least one mode" in capsys.readouterr().err
 
 
 def test_step_mixes_prefill_chunk_and_decodes() -> None:
