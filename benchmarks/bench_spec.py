@@ -235,19 +235,20 @@ def ceiling(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
     n = round(statistics.mean(len(p) for p in prompts))
     context = n + max_tokens // 2
     target, draft = engine.runner, proposer.runner
-    draft_forward = draft.execute_greedy if proposer.coarse_head else draft.execute
+    draft_run = draft.execute_greedy if proposer.coarse_head else draft.execute
     sizes = range(1, 10)
     times: dict[str, list[float]] = {}
     with engine.scheduler.scratch_blocks(context + max(sizes)) as table:
         assert table is not None, "the KV cache is too small for the ceiling's forwards"
-        forwards = {f"window {t}": (target.execute, QuerySpan([0] * t, context, table, t))
-                    for t in sizes}
-        forwards["prefill"] = (target.execute, QuerySpan([0] * n, 0, table, 1))
-        forwards["catch-up"] = (draft_forward, QuerySpan([0] * n, 0, table, 1))
-        forwards["draft"] = (draft_forward, QuerySpan([0], context, table, 1))
+        # name -> (runner, its forward, the span)
+        forwards = {f"window {t}": (target, target.execute,
+                                    QuerySpan([0] * t, context, table, t)) for t in sizes}
+        forwards["prefill"] = (target, target.execute, QuerySpan([0] * n, 0, table, 1))
+        forwards["catch-up"] = (draft, draft_run, QuerySpan([0] * n, 0, table, 1))
+        forwards["draft"] = (draft, draft_run, QuerySpan([0], context, table, 1))
         for _ in range(repeats + 1):  # the first round pays first-call costs, untimed
-            for name, (run, span) in forwards.items():
-                inp = (target if run == target.execute else draft).build_input([span])
+            for name, (runner, run, span) in forwards.items():
+                inp = runner.build_input([span])
                 start = time.perf_counter()
                 run(inp)
                 times.setdefault(name, []).append(time.perf_counter() - start)

@@ -8,7 +8,7 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from braid.sampling_params import SamplingParams
+from braid.sampling_params import SamplingParams, is_int
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -106,12 +106,12 @@ class SpecConfig:
         if self.method not in self.METHODS:
             raise ConfigError(f"{where}: method must be one of {', '.join(self.METHODS)}, "
                               f"got {self.method!r}")
-        if not _is_int(self.num_speculative_tokens) or not (
+        if not is_int(self.num_speculative_tokens) or not (
                 1 <= self.num_speculative_tokens <= self.MAX_TOKENS):
             raise ConfigError(f"{where}: num_speculative_tokens must be an integer in "
                               f"[1, {self.MAX_TOKENS}], got {self.num_speculative_tokens!r}")
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
-            if not _is_int(getattr(self, name)):
+            if not is_int(getattr(self, name)):
                 raise ConfigError(f"{where}: {name} must be an integer, got "
                                   f"{getattr(self, name)!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -132,7 +132,7 @@ class SpecConfig:
                 raise ConfigError(f"{where}: {name} must be one of {', '.join(allowed)}, "
                                   f"got {getattr(self, name)!r}")
         if self.draft_vocab_size is not None and (
-                self.method != "draft_model" or not _is_int(self.draft_vocab_size)
+                self.method != "draft_model" or not is_int(self.draft_vocab_size)
                 or self.draft_vocab_size < 1):
             raise ConfigError(f"{where}: draft_vocab_size must be a positive integer, for "
                               f"method draft_model, got {self.draft_vocab_size!r}")
@@ -149,11 +149,6 @@ class SpecConfig:
         if self.model is not None and not isinstance(self.model, str):
             raise ConfigError(f"{where}: 'model' must be a model name or path, got "
                               f"{self.model!r}")
-
-
-def _is_int(value: object) -> bool:
-    """An integer from JSON, not a bool (which Python counts as one)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def resolve_draft_dtype(name: str, target_dtype: Any, device: str = "cpu") -> Any:

@@ -102,7 +102,7 @@ class SamplingParams:
         for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
                      "seed"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            if value is not None and not is_int(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
@@ -146,6 +146,11 @@ class SamplingParams:
             if token < 0 or not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias must map token ids >= 0 to biases in [-100, 100], "
                                  f"got {token!r}: {bias!r}")
+
+
+def is_int(value: object) -> bool:
+    """An integer, not a bool (which Python counts as one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def choice_seed(seed: int | None, j: int) -> int | None:

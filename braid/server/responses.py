@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from braid.outputs import RequestOutput
+from braid.sampling_params import is_int
 from braid.server.protocol import (
     BraidInfo,
     ChatLogprobs,
@@ -142,7 +143,7 @@ def _add_counts(total: dict[str, Any], part: dict[str, Any]) -> None:
     for key, value in part.items():
         if isinstance(value, str):  # a mode, the same for every choice
             total.setdefault(key, value)
-        elif isinstance(value, int) and not isinstance(value, bool):
+        elif is_int(value):
             total[key] = total.get(key, 0) + value
         elif isinstance(value, list) and all(isinstance(v, int) for v in value):
             have = total.setdefault(key, [])

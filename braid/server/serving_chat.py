@@ -51,19 +51,19 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs: set logprobs to true to get top_logprobs",
                           "top_logprobs")
+    # OpenAI's newer name wins where both are set; errors name the field the client used
     use_new_name = body.max_completion_tokens is not None
+    asked = body.max_completion_tokens if use_new_name else body.max_tokens
+    asked_field = "max_completion_tokens" if use_new_name else "max_tokens"
     try:
         mode, constraint = tool_mode(body), tool_constraint(body)
     except ValueError as e:
         raise bad_request(f"tool_choice: {e}", "tool_choice") from None
     params = request_params(
-        body, body.max_completion_tokens if use_new_name else body.max_tokens,
-        (body.top_logprobs or 0) if body.logprobs else None,
-        {"max_tokens": "max_completion_tokens"} if use_new_name else None,
-        constraint=constraint)
+        body, asked, (body.top_logprobs or 0) if body.logprobs else None,
+        {"max_tokens": asked_field} if use_new_name else None, constraint=constraint)
     prompt = await asyncio.to_thread(render_chat, ctx.tokenizer, body, ctx.max_model_len)
-    check_room(ctx, [prompt], body.max_completion_tokens if use_new_name else body.max_tokens,
-               "max_completion_tokens" if use_new_name else "max_tokens")
+    check_room(ctx, [prompt], asked, asked_field)
     job = make_job("chatcmpl", [prompt], params, body.n)
     await submit(ctx, job, prompt_field="messages")
     tools = {c.index: ChoiceTools(mode, body) for c in job.choices} if mode else {}
