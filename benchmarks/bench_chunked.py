@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from braid.bench.datasets import sharegpt
-from braid.config import DEFAULT_TARGET, EngineConfig
+from braid.config import DEFAULT_TARGET, EngineConfig, positive_float, positive_int
 from braid.engine.engine import LLMEngine
 from braid.models.build import load_model
 from braid.sampling_params import SamplingParams
@@ -69,12 +69,13 @@ def run(engine: LLMEngine, prompts: list[tuple[list[int], int]], rate: float,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--request-rate", type=float, default=0.5)
-    parser.add_argument("--max-output-len", type=int, default=64)
-    parser.add_argument("--max-prompt-len", type=int, default=512)
-    parser.add_argument("--chunk", type=int, default=128, help="token budget when chunked")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-prompts", type=positive_int, default=32)
+    parser.add_argument("--request-rate", type=positive_float, default=0.5)
+    parser.add_argument("--max-output-len", type=positive_int, default=64)
+    parser.add_argument("--max-prompt-len", type=positive_int, default=512)
+    parser.add_argument("--chunk", type=positive_int, default=128,
+                        help="token budget when chunked")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 

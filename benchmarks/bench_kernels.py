@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from braid.config import DEFAULT_DRAFT, DEFAULT_TARGET
+from braid.config import DEFAULT_DRAFT, DEFAULT_TARGET, comma_list, positive_int
 from braid.kernels import quant_ops
 from braid.models.gguf_index import read_tensors
 from braid.models.quant import QuantWeight
@@ -109,14 +109,15 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="1,4,8,16,64")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=comma_list(positive_int), default=[1, 4, 8, 16, 64],
+                        help="activation rows per product, comma-separated")
     parser.add_argument("--out", default="docs/benchmarks/kernels.json")
     args = parser.parse_args()
     ops = quant_ops()
     if ops is None:
         raise SystemExit("the compiled kernels are unavailable here")
-    rows = [int(r) for r in args.rows.split(",")]
+    rows = args.rows
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)
     print("| format | kernels | rows | ms, one cached tensor | GB/s streamed |")

@@ -26,7 +26,13 @@ import time
 
 import torch
 
-from braid.config import DEFAULT_TARGET, EngineConfig
+from braid.config import (
+    DEFAULT_TARGET,
+    QUANTIZATIONS,
+    EngineConfig,
+    positive_float,
+    positive_int,
+)
 from braid.engine.engine import LLMEngine
 from braid.sampling_params import SamplingParams
 
@@ -119,14 +125,14 @@ def versus_llamacpp(engine: LLMEngine, bin_dir: str, pairs: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_TARGET)
-    parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
     parser.add_argument("--cold", action="store_true", help="also time a GGUF conversion")
-    parser.add_argument("--kv-cache-gib", type=float, default=1.0)
+    parser.add_argument("--kv-cache-gib", type=positive_float, default=1.0)
     parser.add_argument("--vs-llamacpp", metavar="BIN_DIR",
                         help="a llama.cpp bin folder: alternate llama-bench and braid decode")
-    parser.add_argument("--pairs", type=int, default=4, help="with --vs-llamacpp")
+    parser.add_argument("--pairs", type=positive_int, default=4, help="with --vs-llamacpp")
     args = parser.parse_args()
 
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "

@@ -36,7 +36,13 @@ from braid.bench.metrics import RequestRecord, summarize
 from braid.bench.server_metrics import scrape
 from braid.bench.server_process import ServerProcess
 from braid.bench.sweep_report import machine_info
-from braid.config import DEFAULT_DRAFT, DEFAULT_TARGET
+from braid.config import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    comma_list,
+    positive_float,
+    positive_int,
+)
 
 SPEC = {"method": "draft_model", "num_speculative_tokens": 3, "policy": "fixed"}
 MODES = {  # name -> server flags
@@ -157,20 +163,22 @@ def main() -> None:
     parser.add_argument("--draft-model", default=DEFAULT_DRAFT)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--rates", default="0.05,0.1",
+    parser.add_argument("--rates", type=comma_list(positive_float), default=[0.05, 0.1],
                         help="sessions per second (a conversation, or one system-prompt request)")
-    parser.add_argument("--num-conversations", type=int, default=5)
-    parser.add_argument("--max-turns", type=int, default=3)
-    parser.add_argument("--max-prompt-len", type=int, default=768)
-    parser.add_argument("--num-prompts", type=int, default=8, help="system-prompt requests")
-    parser.add_argument("--system-len", type=int, default=1000)
-    parser.add_argument("--max-output-len", type=int, default=24)
+    parser.add_argument("--num-conversations", type=positive_int, default=5)
+    parser.add_argument("--max-turns", type=positive_int, default=3)
+    parser.add_argument("--max-prompt-len", type=positive_int, default=768)
+    parser.add_argument("--num-prompts", type=positive_int, default=8,
+                        help="system-prompt requests")
+    parser.add_argument("--system-len", type=positive_int, default=1000)
+    parser.add_argument("--max-output-len", type=positive_int, default=24)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-args", default="")
     parser.add_argument("--out", default="docs/benchmarks")
     args = parser.parse_args()
     modes = comma_choices(parser, "--modes", args.modes, MODES)
-    rates = [float(r) for r in args.rates.split(",")]
+    args.workloads = comma_choices(parser, "--workloads", args.workloads, WORKLOADS)
+    rates = args.rates
     loads = workloads(args)
     for name, sessions in loads.items():
         print(f"{name}: {len(sessions)} sessions, {sum(map(len, sessions))} requests")

@@ -21,11 +21,31 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+from braid.config import QUANTIZATIONS, positive_int
 
 SPECS = {
     "goodput": {"method": "draft_model", "num_speculative_tokens": 3, "policy": "goodput"},
     "k3": {"method": "draft_model", "num_speculative_tokens": 3, "policy": "fixed"},
 }
+
+
+def mode_config(mode: str) -> tuple[str, dict[str, Any] | None]:
+    """A mode's --quantization and speculative config; a ValueError for a mode this
+    benchmark does not know."""
+    quantization, plus, spec = mode.partition("+")
+    spec, colon, vocab = spec.partition(":")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"{mode}: starts with a --quantization ({', '.join(QUANTIZATIONS)})")
+    if plus and spec not in SPECS:
+        raise ValueError(f"{mode}: +{spec} is not one of +{', +'.join(SPECS)}")
+    spec_config = SPECS.get(spec)
+    if colon:
+        if spec_config is None or not vocab.isdigit() or int(vocab) < 1:
+            raise ValueError(f"{mode}: a draft vocabulary limit is +goodput:N or +k3:N, N >= 1")
+        spec_config = {**spec_config, "draft_vocab_size": int(vocab)}
+    return quantization, spec_config
 
 
 def run_mode(mode: str, num_prompts: int, max_tokens: int) -> dict:
@@ -36,11 +56,7 @@ def run_mode(mode: str, num_prompts: int, max_tokens: int) -> dict:
     from braid.llm import LLM
     from braid.sampling_params import SamplingParams
 
-    quantization, _, spec = mode.partition("+")
-    spec, _, vocab = spec.partition(":")
-    spec_config = SPECS.get(spec)
-    if spec_config is not None and vocab:
-        spec_config = {**spec_config, "draft_vocab_size": int(vocab)}
+    quantization, spec_config = mode_config(mode)
     start = time.perf_counter()
     llm = LLM(quantization=quantization, speculative_config=spec_config,
               kv_cache_gib=1.0, log_stats_interval=0)
@@ -106,20 +122,28 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default="auto,auto+goodput,auto+k3,none")
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--num-prompts", type=positive_int, default=8)
+    parser.add_argument("--max-tokens", type=positive_int, default=128)
     parser.add_argument("--out", default="docs/benchmarks/quant.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_mode(args.child, args.num_prompts, args.max_tokens)))
         return
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes:
+        parser.error("--modes: name at least one mode")
+    for mode in modes:
+        try:
+            mode_config(mode)
+        except ValueError as e:
+            parser.error(f"--modes: {e}")
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"{cpu_flags()}", flush=True)
     results = []
-    for mode in args.modes.split(","):
+    for mode in modes:
         print(f"running {mode} ...", flush=True)
         results.append(run_in_child(mode, args))
         r = results[-1]

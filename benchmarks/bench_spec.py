@@ -42,7 +42,11 @@ from braid.config import (
     DEFAULT_TARGET,
     DTYPES,
     QUANTIZATIONS,
+    ConfigError,
     EngineConfig,
+    SpecConfig,
+    comma_list,
+    positive_int,
     resolve_draft_dtype,
 )
 from braid.engine.engine import LLMEngine
@@ -60,34 +64,41 @@ SAMPLING_MODES = {
 
 
 def spec_config(mode: str) -> dict[str, Any] | None:
-    mode, _, vocab = mode.partition(":")
-    mode, _, sampling = mode.partition("/")
-    config = _method_config(mode)
+    """A mode's speculative config (None: no speculation); a ValueError naming what is wrong
+    for a mode this benchmark does not know."""
+    name, _, vocab = mode.partition(":")
+    name, _, sampling = name.partition("/")
+    config = _method_config(name)
     if vocab:  # draft3:32768: the draft scores only the first 32768 token ids
-        if config is None or config["method"] != "draft_model":
-            raise SystemExit(f"unknown mode {mode}:{vocab}: only a draft model's mode takes "
-                             "a vocabulary limit")
+        if config is None or config["method"] != "draft_model" or not vocab.isdigit():
+            raise ValueError(f"{mode}: only a draft model's mode takes a vocabulary limit, "
+                             "a positive integer")
         config["draft_vocab_size"] = int(vocab)
     if sampling:
         if config is None or config["method"] != "draft_model" or sampling not in SAMPLING_MODES:
-            raise SystemExit(f"unknown mode {mode}/{sampling}: a draft model's mode takes "
+            raise ValueError(f"{mode}: a draft model's mode takes "
                              f"/{', /'.join(SAMPLING_MODES)}")
         config.update(SAMPLING_MODES[sampling])
+    if config is not None:
+        try:
+            SpecConfig.from_dict(dict(config))
+        except ConfigError as e:
+            raise ValueError(f"{mode}: {e}") from None
     return config
 
 
 def _method_config(mode: str) -> dict[str, Any] | None:
     if mode == "none":
         return None
-    if mode.startswith("ngram"):
-        return {"method": "ngram", "num_speculative_tokens": int(mode[5:]), "policy": "fixed"}
-    if mode.startswith("draft"):
-        return {"method": "draft_model", "num_speculative_tokens": int(mode[5:]),
-                "policy": "fixed"}
-    if mode.startswith("goodput"):
+    for prefix, method in (("ngram", "ngram"), ("draft", "draft_model")):
+        if mode.startswith(prefix) and mode[len(prefix):].isdigit():
+            return {"method": method, "num_speculative_tokens": int(mode[len(prefix):]),
+                    "policy": "fixed"}
+    if mode in ("goodput", "goodput_ngram", "goodput-ngram"):
         method = "ngram" if mode.endswith("ngram") else "draft_model"
         return {"method": method, "num_speculative_tokens": 5, "policy": "goodput"}
-    raise SystemExit(f"unknown mode {mode!r}")
+    raise ValueError(f"unknown mode {mode!r} (known: none, ngramK, draftK, goodput, "
+                     "goodput_ngram)")
 
 
 def prompts_for(workload: str, num: int, tokenizer: Any, max_prompt_len: int = 1024
@@ -131,28 +142,30 @@ def run_mode(engine: LLMEngine, prompts: list[list[int]], concurrency: int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=["humaneval", "edit", "sharegpt"],
                         default="humaneval")
-    parser.add_argument("--num-prompts", type=int, default=16, help="at least this many")
+    parser.add_argument("--num-prompts", type=positive_int, default=16,
+                        help="at least this many")
     parser.add_argument("--prompts-per-slot", type=int, default=0,
                         help="at least this many prompts per concurrent request")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--max-prompt-len", type=int, default=1024,
+    parser.add_argument("--max-tokens", type=positive_int, default=128)
+    parser.add_argument("--max-prompt-len", type=positive_int, default=1024,
                         help="ShareGPT: skip longer prompts (tokens)")
-    parser.add_argument("--concurrency", default="1", help="comma-separated list")
+    parser.add_argument("--concurrency", type=comma_list(positive_int), default=[1],
+                        help="comma-separated list")
     parser.add_argument("--modes", default="none,ngram4,draft1,draft3,draft5,goodput")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=128)
     parser.add_argument("--draft-dtype", default="auto", choices=DTYPES,
                         help="as speculative_config's draft_dtype")
-    parser.add_argument("--temperature", default="0",
+    parser.add_argument("--temperature", type=comma_list(float), default=[0.0],
                         help="comma-separated: every request's temperature, one table each "
                         "(requests are unseeded: the engine seeds them)")
     parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
                         help="the target's --quantization")
     parser.add_argument("--draft-quantization", default=None, choices=QUANTIZATIONS,
                         help="the draft's --quantization (default: the target's)")
-    parser.add_argument("--repeats", type=int, default=1,
+    parser.add_argument("--repeats", type=positive_int, default=1,
                         help="runs of every mode per load, in alternating order (mean tok/s; "
                         "the ratio to none is the median of the repeats' own ratios)")
     parser.add_argument("--warm-engines", action="store_true",
@@ -165,23 +178,34 @@ def main() -> None:
     parser.add_argument("--stem", default=None, help="file name of the JSON and plot "
                         "(default spec_WORKLOAD)")
     args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes:
+        parser.error("--modes: name at least one mode")
+    try:
+        for mode in modes:
+            spec_config(mode)
+    except ValueError as e:
+        parser.error(f"--modes: {e}")
+    if args.prompts_per_slot < 0:
+        parser.error(f"--prompts-per-slot: must be >= 0, got {args.prompts_per_slot}")
+    if not all(0 <= t < float("inf") for t in args.temperature):
+        parser.error(f"--temperature: must be >= 0, got {args.temperature}")
 
     torch.manual_seed(0)
     target = load_model(DEFAULT_TARGET, quantization=args.quantization)
-    modes = args.modes.split(",")
     draft_dtype = resolve_draft_dtype(args.draft_dtype, torch.float32)
     uses_draft = any("draft" in m or m.startswith("goodput") for m in modes)
     draft = (load_model(DEFAULT_DRAFT, draft_dtype,
                         quantization=args.draft_quantization or args.quantization)[0]
              if uses_draft else None)
-    levels = [int(c) for c in args.concurrency.split(",")]
+    levels = args.concurrency
     counts = {c: max(args.num_prompts, args.prompts_per_slot * c) for c in levels}
     prompts = prompts_for(args.workload, max(counts.values()), target[1], args.max_prompt_len)
     print(f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads;"
           f" draft in {str(draft_dtype).removeprefix('torch.')};"
           f" {args.workload}: {counts} prompts per concurrency, {args.max_tokens} new tokens,"
-          f" temperature {args.temperature}, quantization {args.quantization} (draft "
-          f"{args.draft_quantization or args.quantization})")
+          f" temperature {','.join(map(str, args.temperature))}, quantization "
+          f"{args.quantization} (draft {args.draft_quantization or args.quantization})")
     if args.ceiling:
         ceiling(make_engine("goodput", target, draft, 1, args, prompts[0]),
                 prompts[:counts[min(levels)]], args.max_tokens)
@@ -189,7 +213,7 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     # Load level outside, mode inside: the modes compared at one level run back to back, so
     # a drift in machine speed over the run does not masquerade as a difference between them.
-    temperatures = [float(t) for t in args.temperature.split(",")]
+    temperatures = args.temperature
     for temperature in temperatures:
         for c in levels:
             engines: dict[str, LLMEngine] = {}  # --warm-engines: kept over the repeats

@@ -24,7 +24,7 @@ import numpy as np
 from braid.bench.args import comma_choices
 from braid.bench.datasets import tokenizer_for
 from braid.bench.sweep_report import machine_info
-from braid.config import DEFAULT_DRAFT, DEFAULT_TARGET, EngineConfig
+from braid.config import DEFAULT_DRAFT, DEFAULT_TARGET, EngineConfig, positive_int
 from braid.engine.engine import LLMEngine
 from braid.sampling_params import SamplingParams, StructuredOutputsParams
 from braid.structured.grammar import grammar_for
@@ -225,7 +225,7 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_TARGET)
     parser.add_argument("--draft-model", default=DEFAULT_DRAFT)
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--max-tokens", type=int, default=200,
+    parser.add_argument("--max-tokens", type=positive_int, default=200,
                         help="per request (schema answers end when their JSON is complete)")
     parser.add_argument("--out", default="docs/benchmarks")
     args = parser.parse_args()

@@ -34,6 +34,7 @@ import httpx
 from braid.bench.datasets import humaneval
 from braid.bench.server_metrics import scrape
 from braid.bench.server_process import ServerProcess
+from braid.config import positive_float
 
 BODY_LIMIT = 4 * 2**20
 
@@ -223,8 +224,8 @@ class Soak:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--minutes", type=float, default=10.0)
-    ap.add_argument("--rate", type=float, default=0.1,
+    ap.add_argument("--minutes", type=positive_float, default=10.0)
+    ap.add_argument("--rate", type=positive_float, default=0.1,
                     help="requests per second (Poisson); 0.5 overloads the default model on 2 "
                     "cores")
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")

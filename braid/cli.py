@@ -39,7 +39,9 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
             ignore_eos=args.ignore_eos,
         )
     except ValueError as e:
-        raise ConfigError(f"--{str(e).split(' ', 1)[0].replace('_', '-')}: {e}") from None
+        name = str(e).split(" ", 1)[0]
+        flag = "--sampling-seed" if name == "seed" else "--" + name.replace("_", "-")
+        raise ConfigError(f"{flag}: {e}") from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

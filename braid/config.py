@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
@@ -206,6 +207,7 @@ class EngineConfig:
     log_stats_interval: float = _opt(10.0, "seconds between one-line stats logs (0: off)")
 
     def __post_init__(self) -> None:
+        self._check_types()
         self._check_positive("max_num_seqs", "block_size", "kv_cache_gib")
         self._check_positive_or_none("max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                                      "num_threads")
@@ -221,6 +223,30 @@ class EngineConfig:
         self.spec_config = (None if self.speculative_config is None
                      else SpecConfig.from_dict(self.speculative_config))
         self._check_itl_target()
+
+    def _check_types(self) -> None:
+        """Each field holds what its annotation says (LLM(...) passes values unparsed);
+        the speculative config may also come as its JSON text, as on the command line."""
+        if isinstance(self.speculative_config, str):
+            self.speculative_config = _json_arg("--speculative-config", ConfigError)(
+                self.speculative_config)
+        for f in fields(self):
+            value, kind = getattr(self, f.name), str(f.type)
+            if not f.init or (value is None and "None" in kind):
+                continue
+            if kind.startswith("bool"):
+                ok, want = isinstance(value, bool), "true or false"
+            elif kind.startswith("int"):
+                ok, want = is_int(value), "an integer"
+            elif kind.startswith("float"):
+                ok, want = (not isinstance(value, bool) and isinstance(value, int | float)
+                            and math.isfinite(value)), "a finite number"
+            elif kind.startswith("str"):
+                ok, want = isinstance(value, str), "a string"
+            else:
+                ok, want = isinstance(value, dict), "a JSON object"
+            if not ok:
+                raise ConfigError(f"{_flag(f.name)} must be {want}, got {value!r}")
 
     def _check_device(self) -> None:
         import torch
@@ -319,14 +345,50 @@ def _scalar_type(f: Any) -> Any:
     return str
 
 
-def _json_arg(flag: str) -> Any:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    value = float(text)
+    if not 0 < value < math.inf:  # also NaN
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def comma_list(kind: Any) -> Any:
+    """argparse type: comma-separated values, each parsed by `kind` (at least one)."""
+    def parse(text: str) -> list[Any]:
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError("give at least one value")
+        values = []
+        for part in parts:
+            try:
+                values.append(kind(part))
+            except argparse.ArgumentTypeError as e:
+                raise argparse.ArgumentTypeError(f"{part}: {e}") from None
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{part!r} is not a number") from None
+        return values
+
+    parse.__name__ = f"comma-separated {getattr(kind, '__name__', 'value')}"
+    return parse
+
+
+def _json_arg(flag: str, error: type[Exception] = argparse.ArgumentTypeError) -> Any:
     def parse(text: str) -> Any:
         try:
             value = json.loads(text)
         except json.JSONDecodeError as e:
-            raise argparse.ArgumentTypeError(f"{flag}: invalid JSON ({e.msg})") from None
+            raise error(f"{flag}: invalid JSON ({e.msg})") from None
         if not isinstance(value, dict):
-            raise argparse.ArgumentTypeError(f"{flag}: expected a JSON object")
+            raise error(f"{flag}: expected a JSON object")
         return value
 
     return parse

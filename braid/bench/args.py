@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Iterable
 
 from braid.bench.datasets import DATASETS
+from braid.config import positive_int
 
 MODES = "baseline,chunked,spec,chunked_fixed,chunked_dynamic"
 # TTFT within 10 s, and at least 2 tokens a second once streaming (on a 2-core CPU the SLO
@@ -64,14 +65,6 @@ def _dataset_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--goodput", nargs="+", metavar="NAME:MS", default=None,
                    help="SLOs for goodput, e.g. ttft:2000 tpot:500 (names: ttft, tpot, e2el)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from collections.abc import Iterator, Mapping
@@ -17,6 +18,7 @@ from braid.engine.request import Request
 from braid.engine.runner import ModelRunner, kv_bytes_per_token
 from braid.engine.scheduler import Scheduler, SchedulerOutput
 from braid.engine.stats import EngineStats, StepStats
+from braid.models.config import ModelConfig
 from braid.models.qwen2 import Qwen2ForCausalLM
 from braid.outputs import RequestOutput
 from braid.sample.step import StepSample, StepSampler, score_prompts
@@ -34,6 +36,27 @@ class RequestError(ValueError):
     """A request the engine cannot serve (too long, bad ids); the message names the field."""
 
 
+def kv_cache_blocks(cfg: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
+    """The KV cache's size in blocks (--num-kv-blocks, else as many as --kv-cache-gib holds);
+    a ConfigError where it cannot hold one --max-model-len sequence or exceeds the memory."""
+    per_block = kv_bytes_per_token(model_config, dtype) * cfg.block_size
+    if cfg.num_kv_blocks is not None:
+        num, flag = cfg.num_kv_blocks, "--num-kv-blocks"
+    else:
+        num, flag = int(cfg.kv_cache_gib * 2**30 // per_block), "--kv-cache-gib"
+    assert cfg.max_model_len is not None
+    if num * cfg.block_size < cfg.max_model_len:
+        raise ConfigError(
+            f"KV cache of {num} blocks of {cfg.block_size} tokens (--block-size) holds fewer "
+            f"than --max-model-len ({cfg.max_model_len}) tokens: raise --kv-cache-gib or "
+            "--num-kv-blocks, or lower --block-size or --max-model-len")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if torch.device(cfg.device).type == "cpu" and num * per_block > memory:
+        raise ConfigError(f"{flag}: a KV cache of {num * per_block / 2**30:.1f} GiB does not "
+                          f"fit this machine's {memory / 2**30:.1f} GiB of memory")
+    return num
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -45,7 +68,12 @@ class LLMEngine:
         torch.set_num_threads(config.threads)
         if model is None:
             from braid.models.build import load_model
+            from braid.models.loader import load_config, model_folder
 
+            # the checks that need only the model's config.json, before the weights load
+            model_config = load_config(model_folder(config.model))
+            config.finalize(model_config.max_position_embeddings)
+            kv_cache_blocks(config, model_config, config.torch_dtype)
             model, tokenizer = load_model(config.model, config.torch_dtype, config.device,
                                           config.quantization)
         config.finalize(model.config.max_position_embeddings)
@@ -53,7 +81,7 @@ class LLMEngine:
         self.model_config = model.config
         self.tokenizer = tokenizer
         self.device = torch.device(config.device)
-        num_blocks = self._num_kv_blocks(model)
+        num_blocks = kv_cache_blocks(config, model.config, model.dtype)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         assert config.max_num_batched_tokens is not None
         self.scheduler = Scheduler(
@@ -70,20 +98,6 @@ class LLMEngine:
             tokenizer, model.config.vocab_size, self.outputs.eos_token_ids, self.stats.grammar)
         self._compiling: list[Request] = []  # requests whose grammar is not compiled yet
         self._seeds = random.Random(config.seed)  # unseeded requests' seeds, in arrival order
-
-    def _num_kv_blocks(self, model: Qwen2ForCausalLM) -> int:
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            num = cfg.num_kv_blocks
-        else:
-            per_block = kv_bytes_per_token(model, cfg.torch_dtype) * cfg.block_size
-            num = int(cfg.kv_cache_gib * 2**30 // per_block)
-        assert cfg.max_model_len is not None
-        if num * cfg.block_size < cfg.max_model_len:
-            raise ConfigError(
-                f"KV cache of {num} blocks holds fewer than --max-model-len "
-                f"({cfg.max_model_len}) tokens: raise --kv-cache-gib or --num-kv-blocks")
-        return num
 
     def _eos_token_ids(self, model: Qwen2ForCausalLM) -> frozenset[int]:
         if self.tokenizer is not None:

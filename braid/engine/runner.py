@@ -11,6 +11,7 @@ from braid.engine.request import Request
 from braid.engine.scheduler import SchedulerOutput
 from braid.kernels import quant_ops
 from braid.models.attention import AttentionMetadata, build_attention_metadata
+from braid.models.config import ModelConfig
 from braid.models.quant import huge_page_zeros
 from braid.models.qwen2 import Qwen2ForCausalLM
 
@@ -47,8 +48,7 @@ class QuerySpan:
     prompt_rows: range = range(0)  # span offsets whose logits score the next prompt token
 
 
-def kv_bytes_per_token(model: Qwen2ForCausalLM, dtype: torch.dtype) -> int:
-    cfg = model.config
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     itemsize = torch.empty(0, dtype=dtype).element_size()
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
 

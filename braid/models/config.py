@@ -34,6 +34,12 @@ class ModelConfig:
                 f"unsupported architecture {self.architecture!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            value = getattr(self, name)
+            low = 0 if name == "num_hidden_layers" else 1  # no layers: a tokenizer-only file
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
 
@@ -50,7 +56,8 @@ class ModelConfig:
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            head_dim=d.get("head_dim") or (
+                d["hidden_size"] // heads if isinstance(heads, int) and heads > 0 else 0),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 1e4)),
             max_position_embeddings=d.get("max_position_embeddings", 32768),

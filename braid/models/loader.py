@@ -67,7 +67,19 @@ def load_model_files(name_or_path: str) -> LoadedModelFiles:
 
 
 def load_config(folder: Path) -> ModelConfig:
-    return ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
+    path = folder / "config.json"
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: cannot read it ({e})") from None
+    if not isinstance(d, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    try:
+        return ModelConfig.from_hf_dict(d)
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: no {e.args[0]!r}, which this model needs") from None
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise ModelLoadError(f"{path}: {e}") from None
 
 
 def safetensors_files(folder: Path) -> list[Path]:

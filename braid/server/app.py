@@ -132,8 +132,6 @@ def _add_token_routes(app: FastAPI, ctx: ServerContext) -> None:
 def run_server(args: argparse.Namespace) -> int:
     from braid.engine.engine import LLMEngine
 
-    if args.max_waiting_requests < 1:
-        raise ConfigError("--max-waiting-requests must be >= 1")
     config = config_from_args(args)
     engine = LLMEngine(config)
     if engine.tokenizer is None:
@@ -144,8 +142,6 @@ def run_server(args: argparse.Namespace) -> int:
     metrics = ServerMetrics(names[0])
     ctx = ServerContext(AsyncEngine(engine, metrics), engine.tokenizer, names,
                         config.max_model_len, args.max_waiting_requests)
-    if args.max_request_bytes < 1:
-        raise ConfigError("--max-request-bytes must be >= 1")
     app = create_app(ctx, metrics, AppOptions(args.max_request_bytes, args.api_key,
                                               args.enable_docs))
     server = _Server(uvicorn.Config(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from braid.config import positive_int
+
 
 def _port(text: str) -> int:
     """argparse type: a TCP port (0: any free one)."""
@@ -28,12 +30,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--port", type=_port, default=8000)
     group.add_argument("--served-model-name", action="append", default=None,
                        help="name(s) clients use in `model` (repeatable; default: --model)")
-    group.add_argument("--max-waiting-requests", type=int, default=256,
+    group.add_argument("--max-waiting-requests", type=positive_int, default=256,
                        help="engine requests allowed to wait; beyond it new requests get 503")
     group.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
                        help="seconds SIGTERM waits for in-flight requests; then streams end with "
                             "an error event and other requests get 503")
-    group.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+    group.add_argument("--max-request-bytes", type=positive_int, default=4 * 2**20,
                        help="largest request body accepted; larger ones get 413 (default 4 MiB)")
     group.add_argument("--api-key", default=os.environ.get("BRAID_API_KEY"),
                        help="require `Authorization: Bearer KEY` on /v1 and /tokenize routes "

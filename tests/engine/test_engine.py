@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from braid.config import ConfigError, EngineConfig
 from braid.engine.engine import LLMEngine, RequestError
 from braid.sampling_params import SamplingParams
-from tests.tiny import braid_model, random_weights, tiny_config
+from tests.tiny import braid_model, random_weights, save_tiny_model, tiny_config
 
 CFG = tiny_config("qwen2")
 WEIGHTS = random_weights(CFG, seed=0)
@@ -100,6 +102,50 @@ def test_a_draft_model_must_be_a_name_or_path() -> None:
             "method": "draft_model", "num_speculative_tokens": 3, "model": 5})
 
 
+@pytest.mark.parametrize("options, match", [
+    ({"enable_chunked_prefill": "no"}, "--enable-chunked-prefill must be true or false, got 'no'"),
+    ({"max_model_len": "100"}, "--max-model-len must be an integer, got '100'"),
+    ({"max_num_seqs": True}, "--max-num-seqs must be an integer, got True"),
+    ({"kv_cache_gib": float("nan")}, "--kv-cache-gib must be a finite number, got nan"),
+    ({"target_itl_ms": "50"}, "--target-itl-ms must be a finite number, got '50'"),
+    ({"model": 5}, "--model must be a string, got 5"),
+    ({"speculative_config": 5}, "--speculative-config must be a JSON object, got 5"),
+    ({"speculative_config": "{bad"}, "--speculative-config: invalid JSON"),
+    ({"speculative_config": "[3]"}, "--speculative-config: expected a JSON object"),
+])
+def test_engine_options_of_the_wrong_type_are_config_errors(options: dict, match: str) -> None:
+    """LLM(...) hands its keywords to EngineConfig unparsed: each is checked against its
+    field's type, with a message naming the option (was: accepted, or a TypeError later)."""
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        EngineConfig(model=options.pop("model", "tiny"), **options)
+
+
+def test_a_speculative_config_may_be_its_json_text() -> None:
+    """As on the command line: LLM(speculative_config='{"method": ...}') works too."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    config = EngineConfig(model="tiny", speculative_config=spec)
+    assert config.spec_config is not None and config.spec_config.num_speculative_tokens == 3
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"max_model_len": 10**6}, "--max-model-len 1000000 exceeds the model's 512"),
+    ({"kv_cache_gib": 10**6}, "--kv-cache-gib: a KV cache of 1000000.0 GiB does not fit"),
+    ({"num_kv_blocks": 10**12}, "--num-kv-blocks: a KV cache of"),
+    ({"block_size": 100000, "kv_cache_gib": 0.01},
+     "blocks of 100000 tokens (--block-size) holds fewer than --max-model-len (512) tokens"),
+    ({"enable_chunked_prefill": False, "max_num_batched_tokens": 8},
+     "--max-num-batched-tokens (8) must be >= --max-model-len"),
+])
+def test_impossible_sizes_are_refused_before_the_weights_load(
+        tmp_path, options: dict, match: str) -> None:
+    """Checks that need only the model's config.json run before any weight is read: here
+    there are no weights at all, so reaching the load would be a different error."""
+    save_tiny_model(tmp_path / "m")
+    (tmp_path / "m" / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        LLMEngine(EngineConfig(model=str(tmp_path / "m"), **options))
+
+
 def test_server_port_is_checked_by_the_parser(capsys) -> None:
     from braid.cli import main
 
@@ -114,6 +160,19 @@ def test_server_port_is_checked_by_the_parser(capsys) -> None:
             capsys.readouterr().err
     assert main(["bench", "sweep", "--modes", " , "]) == 2
     assert "--modes: name at least one mode" in capsys.readouterr().err
+    for flag in ("--max-request-bytes", "--max-waiting-requests"):  # refused before the load
+        with pytest.raises(SystemExit):
+            main(["serve", flag, "0"])
+        assert f"{flag}: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_generate_names_the_sampling_seed_flag(capsys) -> None:
+    """`generate --sampling-seed` (the request's seed; --seed is the engine's) is named as
+    such when it is out of range."""
+    from braid.cli import main
+
+    assert main(["generate", "--sampling-seed", str(2**64), "x"]) == 2
+    assert "braid: error: --sampling-seed: seed must be in" in capsys.readouterr().err
 
 
 def test_step_mixes_prefill_chunk_and_decodes() -> None:

@@ -72,6 +72,29 @@ def test_folder_without_config(tmp_path: Path) -> None:
         resolve_model_path(str(tmp_path))
 
 
+@pytest.mark.parametrize("config, match", [
+    ("not json", "cannot read it"),
+    ("[1, 2]", "expected a JSON object"),
+    ({"num_attention_heads": None}, "no 'num_attention_heads', which this model needs"),
+    ({"hidden_size": 0}, "hidden_size must be an integer >= 1, got 0"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be an integer >= 1, got 0"),
+    ({"num_key_value_heads": 3}, "num_attention_heads must be a multiple of "
+                                 "num_key_value_heads"),
+    ({"model_type": "mamba"}, "unsupported architecture 'mamba'"),
+])
+def test_a_bad_config_json_is_a_load_error_naming_the_file(
+        tmp_path: Path, config: str | dict, match: str) -> None:
+    """A folder's config.json that is not JSON, lacks a size or holds an impossible one is a
+    ModelLoadError naming the file and the key (the CLI prints it), not a KeyError."""
+    if isinstance(config, dict):
+        d = tiny_hf_model().config.to_dict() | config
+        config = json.dumps({k: v for k, v in d.items() if v is not None})
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(ModelLoadError, match=match) as err:
+        load_model_files(str(tmp_path))
+    assert str(tmp_path / "config.json") in str(err.value)
+
+
 def test_missing_package_names_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     from braid.models import registry
 
