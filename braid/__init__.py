@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from braid.llm import LLM
-from braid.outputs import CompletionOutput, RequestOutput
+from braid.outputs import CompletionOutput, Logprob, RequestOutput
 from braid.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]

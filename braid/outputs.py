@@ -6,6 +6,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+@dataclass(slots=True)
+class Logprob:
+    """One token's entry in a position's logprobs, as vLLM's: its raw model logprob, its rank
+    in the vocabulary (1: the most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position {token_id: Logprob}: the position's own token (sampled, or the prompt's) and the
+# top-n. Prompt logprobs have None for the first prompt token (nothing precedes it).
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -13,8 +29,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # Per generated token: {token_id: logprob} holding the sampled token and the top-n.
-    logprobs: list[dict[int, float]] | None = None
+    # With logprobs: per generated token, the sampled token and the top-n.
+    logprobs: SampleLogprobs | None = None
 
 
 @dataclass
@@ -35,11 +51,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
-    # With prompt_logprobs: per prompt token (None for the first) {token_id: logprob} of the
-    # prompt token and the top-n; set once the whole prompt has been scored.
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    # With prompt_logprobs: each prompt token's rank in the vocabulary (1: the most likely;
-    # None for the first), as vLLM's Logprob.rank.
-    prompt_logprob_ranks: list[int | None] | None = None
+    # With prompt_logprobs: per prompt token (None for the first) the prompt token and the
+    # top-n; set once the whole prompt has been scored.
+    prompt_logprobs: PromptLogprobs | None = None
     # Prompt tokens whose KV came from the prefix cache (vLLM's name; 0 before admission).
     num_cached_tokens: int = 0

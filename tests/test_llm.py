@@ -133,3 +133,34 @@ def test_prompt_forms_and_chat_messages_as_the_server_takes_them(tmp_path) -> No
                  {"role": "assistant", "content": None}, {"role": "user"}])
     with pytest.raises(ValueError, match="content"):
         chat([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}])
+
+
+def test_logprobs_are_vllm_logprob_objects(tmp_path) -> None:
+    """As vLLM's offline API: per position {token_id: Logprob(logprob, rank, decoded_token)}
+    for generated and prompt tokens, so `lp[token].logprob` code runs unchanged."""
+    import math
+
+    from braid import LLM, Logprob, SamplingParams
+    from tests.tiny import save_tiny_model
+
+    llm = LLM(str(save_tiny_model(tmp_path)), num_kv_blocks=256, block_size=4,
+              max_model_len=256, log_stats_interval=0)
+    tokenizer = llm.get_tokenizer()
+    out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                               logprobs=2, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert completion.logprobs is not None and len(completion.logprobs) == 5
+    for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert all(isinstance(lp, Logprob) for lp in entry.values())
+        assert entry[token].rank == 1  # greedy: the sampled token is the most likely
+        assert {lp.rank for lp in entry.values()} == {1, 2}
+        for t, lp in entry.items():
+            assert lp.decoded_token == tokenizer.decode([t], skip_special_tokens=False)
+            assert lp.logprob <= entry[token].logprob
+    prompt = out.prompt_logprobs
+    assert prompt is not None and prompt[0] is None and len(prompt) == len(out.prompt_token_ids)
+    for token, entry in zip(out.prompt_token_ids[1:], prompt[1:], strict=True):
+        assert entry is not None and token in entry and 1 <= len(entry) <= 2
+        assert entry[token].rank is not None and entry[token].rank >= 1
+        assert math.isfinite(entry[token].logprob) and entry[token].decoded_token is not None

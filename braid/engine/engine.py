@@ -225,8 +225,8 @@ class LLMEngine:
             self.scheduler.discard_published(sched)  # their KV was never written
             raise
         forward_time = time.perf_counter() - start
-        for rid, (lp, ranks) in score_prompts(sched, logits[: inp.num_prompt_rows]).items():
-            self.outputs.add_prompt_logprobs(self.requests[rid], lp, ranks)
+        for rid, lp in score_prompts(sched, logits[: inp.num_prompt_rows]).items():
+            self.outputs.add_prompt_logprobs(self.requests[rid], lp)
         sampled = self.sampler.sample(sched, logits[inp.num_prompt_rows :])
         outputs = self._update(sched, sampled)
         target_time = time.perf_counter() - start

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from braid.engine.request import Request
-from braid.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from braid.outputs import CompletionOutput, RequestMetrics, RequestOutput, SampleLogprobs
 from braid.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -39,16 +39,22 @@ class OutputProcessor:
             reason = "length"
         return reason
 
-    def add_logprobs(self, req: Request, logprobs: list[dict[int, float]]) -> None:
+    def add_logprobs(self, req: Request, logprobs: SampleLogprobs) -> None:
         """Logprobs of the tokens just appended to `req` (as many as were appended)."""
-        req.logprobs += logprobs
+        req.logprobs += self._decoded(logprobs)
 
-    def add_prompt_logprobs(self, req: Request, logprobs: list[dict[int, float]],
-                            ranks: list[int]) -> None:
-        """Logprobs (and vocabulary ranks) of the prompt tokens a step scored (the next ones
-        in order)."""
-        req.prompt_logprobs += logprobs
-        req.prompt_ranks += ranks
+    def add_prompt_logprobs(self, req: Request, logprobs: SampleLogprobs) -> None:
+        """Logprobs of the prompt tokens a step scored (the next ones in order)."""
+        req.prompt_logprobs += self._decoded(logprobs)
+
+    def _decoded(self, logprobs: SampleLogprobs) -> SampleLogprobs:
+        """The entries with each token's text (special tokens included), where there is a
+        tokenizer."""
+        if self.tokenizer is not None:
+            for entry in logprobs:
+                for token, lp in entry.items():
+                    lp.decoded_token = self.tokenizer.decode([token], skip_special_tokens=False)
+        return logprobs
 
     def _check_token(self, req: Request, token: int) -> str | None:
         p = req.sampling_params
@@ -118,7 +124,6 @@ class OutputProcessor:
             outputs=[completion],
             finished=req.is_finished,
             prompt_logprobs=list(req.prompt_logprobs) if scored else None,
-            prompt_logprob_ranks=list(req.prompt_ranks) if scored else None,
             num_cached_tokens=req.num_cached_tokens or 0,
             metrics=RequestMetrics(
                 arrival_time=req.arrival_time,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from braid.engine.stats import SpecStats
+from braid.outputs import PromptLogprobs, SampleLogprobs
 from braid.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -48,12 +49,10 @@ class Request:
     num_preemptions: int = 0
     # Prompt tokens found in the prefix cache at the first admission (None until admitted).
     num_cached_tokens: int | None = None
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: SampleLogprobs = field(default_factory=list)
     # With sampling_params.prompt_logprobs: one entry per prompt token scored so far (the
-    # first token has none), {token_id: logprob} holding the prompt token and the top-n.
-    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
-    # ... and each scored prompt token's rank in the vocabulary (1: the most likely).
-    prompt_ranks: list[int | None] = field(default_factory=lambda: [None])
+    # first token has none), holding the prompt token and the top-n.
+    prompt_logprobs: PromptLogprobs = field(default_factory=lambda: [None])
     spec_stats: SpecStats = field(default_factory=SpecStats)  # this request's speculation figures
     # With sampling_params.structured_outputs: its grammar, compiled off the engine loop; the
     # scheduler admits the request once it is done.

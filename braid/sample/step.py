@@ -12,11 +12,10 @@ from braid.config import SpecConfig
 from braid.engine.request import Request
 from braid.engine.runner import prompt_logprob_rows
 from braid.engine.scheduler import ScheduledRequest, SchedulerOutput
+from braid.outputs import Logprob, SampleLogprobs
 from braid.sample.sampler import SAMPLE, SamplingMetadata, gather_logprobs
 from braid.sample.verify import verify
 from braid.structured.grammar import allowed_tokens, bitmask_width
-
-Logprobs = list[dict[int, float]]  # {token: logprob} per emitted token: it and the top-n
 
 
 @dataclass(slots=True)
@@ -25,7 +24,7 @@ class StepSample:
 
     scheduled: ScheduledRequest
     token_ids: list[int]  # accepted drafts, then the target's token; empty for a chunk
-    logprobs: Logprobs | None
+    logprobs: SampleLogprobs | None
 
 
 class StepSampler:
@@ -76,8 +75,8 @@ class StepSampler:
 
     def _logprobs(
         self, to_sample: list[ScheduledRequest], logits: torch.Tensor, tokens: list[list[int]]
-    ) -> list[Logprobs] | None:
-        """{token: logprob} for each emitted token (raw model logprobs) and the top-n."""
+    ) -> list[SampleLogprobs] | None:
+        """Each emitted token's entry (raw model logprobs) and the top-n, per request."""
         wanted = [s.request.sampling_params.logprobs for s in to_sample]
         if all(n is None for n in wanted):
             return None
@@ -87,14 +86,11 @@ class StepSampler:
             rows += range(starts[-1], starts[-1] + len(t))
             starts.append(starts[-1] + 1 + s.num_spec_tokens)
         flat = [t for ts in tokens for t in ts]
-        lp = gather_logprobs(logits[rows].float().log_softmax(dim=-1), torch.tensor(flat),
-                             max(n or 0 for n in wanted))
-        ids, values = lp.token_ids.tolist(), lp.logprobs.tolist()
+        entries = _entries(logits[rows].float().log_softmax(dim=-1), torch.tensor(flat),
+                           max(n or 0 for n in wanted))
         out, r = [], 0
         for n, t in zip(wanted, tokens, strict=True):
-            k = 1 + (n or 0)
-            out.append([dict(zip(ids[r + j][:k], values[r + j][:k], strict=True))
-                        for j in range(len(t))])
+            out.append([_top_n(entries[r + j], n or 0) for j in range(len(t))])
             r += len(t)
         return out
 
@@ -148,12 +144,34 @@ def _draft_probs(s: ScheduledRequest) -> torch.Tensor | None:
     return None if probs is None or not s.num_spec_tokens else probs[: s.num_spec_tokens]
 
 
-def score_prompts(sched: SchedulerOutput, logits: torch.Tensor
-                  ) -> dict[str, tuple[Logprobs, list[int]]]:
+def _entries(row_logprobs: torch.Tensor, tokens: torch.Tensor, n: int
+             ) -> list[dict[int, Logprob]]:
+    """Per row of `row_logprobs` [R, V]: its token (`tokens` [R]) with its rank in the
+    vocabulary (1 + the tokens more likely), then the row's top-n ranked 1..n (vLLM's ranks;
+    the row's token keeps its own where it is among them)."""
+    lp = gather_logprobs(row_logprobs, tokens, n)
+    ranks = ((row_logprobs > lp.logprobs[:, :1]).sum(dim=-1) + 1).tolist()
+    out = []
+    for ids, values, rank in zip(lp.token_ids.tolist(), lp.logprobs.tolist(), ranks,
+                                 strict=True):
+        entry = {ids[0]: Logprob(values[0], rank)}
+        for i in range(1, len(ids)):
+            entry.setdefault(ids[i], Logprob(values[i], i))
+        out.append(entry)
+    return out
+
+
+def _top_n(entry: dict[int, Logprob], n: int) -> dict[int, Logprob]:
+    """An entry of `_entries` cut to its token and its top n."""
+    return {t: lp for i, (t, lp) in enumerate(entry.items())
+            if i == 0 or (lp.rank is not None and lp.rank <= n)}
+
+
+def score_prompts(sched: SchedulerOutput, logits: torch.Tensor) -> dict[str, SampleLogprobs]:
     """Prompt logprobs from `logits` [P, V]: the rows `prompt_logprob_rows` chose, in
-    scheduling order (raw model logprobs, like sampled tokens' logprobs), and each prompt
-    token's rank in the vocabulary (1 + the tokens more likely), by request id."""
-    scored: dict[str, tuple[Logprobs, list[int]]] = {}
+    scheduling order (raw model logprobs, like sampled tokens' logprobs, and vocabulary
+    ranks), by request id."""
+    scored: dict[str, SampleLogprobs] = {}
     if not logits.shape[0]:
         return scored
     r = 0
@@ -166,10 +184,6 @@ def score_prompts(sched: SchedulerOutput, logits: torch.Tensor
         targets = torch.tensor(req.prompt_token_ids[first + 1 : first + 1 + len(rows)])
         n = req.sampling_params.prompt_logprobs or 0
         row_logprobs = logits[r : r + len(rows)].float().log_softmax(dim=-1)  # [R, V]
-        lp = gather_logprobs(row_logprobs, targets, n)
-        ranks = (row_logprobs > lp.logprobs[:, :1]).sum(dim=-1) + 1
-        ids, values = lp.token_ids.tolist(), lp.logprobs.tolist()
-        scored[req.request_id] = ([dict(zip(i, v, strict=True))
-                                   for i, v in zip(ids, values, strict=True)], ranks.tolist())
+        scored[req.request_id] = _entries(row_logprobs, targets, n)
         r += len(rows)
     return scored

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from braid.outputs import RequestOutput
+from braid.outputs import Logprob, RequestOutput
 from braid.sampling_params import is_int
 from braid.server.protocol import (
     BraidInfo,
     ChatLogprobs,
     CompletionLogprobs,
     PromptLogprob,
-    PromptLogprobs,
     PromptTokensDetails,
     TokenLogprob,
     TopLogprob,
@@ -27,7 +27,7 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf
 class Delta:
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | list[dict[int, float] | None] | None
+    logprobs: Sequence[dict[int, Logprob] | None] | None  # None: an echoed prompt's first
 
 
 @dataclass(slots=True)
@@ -57,12 +57,16 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
-    return sorted(entry.items(), key=lambda kv: -kv[1])[:n]
+def _top(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
+    return sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:n]
 
 
-def _clamp(logprob: float | None) -> float | None:
-    return None if logprob is None else max(logprob, _MIN_LOGPROB)
+def _clamp(logprob: float) -> float:
+    return max(logprob, _MIN_LOGPROB)
+
+
+def _text(tokenizer: Tokenizer, token_id: int, lp: Logprob) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else token_text(tokenizer, token_id)
 
 
 def completion_logprobs(tokenizer: Tokenizer, delta: Delta, top_n: int,
@@ -70,30 +74,27 @@ def completion_logprobs(tokenizer: Tokenizer, delta: Delta, top_n: int,
     """Legacy completions logprobs; an entry of None (an echoed prompt's first token) gets
     null logprobs."""
     result = CompletionLogprobs()
-    entries: list[dict[int, float] | None] = list(delta.logprobs or [])
-    for token_id, entry in zip(delta.token_ids, entries, strict=False):
+    for token_id, entry in zip(delta.token_ids, delta.logprobs or [], strict=False):
         text = token_text(tokenizer, token_id)
         result.tokens.append(text)
-        result.token_logprobs.append(None if entry is None else _clamp(entry.get(token_id)))
+        result.token_logprobs.append(None if entry is None else _clamp(entry[token_id].logprob))
         result.top_logprobs.append(None if entry is None else {
-            token_text(tokenizer, t): max(lp, _MIN_LOGPROB) for t, lp in _top(entry, top_n)})
+            _text(tokenizer, t, lp): _clamp(lp.logprob) for t, lp in _top(entry, top_n)})
         result.text_offset.append(offset)
         offset += len(text)
     return result
 
 
-def prompt_logprobs(tokenizer: Tokenizer, out: RequestOutput) -> PromptLogprobs | None:
+def prompt_logprobs(tokenizer: Tokenizer, out: RequestOutput
+                    ) -> list[dict[str, PromptLogprob] | None] | None:
     """vLLM's `prompt_logprobs`: per prompt token None (the first) or token id -> entry."""
     if out.prompt_logprobs is None:
         return None
-    ranks = out.prompt_logprob_ranks or [None] * len(out.prompt_logprobs)
     return [None if entry is None else {
-        str(t): PromptLogprob(logprob=max(lp, _MIN_LOGPROB), rank=rank if t == token else
-                              1 + sum(other > lp for other in entry.values()),
-                              decoded_token=token_text(tokenizer, t))
+        str(t): PromptLogprob(logprob=_clamp(lp.logprob), rank=lp.rank,
+                              decoded_token=_text(tokenizer, t, lp))
         for t, lp in entry.items()}
-        for entry, token, rank in zip(out.prompt_logprobs, out.prompt_token_ids, ranks,
-                                      strict=True)]
+        for entry in out.prompt_logprobs]
 
 
 def chat_logprobs(tokenizer: Tokenizer, delta: Delta, top_n: int) -> ChatLogprobs:
@@ -102,14 +103,14 @@ def chat_logprobs(tokenizer: Tokenizer, delta: Delta, top_n: int) -> ChatLogprob
         assert entry is not None  # only echoed prompts have entries of None
         text = token_text(tokenizer, token_id)
         top = [_top_logprob(tokenizer, t, lp) for t, lp in _top(entry, top_n)]
-        content.append(TokenLogprob(token=text, logprob=_clamp(entry.get(token_id)) or 0.0,
+        content.append(TokenLogprob(token=text, logprob=_clamp(entry[token_id].logprob),
                                     bytes=list(text.encode()), top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
-def _top_logprob(tokenizer: Tokenizer, token_id: int, logprob: float) -> TopLogprob:
-    text = token_text(tokenizer, token_id)
-    return TopLogprob(token=text, logprob=max(logprob, _MIN_LOGPROB), bytes=list(text.encode()))
+def _top_logprob(tokenizer: Tokenizer, token_id: int, lp: Logprob) -> TopLogprob:
+    text = _text(tokenizer, token_id, lp)
+    return TopLogprob(token=text, logprob=_clamp(lp.logprob), bytes=list(text.encode()))
 
 
 def usage(prompts: list[list[int]], choices: list[ChoiceState]) -> UsageInfo:

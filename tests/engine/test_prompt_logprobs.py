@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from braid.engine.engine import LLMEngine, RequestError
+from braid.outputs import Logprob, PromptLogprobs
 from braid.sampling_params import SamplingParams
 from tests.engine.test_engine import CFG, STAGGERED, make_engine, prompts
 from tests.spec_decode.test_spec_engine import spec_engine
@@ -41,9 +42,8 @@ def reference(reference_logprobs) -> list[list[dict[int, float] | None]]:
     return out
 
 
-def run_all(engine: LLMEngine, ranks: dict[int, list[int | None]] | None = None
-            ) -> dict[int, list[dict[int, float] | None]]:
-    """Each request's prompt logprobs (and, into `ranks`, its prompt tokens' ranks)."""
+def run_all(engine: LLMEngine) -> dict[int, PromptLogprobs]:
+    """Each request's prompt logprobs."""
     ps, got, step = prompts(), {}, 0
     while step <= max(STAGGERED) or engine.has_unfinished_requests():
         for i in STAGGERED.get(step, []):
@@ -52,19 +52,28 @@ def run_all(engine: LLMEngine, ranks: dict[int, list[int | None]] | None = None
             if out.finished:
                 assert out.prompt_logprobs is not None
                 got[int(out.request_id)] = out.prompt_logprobs
-                if ranks is not None:
-                    assert out.prompt_logprob_ranks is not None
-                    ranks[int(out.request_id)] = out.prompt_logprob_ranks
         engine.blocks.check_invariants()
         step += 1
     return got
 
 
-def assert_close(got: list[dict[int, float] | None], want: list[dict[int, float] | None]) -> None:
+def assert_close(got: PromptLogprobs, want: list[dict[int, float] | None]) -> None:
     assert len(got) == len(want) and got[0] is None
     for g, w in zip(got[1:], want[1:], strict=True):
         assert g is not None and w is not None and g.keys() == w.keys()
-        assert all(math.isclose(g[t], w[t], abs_tol=1e-3) for t in w)
+        assert all(math.isclose(g[t].logprob, w[t], abs_tol=1e-3) for t in w)
+
+
+def assert_ranked(entry: dict[int, Logprob], token: int, row: torch.Tensor) -> None:
+    """`token`'s vocabulary rank is 1 + the tokens transformers' `row` finds more likely
+    (within the logprobs' tolerance, so a near tie may go either way); the other entries,
+    the top-n, rank 1..n in order."""
+    rank = entry[token].rank
+    surely_above = int((row > row[token] + 1e-3).sum()) + 1
+    maybe_above = int((row > row[token] - 1e-3).sum()) + 1
+    assert rank is not None and surely_above <= rank <= maybe_above
+    top = [lp for t, lp in entry.items() if t != token]
+    assert [lp.rank for lp in top] == [r for r in range(1, TOP + 1) if r != rank][:len(top)]
 
 
 ENGINES = {
@@ -89,24 +98,20 @@ def test_prompt_logprobs_match_transformers(reference, name: str) -> None:
 
 @pytest.mark.parametrize("name", ["chunks of 16", "preempted", "draft speculation"])
 def test_prompt_token_ranks_match_transformers(reference_logprobs, name: str) -> None:
-    """Each prompt token's vocabulary rank: 1 + the tokens transformers finds more likely
-    (within the logprobs' tolerance, so a near tie may go either way)."""
-    ranks: dict[int, list[int | None]] = {}
-    run_all(ENGINES[name](), ranks)
+    """Each prompt token's vocabulary rank (vLLM's Logprob.rank), as transformers ranks it."""
+    got = run_all(ENGINES[name]())
     for i, ids in enumerate(prompts()):
-        assert len(ranks[i]) == len(ids) and ranks[i][0] is None
-        for p, rank in enumerate(ranks[i][1:]):
-            row, token = reference_logprobs[i][p], ids[p + 1]
-            surely_above = int((row > row[token] + 1e-3).sum()) + 1
-            maybe_above = int((row > row[token] - 1e-3).sum()) + 1
-            assert rank is not None and surely_above <= rank <= maybe_above
+        assert len(got[i]) == len(ids) and got[i][0] is None
+        for p, entry in enumerate(got[i][1:]):
+            assert entry is not None
+            assert_ranked(entry, ids[p + 1], reference_logprobs[i][p])
 
 
 def test_no_prompt_logprobs_unless_asked() -> None:
     engine = make_engine()
     engine.add_request("a", prompts()[1], SamplingParams(temperature=0, max_tokens=2))
     outs = [o for o in engine.run_until_done() if o.finished]
-    assert outs[0].prompt_logprobs is None and outs[0].prompt_logprob_ranks is None
+    assert outs[0].prompt_logprobs is None
 
 
 def test_logit_bias_forces_a_token_greedy_and_sampled() -> None:
@@ -139,8 +144,8 @@ def test_bad_logit_bias_is_refused(bias: dict[int, float]) -> None:
 
 @pytest.mark.parametrize("name", ["one chunk", "ngram speculation", "draft speculation"])
 def test_sampled_logprobs_match_transformers(name: str) -> None:
-    """Each emitted token's logprob and the top-n are the raw model's at its position, also
-    for tokens that came from accepted drafts; a request that asks for none gets None."""
+    """Each emitted token's logprob, rank and the top-n are the raw model's at its position,
+    also for tokens that came from accepted drafts; a request that asks for none gets None."""
     engine = ENGINES[name]()
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=TOP)
     ps = prompts()[:4]
@@ -161,4 +166,5 @@ def test_sampled_logprobs_match_transformers(name: str) -> None:
             want = {token: row[token].item(),
                     **dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))}
             assert got.keys() == want.keys()
-            assert all(math.isclose(got[t], want[t], abs_tol=1e-3) for t in want)
+            assert all(math.isclose(got[t].logprob, want[t], abs_tol=1e-3) for t in want)
+            assert_ranked(got, token, row)
