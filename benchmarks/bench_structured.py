@@ -229,7 +229,7 @@ def main() -> None:
                         help="per request (schema answers end when their JSON is complete)")
     parser.add_argument("--out", default="docs/benchmarks")
     args = parser.parse_args()
-    modes = comma_choices(parser, "--modes", args.modes, MODES)
+    modes = comma_choices(parser, "--modes", args.modes, MODES, allow_empty=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
@@ -254,9 +254,14 @@ def main() -> None:
 
 def _save(out: Path, args: argparse.Namespace, results: dict[str, Any],
           backends: dict[str, Any] | None) -> None:
-    (out / "structured_output.json").write_text(json.dumps(
-        {"args": vars(args), "machine": machine_info(), "results": results,
-         "backends": backends}, indent=1))
+    """Write the JSON; a run of the grammar engines alone (--modes "") keeps the engine
+    results an earlier run saved there."""
+    path = out / "structured_output.json"
+    data = {"args": vars(args), "machine": machine_info(), "results": results,
+            "backends": backends}
+    if not args.modes.strip(", ") and path.is_file():
+        data = {**json.loads(path.read_text()), "backends": backends}
+    path.write_text(json.dumps(data, indent=1))
 
 
 if __name__ == "__main__":

@@ -34,11 +34,13 @@ Goodput SLOs default to ttft:10000 tpot:500 (ms).
 
 
 def comma_choices(parser: argparse.ArgumentParser, flag: str, value: str,
-                  known: Iterable[str]) -> list[str]:
-    """The comma-separated names of `value`, each one of `known` (parser.error naming the
-    flag otherwise)."""
+                  known: Iterable[str], allow_empty: bool = False) -> list[str]:
+    """The comma-separated names of `value`, each one of `known`, at least one unless
+    `allow_empty` (parser.error naming the flag otherwise)."""
     known = list(known)
-    names = [n for n in value.split(",") if n]
+    names = [n for n in (part.strip() for part in value.split(",")) if n]
+    if not names and not allow_empty:
+        parser.error(f"{flag}: name at least one of {', '.join(known)}")
     if unknown := [n for n in names if n not in known]:
         parser.error(f"{flag}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
     return names

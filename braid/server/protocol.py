@@ -334,7 +334,6 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -368,6 +367,8 @@ class CompletionResponse(_Response):
 class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
+    # the conversation's, once for all choices, where vLLM puts it (completions: per choice)
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionStreamResponse(_Response):

@@ -72,14 +72,16 @@ def _text(tokenizer: Tokenizer, token_id: int, lp: Logprob) -> str:
 def completion_logprobs(tokenizer: Tokenizer, delta: Delta, top_n: int,
                         offset: int) -> CompletionLogprobs:
     """Legacy completions logprobs; an entry of None (an echoed prompt's first token) gets
-    null logprobs."""
+    null logprobs. As in vLLM (and OpenAI's legacy API), a position's top_logprobs hold its
+    own token and the top `top_n`: up to top_n + 1 entries."""
     result = CompletionLogprobs()
     for token_id, entry in zip(delta.token_ids, delta.logprobs or [], strict=False):
         text = token_text(tokenizer, token_id)
         result.tokens.append(text)
         result.token_logprobs.append(None if entry is None else _clamp(entry[token_id].logprob))
         result.top_logprobs.append(None if entry is None else {
-            _text(tokenizer, t, lp): _clamp(lp.logprob) for t, lp in _top(entry, top_n)})
+            _text(tokenizer, t, lp): _clamp(lp.logprob) for t, lp in entry.items()
+            if t == token_id or (lp.rank is not None and lp.rank <= top_n)})
         result.text_offset.append(offset)
         offset += len(text)
     return result

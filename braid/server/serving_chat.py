@@ -112,10 +112,10 @@ def _response(ctx: ServerContext, job: Job, body: ChatCompletionRequest, model: 
         choices.append(ChatChoice(
             index=choice.index, message=message,
             logprobs=_logprobs(ctx, body, Delta(c.text, c.token_ids, c.logprobs)),
-            finish_reason=reason, stop_reason=c.stop_reason,
-            prompt_logprobs=prompt_logprobs(ctx.tokenizer, out)))
+            finish_reason=reason, stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=job.id, model=model, choices=choices,
-                                  usage=usage(job.prompts, job.choices), braid=braid_info(finals))
+                                  usage=usage(job.prompts, job.choices), braid=braid_info(finals),
+                                  prompt_logprobs=prompt_logprobs(ctx.tokenizer, finals[0]))
 
 
 def _stream(ctx: ServerContext, job: Job, body: ChatCompletionRequest, model: str,  # noqa: ANN202

@@ -29,6 +29,8 @@ def run_script(name: str, *argv: str, monkeypatch: pytest.MonkeyPatch) -> int:
     ("bench_model.py", ["--pairs", "0"], "argument --pairs: must be >= 1, got 0"),
     ("bench_prefix.py", ["--rates", "0.1,-1"], "argument --rates: -1: must be a number > 0"),
     ("bench_prefix.py", ["--workloads", "multiturn,foo"], "--workloads: unknown foo"),
+    ("bench_prefix.py", ["--modes", " , "], "--modes: name at least one of cache"),
+    ("bench_prefix.py", ["--workloads", ","], "--workloads: name at least one of multiturn"),
     ("bench_quant.py", ["--modes", "auto,foo"], "--modes: foo: starts with a --quantization"),
     ("bench_quant.py", ["--modes", "auto+k3:x"], "--modes: auto+k3:x: a draft vocabulary limit"),
     ("bench_quant.py", ["--modes", "auto+k5"], "--modes: auto+k5: +k5 is not one of"),

@@ -67,6 +67,26 @@ def test_completion_token_ids_prompt_and_logprobs(client: openai.OpenAI, server:
         assert max(top.values()) == pytest.approx(lp, abs=1e-5)
 
 
+@pytest.mark.parametrize("logprobs", [0, 1])
+def test_completion_top_logprobs_hold_the_chosen_token(client: openai.OpenAI,
+                                                       server: ServerProcess,
+                                                       logprobs: int) -> None:
+    """As vLLM and OpenAI's legacy completions: each position's top_logprobs hold its own
+    token (sampled, or an echoed prompt token) besides the top n: up to n + 1 entries (they
+    held only the top n, so logprobs=0 gave {} and a sampled token outside the top was
+    missing)."""
+    res = client.completions.create(model=server.model, prompt="hello there", max_tokens=8,
+                                    temperature=1.5, seed=3, logprobs=logprobs, echo=True)
+    lp = res.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.top_logprobs and lp.token_logprobs
+    assert lp.top_logprobs[0] is None  # the prompt's first token has no logprobs
+    for token, top, value in zip(lp.tokens[1:], lp.top_logprobs[1:], lp.token_logprobs[1:],
+                                 strict=True):
+        assert top is not None and value is not None
+        assert token in top and 1 <= len(top) <= logprobs + 1
+        assert max(top.values()) >= value
+
+
 def test_chat_matches_offline(server: ServerProcess, client: openai.OpenAI,
                               offline: LLM) -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]

@@ -147,9 +147,12 @@ def test_prompt_logprobs_over_http(server: ServerProcess) -> None:
         assert [v["rank"] for v in by_rank][:2] == [1, 2]
         assert [v["logprob"] for v in by_rank] == sorted((v["logprob"] for v in by_rank),
                                                          reverse=True)
-    r = chat(server, prompt_logprobs=0)
-    entries = r.json()["choices"][0]["prompt_logprobs"]
+    r = chat(server, prompt_logprobs=0, n=2, temperature=1.0)
+    body = r.json()  # at the top level, once for the conversation, as in vLLM
+    entries = body["prompt_logprobs"]
     assert entries[0] is None and all(len(e) == 1 for e in entries[1:])
+    assert len(entries) == body["usage"]["prompt_tokens"]
+    assert all("prompt_logprobs" not in c for c in body["choices"])
 
 
 # ---- token routes, version, docs ----------------------------------------------------------
