@@ -23,7 +23,7 @@ from braid.models.qwen2 import Qwen2ForCausalLM
 from braid.outputs import RequestOutput
 from braid.sample.step import StepSample, StepSampler, score_prompts
 from braid.sampling_params import SamplingParams
-from braid.spec_decode.build import make_speculator
+from braid.spec_decode.build import check_draft, make_speculator
 from braid.spec_decode.cost_model import attention_work
 from braid.spec_decode.speculator import SpeculatorFigures
 from braid.structured.manager import StructuredOutputManager
@@ -43,7 +43,8 @@ def kv_cache_blocks(cfg: EngineConfig, model_config: ModelConfig, dtype: torch.d
     if cfg.num_kv_blocks is not None:
         num, flag = cfg.num_kv_blocks, "--num-kv-blocks"
     else:
-        num, flag = int(cfg.kv_cache_gib * 2**30 // per_block), "--kv-cache-gib"
+        num = int(cfg.kv_cache_gib * 2**30 // max(per_block, 1))  # 0: a model without layers
+        flag = "--kv-cache-gib"
     assert cfg.max_model_len is not None
     if num * cfg.block_size < cfg.max_model_len:
         raise ConfigError(
@@ -70,10 +71,13 @@ class LLMEngine:
             from braid.models.build import load_model
             from braid.models.loader import load_config, model_folder
 
-            # the checks that need only the model's config.json, before the weights load
+            # the checks that need only the models' config.json, before any weight loads
             model_config = load_config(model_folder(config.model))
             config.finalize(model_config.max_position_embeddings)
             kv_cache_blocks(config, model_config, config.torch_dtype)
+            spec = config.spec_config
+            if spec is not None and spec.model is not None and draft_model is None:
+                check_draft(config, model_config, load_config(model_folder(spec.model)))
             model, tokenizer = load_model(config.model, config.torch_dtype, config.device,
                                           config.quantization)
         config.finalize(model.config.max_position_embeddings)
@@ -93,11 +97,29 @@ class LLMEngine:
                                        config.max_model_len or 0)
         self.sampler = StepSampler(self.device, self.outputs.eos_token_ids, config.spec_config)
         self.speculator = make_speculator(config, self.runner, self.scheduler, draft_model)
+        self._check_memory()
         self.stats = EngineStats(num_kv_blocks=num_blocks)
         self.structured = None if tokenizer is None else StructuredOutputManager(
             tokenizer, model.config.vocab_size, self.outputs.eos_token_ids, self.stats.grammar)
         self._compiling: list[Request] = []  # requests whose grammar is not compiled yet
         self._seeds = random.Random(config.seed)  # unseeded requests' seeds, in arrival order
+
+    def _check_memory(self) -> None:
+        """The weights and KV caches of the target and the draft against the machine's
+        memory. The KV caches are mapped, not yet touched: one too large would fail under
+        load, not here, so it is refused now."""
+        runners = [self.runner, getattr(getattr(self.speculator, "proposer", None), "runner",
+                                        None)]
+        total = sum(r.model.weight_bytes() + r.kv_cache.numel() * r.kv_cache.element_size()
+                    for r in runners if r is not None)
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if self.device.type == "cpu" and total > memory:
+            flag = ("--kv-cache-gib" if self.config.num_kv_blocks is None
+                    else "--num-kv-blocks")
+            raise ConfigError(
+                f"{flag}: the weights and KV caches (the draft's included) take "
+                f"{total / 2**30:.1f} GiB, more than this machine's {memory / 2**30:.1f} GiB "
+                "of memory")
 
     def _eos_token_ids(self, model: Qwen2ForCausalLM) -> frozenset[int]:
         if self.tokenizer is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -42,6 +44,23 @@ class ModelConfig:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if (not isinstance(value, numbers.Real) or isinstance(value, bool)
+                    or not 0 < float(value) < math.inf):
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if not _is_token_id(self.max_position_embeddings) or self.max_position_embeddings < 1:
+            raise ValueError(f"max_position_embeddings must be an integer >= 1, got "
+                             f"{self.max_position_embeddings!r}")
+        for name in ("tie_word_embeddings", "attention_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        eos = self.eos_token_id
+        if not (self.bos_token_id is None or _is_token_id(self.bos_token_id)):
+            raise ValueError(f"bos_token_id must be a token id, got {self.bos_token_id!r}")
+        if not (eos is None or _is_token_id(eos)
+                or (isinstance(eos, list) and all(_is_token_id(t) for t in eos))):
+            raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}")
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
@@ -55,7 +74,8 @@ class ModelConfig:
             intermediate_size=d["intermediate_size"],
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            num_key_value_heads=(heads if d.get("num_key_value_heads") is None
+                                 else d["num_key_value_heads"]),
             head_dim=d.get("head_dim") or (
                 d["hidden_size"] // heads if isinstance(heads, int) and heads > 0 else 0),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
@@ -88,3 +108,8 @@ class ModelConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _is_token_id(value: object) -> bool:
+    """An integer >= 0 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

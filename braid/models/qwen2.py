@@ -18,6 +18,7 @@ from torch import nn
 from braid.kernels import quant_ops
 from braid.models.attention import AttentionMetadata, attend_cached, paged_attention
 from braid.models.config import ModelConfig
+from braid.models.errors import ModelLoadError
 from braid.models.quant import (
     QuantEmbedding,
     QuantLinear,
@@ -408,13 +409,24 @@ class Qwen2ForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> None:
         """Load Hugging Face named tensors (or quantized blocks) one at a time, fusing q/k/v
-        and gate/up."""
+        and gate/up; a weight the config does not describe, of another shape, or missing is a
+        ModelLoadError (a config.json that does not match its checkpoint)."""
         params = dict(self.named_parameters())
+        shapes = _expected_shapes(self.config)
         loaded: set[str] = set()
         for name, tensor in weights:
             target, offset = _fused_target(name, self.config)
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
+            if name not in shapes:
+                raise ModelLoadError(f"unexpected weight {name!r} for this config "
+                                     f"({self.config.architecture}, "
+                                     f"{self.config.num_hidden_layers} layers)")
+            shape = ((tensor.rows, tensor.cols) if isinstance(tensor, QuantWeight)
+                     else tuple(tensor.shape))
+            if shape != shapes[name]:
+                raise ModelLoadError(f"weight {name!r} is {list(shape)} where the config "
+                                     f"makes it {list(shapes[name])}")
             module = self.get_submodule(target.rsplit(".", 1)[0])
             if isinstance(module, QuantLinear | QuantEmbedding) and target.endswith(".weight"):
                 module.set_rows(offset, self._quantized(tensor, target.startswith("layers.")))
@@ -423,11 +435,13 @@ class Qwen2ForCausalLM(nn.Module):
                     tensor = tensor.dequantize()
                 params[target][offset : offset + tensor.shape[0]].copy_(tensor)
             else:
-                raise KeyError(f"unexpected weight {name!r} for {self.config.architecture}")
+                raise ModelLoadError(f"unexpected weight {name!r} for "
+                                     f"{self.config.architecture}")
             loaded.add(name)
-        missing = _expected_names(self.config) - loaded
+        missing = set(shapes) - loaded - ({"lm_head.weight"} if self.config.tie_word_embeddings
+                                          else set())
         if missing:
-            raise KeyError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+            raise ModelLoadError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
         self._fused = None  # built again from the new weights on the next forward
         self.coarse_head = None  # a copy of the old head (add_coarse_head builds it again)
         if self.config.tie_word_embeddings and isinstance(self.lm_head, QuantLinear):
@@ -468,16 +482,22 @@ def _fused_target(name: str, cfg: ModelConfig) -> tuple[str, int]:
     return ".".join([*parts[:-2], fused, parts[-1]]), offsets[idx]
 
 
-def _expected_names(cfg: ModelConfig) -> set[str]:
-    """The HF names a complete checkpoint provides for this config."""
-    names = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not cfg.tie_word_embeddings:
-        names.add("lm_head.weight")
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The HF names a checkpoint for this config provides, and their shapes (lm_head.weight
+    is optional with tied embeddings)."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h),
+                                          "model.norm.weight": (h,),
+                                          "lm_head.weight": (cfg.vocab_size, h)}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-        names |= {f"{p}self_attn.{x}_proj.weight" for x in "qkvo"}
-        names |= {f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                   p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                   p + "mlp.down_proj.weight": (h, inter)}
         if cfg.attention_bias:
-            names |= {f"{p}self_attn.{x}_proj.bias" for x in "qkv"}
-    return names
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+    return shapes

@@ -133,6 +133,7 @@ def run_server(args: argparse.Namespace) -> int:
     from braid.engine.engine import LLMEngine
 
     config = config_from_args(args)
+    sock = _bind(args.host, args.port)  # before the load: a busy port fails in a second
     engine = LLMEngine(config)
     if engine.tokenizer is None:
         raise ConfigError(f"--model {config.model}: the server needs a model with a tokenizer")
@@ -151,8 +152,30 @@ def run_server(args: argparse.Namespace) -> int:
     # After a graceful stop uvicorn re-raises the signal it caught; a no-op handler turns
     # that into a clean exit 0 instead of death by SIGTERM.
     signal.signal(signal.SIGTERM, _ignore)
-    server.run()
+    # uvicorn names the address only for sockets it binds itself
+    host, port = sock.getsockname()[:2]
+    logging.getLogger("uvicorn.error").info(
+        "Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
+        f"[{host}]" if ":" in host else host, port)
+    server.run(sockets=[sock])
     return 0 if server.started else 1
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to the address the server will listen on (it listens once started; a
+    client that comes earlier is refused, not kept waiting); a ConfigError naming the flags
+    where the host does not resolve or the port is taken."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port,
+                                                             type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:  # socket.gaierror included
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there "
+                          f"({e.strerror or e})") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _ignore(signum: int, frame: Any) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from braid.config import ConfigError, EngineConfig, resolve_draft_dtype
 from braid.engine.runner import ModelRunner
 from braid.engine.scheduler import Scheduler
+from braid.models.config import ModelConfig
 from braid.models.qwen2 import Qwen2ForCausalLM
 from braid.spec_decode.draft import DraftModelProposer
 from braid.spec_decode.ngram import NgramProposer
@@ -24,14 +25,7 @@ def make_speculator(cfg: EngineConfig, target: ModelRunner, scheduler: Scheduler
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     else:
         draft = draft or _load_draft(cfg)
-        vocab = target.model.config.vocab_size
-        if draft.config.vocab_size != vocab:
-            raise ConfigError(
-                f"--speculative-config: the draft model's vocabulary ("
-                f"{draft.config.vocab_size} tokens) differs from the target's ({vocab})")
-        if spec.draft_vocab_size is not None and spec.draft_vocab_size > vocab:
-            raise ConfigError(f"--speculative-config: draft_vocab_size {spec.draft_vocab_size} "
-                              f"exceeds the vocabulary ({vocab} tokens)")
+        check_draft(cfg, target.model.config, draft.config)
         proposer = DraftModelProposer(draft, scheduler.blocks, cfg.block_size, target.device,
                                       spec)
     assert cfg.max_model_len is not None
@@ -39,6 +33,20 @@ def make_speculator(cfg: EngineConfig, target: ModelRunner, scheduler: Scheduler
                             None if cfg.target_itl_ms is None else cfg.target_itl_ms / 1e3)
     speculator.warm_up(target, getattr(proposer, "runner", None), scheduler)
     return speculator
+
+
+def check_draft(cfg: EngineConfig, target: ModelConfig, draft: ModelConfig) -> None:
+    """A ConfigError where the draft model cannot draft for the target (the engine also runs
+    this on the two config.json files before loading either)."""
+    spec = cfg.spec_config
+    assert spec is not None
+    vocab = target.vocab_size
+    if draft.vocab_size != vocab:
+        raise ConfigError(f"--speculative-config: the draft model's vocabulary ("
+                          f"{draft.vocab_size} tokens) differs from the target's ({vocab})")
+    if spec.draft_vocab_size is not None and spec.draft_vocab_size > vocab:
+        raise ConfigError(f"--speculative-config: draft_vocab_size {spec.draft_vocab_size} "
+                          f"exceeds the vocabulary ({vocab} tokens)")
 
 
 def _load_draft(cfg: EngineConfig) -> Qwen2ForCausalLM:

@@ -146,6 +146,26 @@ def test_impossible_sizes_are_refused_before_the_weights_load(
         LLMEngine(EngineConfig(model=str(tmp_path / "m"), **options))
 
 
+@pytest.mark.parametrize("draft, spec, match", [
+    ("other-vocab", {}, "the draft model's vocabulary (300 tokens) differs from the target's"),
+    ("same", {"draft_vocab_size": 10**6}, "draft_vocab_size 1000000 exceeds the vocabulary"),
+    ("missing", {}, "not found"),
+])
+def test_a_draft_that_cannot_draft_is_refused_before_the_weights_load(
+        tmp_path, draft: str, spec: dict, match: str) -> None:
+    """The draft model's config.json is checked against the target's before either loads
+    (a missing draft, or one with another vocabulary, failed after the target loaded)."""
+    from braid.models.errors import ModelLoadError
+
+    for name, overrides in (("m", {}), ("same", {}), ("other-vocab", {"vocab_size": 300})):
+        save_tiny_model(tmp_path / name, **overrides)
+        (tmp_path / name / "model.safetensors").unlink()
+    spec = {"method": "draft_model", "num_speculative_tokens": 3,
+            "model": str(tmp_path / draft), **spec}
+    with pytest.raises((ConfigError, ModelLoadError), match=re.escape(match)):
+        LLMEngine(EngineConfig(model=str(tmp_path / "m"), speculative_config=spec))
+
+
 def test_server_port_is_checked_by_the_parser(capsys) -> None:
     from braid.cli import main
 
@@ -164,6 +184,22 @@ def test_server_port_is_checked_by_the_parser(capsys) -> None:
         with pytest.raises(SystemExit):
             main(["serve", flag, "0"])
         assert f"{flag}: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_serve_binds_its_address_before_loading(capsys) -> None:
+    """A taken port or a host that does not resolve fails at once, naming the flags (it
+    failed after the weights loaded): here the model does not even exist."""
+    import socket
+
+    from braid.cli import main
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--model", "/no/such/model"]) == 2
+    assert (f"braid: error: --host 127.0.0.1 --port {port}: cannot listen there (Address "
+            "already in use)") in capsys.readouterr().err
+    assert main(["serve", "--host", "999.1.1.1", "--model", "/no/such/model"]) == 2
+    assert "--host 999.1.1.1 --port 8000: cannot listen there" in capsys.readouterr().err
 
 
 def test_generate_names_the_sampling_seed_flag(capsys) -> None:

@@ -81,6 +81,13 @@ def test_folder_without_config(tmp_path: Path) -> None:
     ({"num_key_value_heads": 3}, "num_attention_heads must be a multiple of "
                                  "num_key_value_heads"),
     ({"model_type": "mamba"}, "unsupported architecture 'mamba'"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads must be an integer >= 1, got 0"),
+    ({"rope_theta": "abc"}, "rope_theta must be a number > 0, got 'abc'"),
+    ({"rms_norm_eps": "1e-6"}, "rms_norm_eps must be a number > 0, got '1e-6'"),
+    ({"max_position_embeddings": "32768"}, "max_position_embeddings must be an integer >= 1"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings must be an integer >= 1"),
+    ({"tie_word_embeddings": "no"}, "tie_word_embeddings must be true or false, got 'no'"),
+    ({"eos_token_id": "</s>"}, "eos_token_id must be a token id or a list of them"),
 ])
 def test_a_bad_config_json_is_a_load_error_naming_the_file(
         tmp_path: Path, config: str | dict, match: str) -> None:

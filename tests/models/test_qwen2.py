@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from braid.models.attention import build_attention_metadata
+from braid.models.errors import ModelLoadError
 from braid.models.qwen2 import can_pack
-from tests.tiny import braid_model, hf_model, tiny_config
+from tests.tiny import braid_model, hf_model, random_weights, tiny_config
 
 BLOCK = 4
 TOL = 1e-4
@@ -151,8 +152,28 @@ def test_missing_weight_is_reported() -> None:
     cfg = tiny_config("llama")
     weights = dict(hf_model(cfg).state_dict())
     del weights["model.layers.1.mlp.up_proj.weight"]
-    with pytest.raises(KeyError, match="up_proj"):
+    with pytest.raises(ModelLoadError, match="up_proj"):
         braid_model(cfg, weights)
+
+
+@pytest.mark.parametrize("override, match", [
+    ({"num_key_value_heads": 4}, r"'model.layers.0.self_attn.k_proj.weight' is \[32, 64\] "
+                                 r"where the config makes it \[64, 64\]"),
+    ({"intermediate_size": 100}, r"mlp.gate_proj.weight' is \[128, 64\] where the config "
+                                 r"makes it \[100, 64\]"),
+    ({"vocab_size": 300}, r"embed_tokens.weight' is \[272, 64\]"),
+    ({"num_hidden_layers": 1}, r"unexpected weight 'model\.layers\.1\.[a-z_.]+' for this config "
+                               r"\(qwen2, 1 layers\)"),
+    ({"num_hidden_layers": 3}, r"missing weights: \['model.layers.2"),
+])
+def test_a_config_that_does_not_match_its_weights_is_a_load_error(
+        override: dict, match: str) -> None:
+    """A config.json that disagrees with its checkpoint (another KV head count, sizes or
+    layer count) is refused naming the weight; a KV head count that fit fewer rows than the
+    fused QKV holds loaded silently and generated garbage."""
+    weights = random_weights(tiny_config("qwen2"), seed=0)
+    with pytest.raises(ModelLoadError, match=match):
+        braid_model(tiny_config("qwen2", **override), weights)
 
 
 @pytest.mark.skipif(not can_pack("cpu", torch.bfloat16), reason="CPU without native bf16")

@@ -115,6 +115,24 @@ def test_a_bad_draft_vocabulary_limit_is_refused() -> None:
         spec_engine("draft_model", 3, draft_vocab_size=100_000)
 
 
+def test_the_draft_s_weights_and_kv_cache_count_against_the_memory(monkeypatch) -> None:
+    """The KV caches are mapped lazily, so one too large would only fail under load: the
+    engine refuses weights + KV caches beyond the machine's memory, the draft's included."""
+    import os
+
+    plain = make_engine()
+    need = sum(t.numel() * t.element_size() for t in (plain.runner.kv_cache,)) + \
+        plain.runner.model.weight_bytes()
+    sysconf = os.sysconf
+    fake = {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": int(need * 1.5)}
+    monkeypatch.setattr(os, "sysconf", lambda name: fake.get(name) or sysconf(name))
+    make_engine()  # the target alone fits
+    make_engine(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    with pytest.raises(ConfigError, match=r"--num-kv-blocks: the weights and KV caches \(the "
+                       r"draft's included\) take"):
+        spec_engine("draft_model", 3)
+
+
 @pytest.mark.parametrize("k", [1, 3, 7])
 def test_unrelated_draft_is_still_lossless(reference, k: int) -> None:
     other = tiny_config("qwen2")
