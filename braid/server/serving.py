@@ -62,6 +62,8 @@ class Job:
     params: list[SamplingParams]
     arrival_time: float = field(default_factory=time.monotonic)
     queue: OutputQueue = field(default_factory=asyncio.Queue)
+    # Rewrites each engine output before the response sees it (None: as it is).
+    view: Callable[[RequestOutput], RequestOutput] | None = None
 
     @property
     def unfinished(self) -> list[ChoiceState]:
@@ -209,7 +211,7 @@ async def outputs(job: Job) -> AsyncIterator[tuple[ChoiceState, RequestOutput]]:
         if isinstance(item, RequestFailed):
             status = 503 if isinstance(item.error, ShuttingDown) else 500
             raise EngineFailure(f"{type(item.error).__name__}: {item.error}", status)
-        yield job.choice(item.request_id), item
+        yield job.choice(item.request_id), item if job.view is None else job.view(item)
 
 
 async def collect(ctx: ServerContext, job: Job, raw: Request) -> list[RequestOutput]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -45,15 +46,20 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest,
     model = check_model(ctx, body.model)
     # echo with logprobs returns the prompt's logprobs too
     echo_logprobs = body.logprobs if body.echo and body.prompt_logprobs is None else None
-    params = request_params(body, body.max_tokens, body.logprobs,
-                            prompt_logprobs=echo_logprobs)
+    # echo with max_tokens 0 scores the prompt and generates nothing, as in vLLM: the engine
+    # generates one token, which the response leaves out
+    score_only = body.echo and body.max_tokens == 0
+    max_tokens = 1 if score_only else body.max_tokens
+    params = request_params(body, max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
     try:
         prompts = await asyncio.to_thread(tokenize_prompts, ctx.tokenizer, body.prompt,
                                           ctx.max_model_len - 1)
     except PromptTooLong as e:
         raise prompt_too_long(str(e), ctx.max_model_len, "prompt") from None
-    check_room(ctx, prompts, body.max_tokens, "max_tokens")
+    check_room(ctx, prompts, max_tokens, "max_tokens")
     job = make_job("cmpl", prompts, params, body.n)
+    if score_only:
+        job.view = _prompt_only
     await submit(ctx, job)
     return await respond(ctx, job, raw, body.stream, lambda: _stream(ctx, job, body, model),
                          lambda finals: _response(ctx, job, body, model, finals))
@@ -78,6 +84,14 @@ def _echo(ctx: ServerContext, body: CompletionRequest, out: RequestOutput) -> De
     ids = out.prompt_token_ids
     return Delta(ctx.tokenizer.decode(ids, skip_special_tokens=False), list(ids),
                  out.prompt_logprobs)
+
+
+def _prompt_only(out: RequestOutput) -> RequestOutput:
+    """`out` without what was generated (for echo with max_tokens 0)."""
+    c = out.outputs[0]
+    return dataclasses.replace(out, outputs=[dataclasses.replace(
+        c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+        finish_reason="length" if out.finished else None, stop_reason=None)])
 
 
 def _logprobs(ctx: ServerContext, body: CompletionRequest, delta: Delta,

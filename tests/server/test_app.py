@@ -67,6 +67,31 @@ def test_completion_token_ids_prompt_and_logprobs(client: openai.OpenAI, server:
         assert max(top.values()) == pytest.approx(lp, abs=1e-5)
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt(client: openai.OpenAI,
+                                                  server: ServerProcess) -> None:
+    """As vLLM: echo with max_tokens 0 returns the prompt and its logprobs, generates
+    nothing (the loglikelihood request of evaluation harnesses), streamed or not; without
+    echo max_tokens 0 stays a 400."""
+    args = dict(model=server.model, prompt="hello there", temperature=0, logprobs=1,
+                echo=True)
+    scored = client.completions.create(max_tokens=0, **args)  # type: ignore[call-overload]
+    longer = client.completions.create(max_tokens=3, **args)  # type: ignore[call-overload]
+    choice, lp = scored.choices[0], scored.choices[0].logprobs
+    assert choice.text == "hello there" and choice.finish_reason == "length"
+    assert scored.usage is not None and scored.usage.completion_tokens == 0
+    assert lp is not None and longer.choices[0].logprobs is not None
+    n = scored.usage.prompt_tokens
+    assert len(lp.tokens or []) == n and lp.token_logprobs and lp.token_logprobs[0] is None
+    assert lp.token_logprobs == (longer.choices[0].logprobs.token_logprobs or [])[:n]
+    stream = client.completions.create(max_tokens=0, stream=True,  # type: ignore[call-overload]
+                                       **args)
+    chunks = [c.choices[0] for c in stream]
+    assert "".join(c.text for c in chunks) == "hello there"
+    assert sum(len(c.logprobs.tokens or []) for c in chunks if c.logprobs) == n
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=server.model, prompt="hi", max_tokens=0)
+
+
 @pytest.mark.parametrize("logprobs", [0, 1])
 def test_completion_top_logprobs_hold_the_chosen_token(client: openai.OpenAI,
                                                        server: ServerProcess,
