@@ -62,7 +62,7 @@ def quant_ops() -> ModuleType | None:
         logger.info("building the CPU kernels (once, ~1 min) in %s", build)
     try:
         module = cpp_extension.load(
-            name=f"braid_kernels_{digest}", sources=[str(p) for p in SOURCES],
+            name=f"braid_kernels_{digest}", sources=_copied_sources(build),
             build_directory=str(build),
             extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"],
             verbose=False)
@@ -72,6 +72,22 @@ def quant_ops() -> ModuleType | None:
         return None
     _choose_isa(module)
     return module
+
+
+def _copied_sources(build: Path) -> list[str]:
+    """The sources, as copies in the build folder, which is keyed by their content: ninja
+    records the paths it compiled, so two checkouts of the same source (a CI clone beside a
+    working tree) compiling from their own paths would rebuild (~1 min) each time the other
+    had built. Copies are written once, atomically, so their mtimes never move."""
+    folder = build / "src"
+    folder.mkdir(exist_ok=True)
+    for path in SOURCES + HEADERS:
+        copy = folder / path.name
+        if not copy.is_file():
+            tmp = copy.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(path.read_bytes())
+            os.replace(tmp, copy)
+    return [str(folder / p.name) for p in SOURCES]
 
 
 def _choose_isa(module: ModuleType) -> None:
