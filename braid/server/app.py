@@ -162,16 +162,17 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    """A socket bound to the address the server will listen on (it listens once started; a
-    client that comes earlier is refused, not kept waiting); a ConfigError naming the flags
-    where the host does not resolve or the port is taken."""
+    """A socket bound to the address the server will listen on, as uvicorn binds it (IPv6
+    for a host with a colon, else IPv4); it listens once started, so a client that comes
+    earlier is refused, not kept waiting. A ConfigError naming the flags where the host does
+    not resolve or the port is taken."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                         socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port,
-                                                             type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
+        sock.bind((host, port))
     except OSError as e:  # socket.gaierror included
+        sock.close()
         raise ConfigError(f"--host {host} --port {port}: cannot listen there "
                           f"({e.strerror or e})") from None
     sock.set_inheritable(True)
