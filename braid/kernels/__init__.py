@@ -1,5 +1,5 @@
 """Compiled CPU kernels: C++ built with torch.utils.cpp_extension on first use, cached per
-source, torch version and CPU kind; None (with one warning) where no compiler works, and
+source, torch version, CPU kind and Python environment; None (with one warning) where no compiler works, and
 the callers fall back to plain torch."""
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ def quant_ops() -> ModuleType | None:
     _find_ninja()
 
     key = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-    key += torch.__version__.encode() + platform.machine().encode()
+    # the environment too: ninja records the compile command, and another venv's include
+    # paths in it would make two environments sharing one build rebuild it in turn
+    key += torch.__version__.encode() + platform.machine().encode() + sys.prefix.encode()
     digest = hashlib.sha256(key).hexdigest()[:12]
     build = _build_dir(digest)
     build.mkdir(parents=True, exist_ok=True)
