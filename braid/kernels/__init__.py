@@ -1,6 +1,6 @@
 """Compiled CPU kernels: C++ built with torch.utils.cpp_extension on first use, cached per
-source, torch version, CPU kind and Python environment; None (with one warning) where no compiler works, and
-the callers fall back to plain torch."""
+source, torch version, CPU kind and Python environment; None (with one warning) where no
+compiler works, and the callers fall back to plain torch."""
 
 from __future__ import annotations
 
