@@ -9,7 +9,7 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from braid.sampling_params import SamplingParams, is_int
+from braid.sampling_params import SamplingParams, is_finite_number, is_int
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -239,8 +239,7 @@ class EngineConfig:
             elif kind.startswith("int"):
                 ok, want = is_int(value), "an integer"
             elif kind.startswith("float"):
-                ok, want = (not isinstance(value, bool) and isinstance(value, int | float)
-                            and math.isfinite(value)), "a finite number"
+                ok, want = is_finite_number(value), "a finite number"
             elif kind.startswith("str"):
                 ok, want = isinstance(value, str), "a string"
             else:

@@ -107,8 +107,7 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) \
-                    or not math.isfinite(value):
+            if not is_finite_number(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
         checks: list[tuple[bool, str]] = [
             (self.n >= 1, "n must be >= 1"),
@@ -151,6 +150,12 @@ class SamplingParams:
 def is_int(value: object) -> bool:
     """An integer, not a bool (which Python counts as one)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_finite_number(value: object) -> bool:
+    """An int or float (not a bool), neither NaN nor infinite."""
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value))
 
 
 def choice_seed(seed: int | None, j: int) -> int | None:

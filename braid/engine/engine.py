@@ -51,11 +51,18 @@ def kv_cache_blocks(cfg: EngineConfig, model_config: ModelConfig, dtype: torch.d
             f"KV cache of {num} blocks of {cfg.block_size} tokens (--block-size) holds fewer "
             f"than --max-model-len ({cfg.max_model_len}) tokens: raise --kv-cache-gib or "
             "--num-kv-blocks, or lower --block-size or --max-model-len")
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if torch.device(cfg.device).type == "cpu" and num * per_block > memory:
-        raise ConfigError(f"{flag}: a KV cache of {num * per_block / 2**30:.1f} GiB does not "
-                          f"fit this machine's {memory / 2**30:.1f} GiB of memory")
+    if torch.device(cfg.device).type == "cpu":
+        _refuse_beyond_memory(num * per_block, f"{flag}: a KV cache of {{:.1f}} GiB does not")
     return num
+
+
+def _refuse_beyond_memory(nbytes: int, what: str) -> None:
+    """A ConfigError where `nbytes` exceed the machine's physical memory; its message is
+    `what` (formatted with the GiB) and "fit this machine's ... of memory"."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if nbytes > memory:
+        raise ConfigError(f"{what.format(nbytes / 2**30)} fit this machine's "
+                          f"{memory / 2**30:.1f} GiB of memory")
 
 
 class LLMEngine:
@@ -112,14 +119,11 @@ class LLMEngine:
                                         None)]
         total = sum(r.model.weight_bytes() + r.kv_cache.numel() * r.kv_cache.element_size()
                     for r in runners if r is not None)
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        if self.device.type == "cpu" and total > memory:
+        if self.device.type == "cpu":
             flag = ("--kv-cache-gib" if self.config.num_kv_blocks is None
                     else "--num-kv-blocks")
-            raise ConfigError(
-                f"{flag}: the weights and KV caches (the draft's included) take "
-                f"{total / 2**30:.1f} GiB, more than this machine's {memory / 2**30:.1f} GiB "
-                "of memory")
+            _refuse_beyond_memory(total, f"{flag}: the weights and KV caches (the draft's "
+                                  "included) take {:.1f} GiB, which does not")
 
     def _eos_token_ids(self, model: Qwen2ForCausalLM) -> frozenset[int]:
         if self.tokenizer is not None:
