@@ -4,6 +4,8 @@ compiler works, and the callers fall back to plain torch."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -11,6 +13,7 @@ import os
 import platform
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -63,17 +66,42 @@ def quant_ops() -> ModuleType | None:
     if not any(build.glob("*.so")):
         logger.info("building the CPU kernels (once, ~1 min) in %s", build)
     try:
-        module = cpp_extension.load(
-            name=f"braid_kernels_{digest}", sources=_copied_sources(build),
-            build_directory=str(build),
-            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"],
-            verbose=False)
+        with build_lock(build):
+            module = cpp_extension.load(
+                name=f"braid_kernels_{digest}", sources=_copied_sources(build),
+                build_directory=str(build),
+                extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
+                extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no headers, a failed build: fall back, loudly
         logger.warning("quantized CPU kernels unavailable (%s: %s); GGUF weights are "
                        "dequantized to float instead", type(e).__name__, str(e)[:300])
         return None
     _choose_isa(module)
     return module
+
+
+@contextlib.contextmanager
+def build_lock(build: Path) -> Iterator[None]:
+    """Hold the build folder for one process at a time, by a kernel lock (flock) that dies
+    with its process. torch's own `lock` file does not: a process killed while building (a
+    server stopped during its first start) leaves it behind, and every later start would wait
+    on it forever. Inside this lock no other process can be building, so a `lock` file found
+    here was left by a dead one and is removed."""
+    with open(build / "flock", "a") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process that is building the CPU kernels in %s",
+                        build)
+            fcntl.flock(held, fcntl.LOCK_EX)
+        stale = build / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a process that stopped while building", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def _copied_sources(build: Path) -> list[str]:
