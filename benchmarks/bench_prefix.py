@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import tempfile
 import time
 from dataclasses import replace
@@ -34,7 +35,7 @@ from braid.bench.datasets import (
 from braid.bench.loadgen import LoadConfig, arrival_times, request_body, send_one
 from braid.bench.metrics import RequestRecord, summarize
 from braid.bench.server_metrics import scrape
-from braid.bench.server_process import ServerProcess
+from braid.bench.server_process import ServerProcess, check_serve_flags
 from braid.bench.sweep_report import machine_info
 from braid.config import (
     DEFAULT_DRAFT,
@@ -157,6 +158,15 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def server_flags(args: argparse.Namespace, mode: str) -> list[str]:
+    """A mode's `braid serve` flags, the draft named, then --server-args."""
+    flags = [*MODES[mode], *shlex.split(args.server_args)]
+    if "spec" in mode:
+        i = flags.index("--speculative-config")
+        flags[i + 1] = json.dumps({**SPEC, "model": args.draft_model})
+    return flags
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_TARGET)
@@ -178,6 +188,11 @@ def main() -> None:
     args = parser.parse_args()
     modes = comma_choices(parser, "--modes", args.modes, MODES)
     args.workloads = comma_choices(parser, "--workloads", args.workloads, WORKLOADS)
+    for mode in modes:
+        try:
+            check_serve_flags(server_flags(args, mode), "--server-args")
+        except ValueError as e:
+            parser.error(str(e))
     rates = args.rates
     loads = workloads(args)
     for name, sessions in loads.items():
@@ -187,10 +202,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="braid-prefix-logs-"))
     for mode in modes:
-        flags = [*MODES[mode], *args.server_args.split()]
-        if "spec" in mode:
-            i = flags.index("--speculative-config")
-            flags[i + 1] = json.dumps({**SPEC, "model": args.draft_model})
+        flags = server_flags(args, mode)
         for name, sessions in loads.items():
             for rate in rates:  # a fresh server each run: nothing cached from the last one
                 server = ServerProcess(args.model, log_dir, *flags, timeout_s=600)

@@ -33,7 +33,7 @@ import httpx
 
 from braid.bench.datasets import humaneval
 from braid.bench.server_metrics import scrape
-from braid.bench.server_process import ServerProcess
+from braid.bench.server_process import ServerProcess, check_serve_flags
 from braid.config import positive_float
 
 BODY_LIMIT = 4 * 2**20
@@ -236,6 +236,10 @@ def main() -> int:
     flags = [*args.serve_flags, "--max-request-bytes", str(BODY_LIMIT)]
     if args.speculative_config:
         flags += ["--speculative-config", args.speculative_config]
+    try:  # before the server starts: it would exit, and the soak report only that
+        check_serve_flags(["--model", args.model, *flags], "serve flags")
+    except ValueError as e:
+        ap.error(str(e))
     log_dir = Path("/tmp") / "braid-soak"
     log_dir.mkdir(exist_ok=True)
     print(f"starting braid serve --model {args.model} {' '.join(flags)}", flush=True)

@@ -5,12 +5,15 @@ running)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -23,6 +26,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def check_serve_flags(flags: Sequence[str], option: str) -> None:
+    """Raise ValueError, naming `option` (the benchmark's flag that carried them), if `braid
+    serve` would refuse these flags: parsed by its own parser and checked as its EngineConfig,
+    nothing loaded. A benchmark checks them before it starts anything, instead of reporting a
+    server that exited after its start."""
+    from braid.cli import build_parser
+    from braid.config import config_from_args
+
+    usage = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(usage):
+            args = build_parser().parse_args(["serve", *flags])
+        config_from_args(args)
+    except SystemExit:
+        message = usage.getvalue().strip().splitlines()[-1:] or ["not accepted"]
+        raise ValueError(f"{option} {' '.join(flags)!r}: {message[0]}") from None
+    except ValueError as e:
+        raise ValueError(f"{option} {' '.join(flags)!r}: {e}") from None
 
 
 class ServerProcess:

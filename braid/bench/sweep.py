@@ -24,7 +24,7 @@ from braid.bench.serve import (
     dataset_prompts,
     save_json,
 )
-from braid.bench.server_process import ServerProcess
+from braid.bench.server_process import ServerProcess, check_serve_flags
 from braid.bench.sweep_report import machine_info, write_report
 
 logger = logging.getLogger("braid.bench")
@@ -69,6 +69,15 @@ def mode_flags(mode: str, draft_model: str | None = None) -> list[str]:
     return flags
 
 
+def serve_flags(args: argparse.Namespace, mode: str) -> list[str]:
+    """A mode's flags, then --server-args."""
+    try:
+        extra = shlex.split(args.server_args or "")
+    except ValueError as e:  # an unclosed quote
+        raise ValueError(f"--server-args {args.server_args!r}: {e}") from None
+    return [*mode_flags(mode, args.draft_model), *extra]
+
+
 def parse_rates(text: str) -> list[float]:
     try:
         rates = [float(r) for r in text.split(",") if r.strip()]
@@ -91,7 +100,7 @@ def resolve_sizing(args: argparse.Namespace) -> None:
 def run_mode(args: argparse.Namespace, mode: str, prompts: list[BenchPrompt],
              rates: list[float], log_dir: Path) -> dict[str, Any]:
     """Start the mode's server, run every rate against it, stop it."""
-    flags = [*mode_flags(mode, args.draft_model), *shlex.split(args.server_args or "")]
+    flags = serve_flags(args, mode)
     entry: dict[str, Any] = {"server_flags": flags, "runs": [], "error": None}
     start = time.monotonic()
     try:
@@ -129,8 +138,8 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes:
         raise ValueError("--modes: name at least one mode")
-    for mode in modes:
-        mode_flags(mode)
+    for mode in modes:  # before anything loads: an unknown mode or a flag serve refuses
+        check_serve_flags(serve_flags(args, mode), "--server-args")
     parse_goodput(args.goodput)
     prompts = dataset_prompts(args, args.model)
     log_dir = Path(tempfile.mkdtemp(prefix="braid-sweep-logs-"))

@@ -46,6 +46,12 @@ def run_script(name: str, *argv: str, monkeypatch: pytest.MonkeyPatch) -> int:
     ("bench_spec.py", ["--prompts-per-slot", "-1"], "--prompts-per-slot: must be >= 0"),
     ("bench_structured.py", ["--max-tokens", "0"], "argument --max-tokens: must be >= 1"),
     ("soak.py", ["--minutes", "-1"], "argument --minutes: must be a number > 0, got -1"),
+    ("soak.py", ["--", "--bogus"], "serve flags '--model qwen2.5-coder-1.5b-instruct --bogus "),
+    ("soak.py", ["--speculative-config", "{}"], "serve flags '--model qwen2.5-coder-1.5b-instruct "
+                "--max-request-bytes 4194304 --speculative-config {}': --speculative-config "
+                "needs 'method'"),
+    ("bench_prefix.py", ["--server-args", "--max-model-len x"], "--server-args '--max-model-len "
+                        "x': braid serve: error: argument --max-model-len: invalid int value"),
 ])
 def test_bad_flag_values_are_usage_errors(script: str, argv: list[str], message: str,
                                           monkeypatch: pytest.MonkeyPatch, capsys) -> None:

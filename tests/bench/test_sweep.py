@@ -84,6 +84,23 @@ def test_a_mode_whose_server_fails_is_reported(tmp_path: Path) -> None:
     assert "FAILED" in (out / "sweep_random.md").read_text()
 
 
+@pytest.mark.parametrize("server_args, message", [
+    ("--block-size 0", "--server-args '--no-enable-chunked-prefill --block-size 0': "
+                       "--block-size must be > 0, got 0"),
+    ("--max-num-seqs", "argument --max-num-seqs: expected one argument"),
+    ("--kv-cache-gib 'x", "--server-args \"--kv-cache-gib 'x\": No closing quotation"),
+])
+def test_server_args_serve_refuses_stop_the_sweep_before_it_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture, server_args: str, message: str) -> None:
+    """Before, each mode's server exited at its start and the sweep reported every mode as
+    failed, after loading the dataset."""
+    argv = ["bench", "sweep", "--dataset", "random", "--modes", "baseline",
+            f"--server-args={server_args}", "--out", str(tmp_path / "bench"), "--no-progress"]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "bench").exists()
+
+
 def test_bench_serve_cli_parses_the_issue_flags() -> None:
     args = build_parser().parse_args([
         "bench", "serve", "--base-url", "http://h:1", "--model", "m", "--dataset", "random",
