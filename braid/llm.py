@@ -61,8 +61,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate."""
+        """Render each conversation with a chat template (default: the model's), then
+        generate. As in vLLM: `continue_final_message` (with add_generation_prompt=False)
+        continues the last message instead of closing it; `chat_template_kwargs` are more
+        template variables."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none")
@@ -72,7 +80,9 @@ class LLM:
         prompts: list[Prompt] = [
             tokenizer.encode(tokenizer.apply_chat_template(
                 [ChatMessage.model_validate(m).as_template_dict() for m in c],
-                add_generation_prompt), add_special_tokens=False)
+                add_generation_prompt, tools, chat_template=chat_template,
+                continue_final_message=continue_final_message, **chat_template_kwargs or {}),
+                add_special_tokens=False)
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

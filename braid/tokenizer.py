@@ -175,6 +175,30 @@ def compile_chat_template(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
+# Set by apply_chat_template itself: not overridable by template keyword arguments.
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
+
+
+class ContinuationError(ValueError):
+    """continue_final_message cannot be honoured for this conversation and template."""
+
+
+def _open_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """`text` cut right after the last message's content (as transformers does it): what
+    the template writes after it (an end-of-turn token) is left out."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ContinuationError("continue_final_message: the last message has no text to "
+                                "continue")
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise ContinuationError("continue_final_message: the chat template does not write the "
+                                "last message's content as it is")
+    # a template that keeps the content's spacing keeps its trailing spaces too
+    kept = final.lstrip()
+    return text[:at + (len(kept) if text[at:at + len(kept)] == kept else len(final.strip()))]
+
+
 # ---------------------------------------------------------------------------------------------
 # The tokenizer
 
@@ -296,14 +320,27 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
-        if not self.chat_template:
+        """The conversation as text, like transformers' apply_chat_template: through
+        `chat_template` (default: the model's), with `kwargs` as more template variables.
+        `continue_final_message` ends the text with the last message's content, open, for
+        the model to continue (an assistant prefill) instead of closing its turn."""
+        template = chat_template or self.chat_template
+        if not template:
             raise ValueError("this tokenizer has no chat template")
+        if continue_final_message and add_generation_prompt:
+            raise ContinuationError("continue_final_message and add_generation_prompt cannot "
+                                    "both be true: one continues the last message, the other "
+                                    "starts a new one")
         special = {f"{name}_token": token for name, token in self._special.items() if token}
-        return compile_chat_template(self.chat_template).render(
-            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-            **special, **kwargs)
+        text = compile_chat_template(template).render({
+            **special, **kwargs, "messages": messages, "tools": tools,
+            "add_generation_prompt": add_generation_prompt})
+        return _open_final_message(text, messages) if continue_final_message else text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -133,6 +133,18 @@ def test_prompt_forms_and_chat_messages_as_the_server_takes_them(tmp_path) -> No
                  {"role": "assistant", "content": None}, {"role": "user"}])
     with pytest.raises(ValueError, match="content"):
         chat([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}])
+    # vLLM's LLM.chat options: an assistant prefill continued, another template, variables
+    prefill = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}]
+    out = llm.chat(prefill, greedy, use_tqdm=False, add_generation_prompt=False,
+                   continue_final_message=True)[0]
+    assert llm.get_tokenizer().decode(out.prompt_token_ids, False).endswith(
+        "<|im_start|>assistant\nSure, ")
+    out = llm.chat(prefill, greedy, use_tqdm=False, chat_template="{{ a }}{{ messages | length }}",
+                   chat_template_kwargs={"a": "n="})[0]
+    assert llm.get_tokenizer().decode(out.prompt_token_ids) == "n=2"
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
+        llm.chat(prefill, greedy, use_tqdm=False, continue_final_message=True)
+    assert not llm.engine.requests
 
 
 def test_logprobs_are_vllm_logprob_objects(tmp_path) -> None:

@@ -9,7 +9,12 @@ import pytest
 
 from braid.models.gguf_loader import gguf_to_hf_folder
 from braid.models.loader import model_folder
-from braid.tokenizer import IncrementalDetokenizer, Tokenizer, compile_chat_template
+from braid.tokenizer import (
+    ContinuationError,
+    IncrementalDetokenizer,
+    Tokenizer,
+    compile_chat_template,
+)
 from tests.conftest import CHAT_TEMPLATE, tiny_vocab, write_gguf
 
 TEXTS = [
@@ -95,6 +100,33 @@ def test_chat_template(tiny_tokenizer: Tokenizer) -> None:
         expected.removesuffix("<|im_start|>assistant\n"))
 
 
+def test_continue_final_message_template_and_variables(tiny_tokenizer: Tokenizer) -> None:
+    """vLLM's chat extras: an assistant prefill left open, another template, more variables."""
+    prefill = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure:  "}]
+    assert tiny_tokenizer.apply_chat_template(
+        prefill, add_generation_prompt=False, continue_final_message=True) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nSure:  ")
+    stripping = "{% for m in messages %}<{{ m.content | trim }}>{% endfor %}"
+    assert tiny_tokenizer.apply_chat_template(
+        prefill, False, chat_template=stripping, continue_final_message=True) == "<hi><Sure:"
+    with pytest.raises(ContinuationError, match="cannot both be true"):
+        tiny_tokenizer.apply_chat_template(prefill, True, continue_final_message=True)
+    for last in ({"role": "assistant", "content": " "}, {"role": "assistant"}):
+        with pytest.raises(ContinuationError, match="no text to continue"):
+            tiny_tokenizer.apply_chat_template([prefill[0], last], False,
+                                               continue_final_message=True)
+    with pytest.raises(ContinuationError, match="does not write"):
+        tiny_tokenizer.apply_chat_template(prefill, False, chat_template="{{ messages | length }}",
+                                           continue_final_message=True)
+    # more template variables, which may replace a special token's
+    template = "{{ greeting }} {{ messages | length }} {{ eos_token }}"
+    eos = tiny_tokenizer.apply_chat_template(prefill, chat_template="{{ eos_token }}")
+    assert eos and tiny_tokenizer.apply_chat_template(
+        prefill, chat_template=template, greeting="hello") == f"hello 2 {eos}"
+    assert tiny_tokenizer.apply_chat_template(
+        prefill, chat_template=template, greeting="", eos_token="E") == " 2 E"
+
+
 def test_chat_template_helpers() -> None:
     template = compile_chat_template(
         "{% if tools %}{{ tools | tojson }}{% endif %}\n"
@@ -136,6 +168,10 @@ def test_real_chat_template_matches_transformers(
     expected = reference_tokenizer.apply_chat_template(messages, tokenize=False,
                                                        add_generation_prompt=True)
     assert tokenizer.apply_chat_template(messages, add_generation_prompt=True) == expected
+    prefill = [*messages, {"role": "assistant", "content": "def reverse(s: str) -> str:\n"}]
+    assert tokenizer.apply_chat_template(prefill, False, continue_final_message=True) == (
+        reference_tokenizer.apply_chat_template(prefill, tokenize=False,
+                                                continue_final_message=True))
     user_only = messages[1:]
     assert tokenizer.apply_chat_template(user_only) == reference_tokenizer.apply_chat_template(
         user_only, tokenize=False, add_generation_prompt=True)

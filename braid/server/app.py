@@ -137,6 +137,8 @@ def run_server(args: argparse.Namespace) -> int:
     engine = LLMEngine(config)
     if engine.tokenizer is None:
         raise ConfigError(f"--model {config.model}: the server needs a model with a tokenizer")
+    if args.chat_template is not None:
+        engine.tokenizer.chat_template = args.chat_template
     assert engine.structured is not None
     engine.structured.warm_up()  # the grammar engine's tokenizer view, before any request
     names = args.served_model_name or [config.model]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from braid.config import positive_int
 
@@ -24,6 +25,25 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _chat_template(text: str) -> str:
+    """argparse type, as vLLM's --chat-template: a Jinja file, or the template itself."""
+    import jinja2
+
+    from braid.tokenizer import compile_chat_template
+
+    path = Path(text)
+    if path.is_file():
+        text = path.read_text()
+    elif not any(c in text for c in "{}\n"):
+        raise argparse.ArgumentTypeError(f"no such file, nor a Jinja template: {text!r}")
+    try:
+        compile_chat_template(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise argparse.ArgumentTypeError(f"not a valid Jinja template (line {e.lineno}: "
+                                         f"{e.message})") from None
+    return text
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server options")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -42,5 +62,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "(default: $BRAID_API_KEY; none: open)")
     group.add_argument("--enable-docs", action="store_true",
                        help="serve the OpenAPI schema and /docs (off by default)")
+    group.add_argument("--chat-template", type=_chat_template, default=None,
+                       help="chat template for /v1/chat/completions instead of the model's: "
+                            "a Jinja file, or the template itself")
     group.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import jinja2
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -42,7 +43,13 @@ from braid.server.serving import (
     submit,
 )
 from braid.server.tools import ChoiceTools, template_messages, tool_constraint, tool_mode
-from braid.tokenizer import PromptTooLong, Tokenizer
+from braid.tokenizer import (
+    TEMPLATE_VARIABLES,
+    ContinuationError,
+    PromptTooLong,
+    Tokenizer,
+    compile_chat_template,
+)
 
 
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest,
@@ -76,12 +83,16 @@ def render_chat(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeChat
                 max_model_len: int | None = None) -> list[int]:
     """The conversation through the chat template, as token ids (400 naming `messages` when
     the template refuses it or it leaves no room in `max_model_len` for a generated token)."""
-    tools = getattr(body, "tools", None)
+    check_template_fields(body)
     messages = template_messages(body)
     try:
         text = tokenizer.apply_chat_template(
             messages, body.add_generation_prompt,
-            [t.model_dump(exclude_none=True) for t in tools] if tools else None)
+            [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+            chat_template=body.chat_template, continue_final_message=body.continue_final_message,
+            **body.chat_template_kwargs or {})
+    except ContinuationError as e:
+        raise bad_request(str(e), "continue_final_message") from None
     except Exception as e:  # template errors are the conversation's fault (jinja raise_exception)
         raise bad_request(f"messages: the chat template rejected them: {e}", "messages") from None
     try:
@@ -90,6 +101,25 @@ def render_chat(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeChat
     except PromptTooLong as e:
         assert max_model_len is not None
         raise prompt_too_long(f"messages: {e}", max_model_len, "messages") from None
+
+
+def check_template_fields(body: ChatCompletionRequest | TokenizeChatRequest) -> None:
+    """400s naming the field for what the template cannot take: both continue_final_message
+    and add_generation_prompt (vLLM refuses it too), a chat_template that is not Jinja, and
+    chat_template_kwargs that would replace the request's own variables."""
+    if body.continue_final_message and body.add_generation_prompt:
+        raise bad_request("continue_final_message: cannot be true while add_generation_prompt "
+                          "is true (send add_generation_prompt: false)", "continue_final_message")
+    if body.chat_template is not None:
+        try:
+            compile_chat_template(body.chat_template)
+        except jinja2.TemplateSyntaxError as e:
+            raise bad_request(f"chat_template: not a valid Jinja template (line {e.lineno}: "
+                              f"{e.message})", "chat_template") from None
+    taken = sorted(set(body.chat_template_kwargs or {}) & TEMPLATE_VARIABLES)
+    if taken:
+        raise bad_request(f"chat_template_kwargs: {taken[0]!r} is set by the request itself, "
+                          "not by chat_template_kwargs", "chat_template_kwargs")
 
 
 def _logprobs(ctx: ServerContext, body: ChatCompletionRequest, delta: Delta) -> ChatLogprobs | None:

@@ -175,6 +175,72 @@ def test_tokenize_detokenize_version(server: ServerProcess) -> None:
     assert_400(post(server, "/tokenize", {}), "prompt")
 
 
+def test_chat_template_fields_as_in_vllm(server: ServerProcess) -> None:
+    """continue_final_message (an assistant prefill the model continues), chat_template and
+    chat_template_kwargs, on /tokenize and /v1/chat/completions; their misuse is a 400 naming
+    the field, and the server goes on."""
+    prefill = [{"role": "user", "content": "hey"}, {"role": "assistant", "content": "Sure, "}]
+
+    def tokens(**fields: object) -> list[int]:
+        r = post(server, "/tokenize", {"messages": prefill, **fields})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    opened = tokens(add_generation_prompt=False, continue_final_message=True)
+    detok = post(server, "/detokenize", {"tokens": opened}).json()["prompt"]
+    assert detok.endswith("user\nhey\nassistant\nSure, ")  # special tokens left out
+    closed = tokens(add_generation_prompt=False)
+    assert closed[:len(opened)] == opened and len(closed) > len(opened)
+    template = "{% for m in messages %}{{ m.role[0] }}{{ m.content }}{% endfor %}{{ tail }}"
+    custom = tokens(chat_template=template, chat_template_kwargs={"tail": "!"})
+    assert post(server, "/detokenize", {"tokens": custom}).json()["prompt"] == "uheyaSure, !"
+
+    r = post(server, "/v1/chat/completions", {
+        "model": server.model, "messages": prefill, "max_tokens": 3, "temperature": 0,
+        "ignore_eos": True, "add_generation_prompt": False, "continue_final_message": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(opened)
+
+    assert_400(chat(server, continue_final_message=True), "continue_final_message")
+    assert_400(chat(server, chat_template="{% for %}"), "chat_template")
+    assert_400(chat(server, chat_template_kwargs={"messages": []}), "chat_template_kwargs")
+    assert_400(chat(server, chat_template_kwargs=[1]), "chat_template_kwargs")
+    assert_400(chat(server, chat_template="{{ messages | length }}", add_generation_prompt=False,
+                    continue_final_message=True), "continue_final_message")
+    assert_400(post(server, "/tokenize", {"messages": [prefill[0], {"role": "assistant"}],
+                                          "add_generation_prompt": False,
+                                          "continue_final_message": True}),
+               "continue_final_message")
+    assert_400(chat(server, chat_template="{{ raise_exception('no') }}"), "messages")
+    assert chat(server).status_code == 200
+
+
+def test_serve_chat_template_flag(tiny_model_dir: Path, tmp_path: Path,
+                                  capsys: pytest.CaptureFixture) -> None:
+    """--chat-template (a file, or the template itself, as in vLLM) replaces the model's."""
+    from braid.cli import build_parser
+
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    server = ServerProcess(tiny_model_dir, tmp_path, *ENGINE_FLAGS, "--chat-template",
+                           str(template))
+    try:
+        r = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hey"}]})
+        assert r.status_code == 200, r.text
+        assert post(server, "/detokenize", {"tokens": r.json()["tokens"]}).json() == {
+            "prompt": "user: hey\n"}
+        assert chat(server).status_code == 200
+    finally:
+        assert server.stop() == 0, server.log()
+    args = build_parser().parse_args(["serve", "--chat-template", "{{ messages[0].content }}"])
+    assert args.chat_template == "{{ messages[0].content }}"
+    for bad, message in ((str(tmp_path / "missing.jinja"), "no such file, nor a Jinja template"),
+                         ("{% if %}", "not a valid Jinja template (line 1")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--chat-template", bad])
+        assert f"argument --chat-template: {message}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("where, body, param", [
     ("stream_options", {"stream": True, "stream_options": {"include_usge": True}},
      "stream_options"),
