@@ -175,8 +175,9 @@ def compile_chat_template(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
-# Set by apply_chat_template itself: not overridable by template keyword arguments.
-TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
+# apply_chat_template's own arguments: not template variables a request may pass.
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "chat_template",
+                                "continue_final_message"})
 
 
 class ContinuationError(ValueError):

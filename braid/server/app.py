@@ -36,7 +36,11 @@ from braid.server.protocol import (
     TokenizeResponse,
 )
 from braid.server.serving import ServerContext, check_model
-from braid.server.serving_chat import create_chat_completion, render_chat
+from braid.server.serving_chat import (
+    check_template_fields,
+    create_chat_completion,
+    render_chat,
+)
 from braid.server.serving_completion import create_completion
 
 logger = logging.getLogger("braid.server")
@@ -113,6 +117,7 @@ def _add_token_routes(app: FastAPI, ctx: ServerContext) -> None:
             raise validation_error(e) from None
         check_model(ctx, body.model)
         if isinstance(body, TokenizeChatRequest):
+            check_template_fields(body, ctx.trust_request_chat_template)
             tokens = await asyncio.to_thread(render_chat, ctx.tokenizer, body)
         else:
             tokens = await asyncio.to_thread(ctx.tokenizer.encode, body.prompt,
@@ -144,7 +149,8 @@ def run_server(args: argparse.Namespace) -> int:
     names = args.served_model_name or [config.model]
     metrics = ServerMetrics(names[0])
     ctx = ServerContext(AsyncEngine(engine, metrics), engine.tokenizer, names,
-                        config.max_model_len, args.max_waiting_requests)
+                        config.max_model_len, args.max_waiting_requests,
+                        trust_request_chat_template=args.trust_request_chat_template)
     app = create_app(ctx, metrics, AppOptions(args.max_request_bytes, args.api_key,
                                               args.enable_docs))
     server = _Server(uvicorn.Config(

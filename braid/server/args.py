@@ -65,5 +65,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--chat-template", type=_chat_template, default=None,
                        help="chat template for /v1/chat/completions instead of the model's: "
                             "a Jinja file, or the template itself")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="accept a request's own `chat_template` (refused by default, as in "
+                            "vLLM)")
     group.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])

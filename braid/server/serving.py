@@ -41,6 +41,7 @@ class ServerContext:
     max_model_len: int
     max_waiting_requests: int
     retry_after_s: int = 1
+    trust_request_chat_template: bool = False  # a request's own chat_template is accepted
 
 
 class EngineFailure(Exception):

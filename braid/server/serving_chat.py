@@ -69,6 +69,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     params = request_params(
         body, asked, (body.top_logprobs or 0) if body.logprobs else None,
         {"max_tokens": asked_field} if use_new_name else None, constraint=constraint)
+    check_template_fields(body, ctx.trust_request_chat_template)
     prompt = await asyncio.to_thread(render_chat, ctx.tokenizer, body, ctx.max_model_len)
     check_room(ctx, [prompt], asked, asked_field)
     job = make_job("chatcmpl", [prompt], params, body.n)
@@ -83,7 +84,6 @@ def render_chat(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeChat
                 max_model_len: int | None = None) -> list[int]:
     """The conversation through the chat template, as token ids (400 naming `messages` when
     the template refuses it or it leaves no room in `max_model_len` for a generated token)."""
-    check_template_fields(body)
     messages = template_messages(body)
     try:
         text = tokenizer.apply_chat_template(
@@ -103,14 +103,20 @@ def render_chat(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeChat
         raise prompt_too_long(f"messages: {e}", max_model_len, "messages") from None
 
 
-def check_template_fields(body: ChatCompletionRequest | TokenizeChatRequest) -> None:
-    """400s naming the field for what the template cannot take: both continue_final_message
-    and add_generation_prompt (vLLM refuses it too), a chat_template that is not Jinja, and
-    chat_template_kwargs that would replace the request's own variables."""
+def check_template_fields(body: ChatCompletionRequest | TokenizeChatRequest,
+                          trust_request_chat_template: bool) -> None:
+    """400s naming the field for what the template cannot take, as vLLM gives them: both
+    continue_final_message and add_generation_prompt, a request's own chat_template unless
+    the server trusts them (a template runs in a sandbox, but can loop for as long as it
+    likes), one that is not Jinja, and chat_template_kwargs that would replace the request's
+    own variables."""
     if body.continue_final_message and body.add_generation_prompt:
         raise bad_request("continue_final_message: cannot be true while add_generation_prompt "
                           "is true (send add_generation_prompt: false)", "continue_final_message")
     if body.chat_template is not None:
+        if not trust_request_chat_template:
+            raise bad_request("chat_template: request chat templates need the server started "
+                              "with --trust-request-chat-template", "chat_template")
         try:
             compile_chat_template(body.chat_template)
         except jinja2.TemplateSyntaxError as e:
@@ -118,8 +124,8 @@ def check_template_fields(body: ChatCompletionRequest | TokenizeChatRequest) -> 
                               f"{e.message})", "chat_template") from None
     taken = sorted(set(body.chat_template_kwargs or {}) & TEMPLATE_VARIABLES)
     if taken:
-        raise bad_request(f"chat_template_kwargs: {taken[0]!r} is set by the request itself, "
-                          "not by chat_template_kwargs", "chat_template_kwargs")
+        raise bad_request(f"chat_template_kwargs: {taken[0]!r} is the request's own field, "
+                          "not a template variable", "chat_template_kwargs")
 
 
 def _logprobs(ctx: ServerContext, body: ChatCompletionRequest, delta: Delta) -> ChatLogprobs | None:

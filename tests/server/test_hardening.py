@@ -191,9 +191,8 @@ def test_chat_template_fields_as_in_vllm(server: ServerProcess) -> None:
     assert detok.endswith("user\nhey\nassistant\nSure, ")  # special tokens left out
     closed = tokens(add_generation_prompt=False)
     assert closed[:len(opened)] == opened and len(closed) > len(opened)
-    template = "{% for m in messages %}{{ m.role[0] }}{{ m.content }}{% endfor %}{{ tail }}"
-    custom = tokens(chat_template=template, chat_template_kwargs={"tail": "!"})
-    assert post(server, "/detokenize", {"tokens": custom}).json()["prompt"] == "uheyaSure, !"
+    variables = "{% if tail %}{{ tail }}{% endif %}"  # the tiny model's template has none
+    assert tokens(chat_template_kwargs={"tail": "!"}) == tokens()
 
     r = post(server, "/v1/chat/completions", {
         "model": server.model, "messages": prefill, "max_tokens": 3, "temperature": 0,
@@ -202,16 +201,18 @@ def test_chat_template_fields_as_in_vllm(server: ServerProcess) -> None:
     assert r.json()["usage"]["prompt_tokens"] == len(opened)
 
     assert_400(chat(server, continue_final_message=True), "continue_final_message")
-    assert_400(chat(server, chat_template="{% for %}"), "chat_template")
-    assert_400(chat(server, chat_template_kwargs={"messages": []}), "chat_template_kwargs")
-    assert_400(chat(server, chat_template_kwargs=[1]), "chat_template_kwargs")
-    assert_400(chat(server, chat_template="{{ messages | length }}", add_generation_prompt=False,
-                    continue_final_message=True), "continue_final_message")
+    for kwargs in ({"messages": []}, {"chat_template": variables}, [1]):
+        assert_400(chat(server, chat_template_kwargs=kwargs), "chat_template_kwargs")
     assert_400(post(server, "/tokenize", {"messages": [prefill[0], {"role": "assistant"}],
                                           "add_generation_prompt": False,
                                           "continue_final_message": True}),
                "continue_final_message")
-    assert_400(chat(server, chat_template="{{ raise_exception('no') }}"), "messages")
+    # a request's own template only where the server trusts them (as in vLLM)
+    r = chat(server, chat_template=variables)
+    assert_400(r, "chat_template")
+    assert "--trust-request-chat-template" in r.json()["error"]["message"]
+    assert_400(post(server, "/tokenize", {"messages": prefill, "chat_template": variables}),
+               "chat_template")
     assert chat(server).status_code == 200
 
 
@@ -223,12 +224,26 @@ def test_serve_chat_template_flag(tiny_model_dir: Path, tmp_path: Path,
     template = tmp_path / "plain.jinja"
     template.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
     server = ServerProcess(tiny_model_dir, tmp_path, *ENGINE_FLAGS, "--chat-template",
-                           str(template))
-    try:
-        r = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hey"}]})
+                           str(template), "--trust-request-chat-template")
+    prefill = [{"role": "user", "content": "hey"}, {"role": "assistant", "content": "Sure, "}]
+
+    def text(**fields: object) -> str:
+        r = post(server, "/tokenize", {"messages": prefill, **fields})
         assert r.status_code == 200, r.text
-        assert post(server, "/detokenize", {"tokens": r.json()["tokens"]}).json() == {
-            "prompt": "user: hey\n"}
+        return post(server, "/detokenize", {"tokens": r.json()["tokens"]}).json()["prompt"]
+
+    try:
+        assert text() == "user: hey\nassistant: Sure, \n"
+        own = "{% for m in messages %}{{ m.role[0] }}{{ m.content }}{% endfor %}{{ tail }}"
+        assert text(chat_template=own, chat_template_kwargs={"tail": "!"}) == "uheyaSure, !"
+        assert text(chat_template=own, add_generation_prompt=False,
+                    continue_final_message=True) == "uheyaSure, "
+        assert chat(server, chat_template=own).status_code == 200
+        assert_400(chat(server, chat_template="{% for %}"), "chat_template")
+        assert_400(chat(server, chat_template="{{ messages | length }}",
+                        add_generation_prompt=False, continue_final_message=True),
+                   "continue_final_message")
+        assert_400(chat(server, chat_template="{{ raise_exception('no') }}"), "messages")
         assert chat(server).status_code == 200
     finally:
         assert server.stop() == 0, server.log()
