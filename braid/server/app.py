@@ -131,7 +131,9 @@ def _add_token_routes(app: FastAPI, ctx: ServerContext) -> None:
         vocab = ctx.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise bad_request(f"tokens must be token ids in [0, {vocab})", "tokens")
-        return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))
+        # special tokens kept, as vLLM's (and transformers' decode) do: the text is the prompt
+        return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens,
+                                                              skip_special_tokens=False))
 
 
 def run_server(args: argparse.Namespace) -> int:

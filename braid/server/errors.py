@@ -59,25 +59,31 @@ def field_of(message: str) -> str:
 
 
 def validation_error(exc: RequestValidationError | ValidationError) -> APIError:
-    """Pydantic's complaint as a 400 naming the top-level body field. Of several, the one
-    deepest in the body: where a field takes one of several shapes (a string or a list of
-    parts), the shape the client meant got furthest, and its complaint is the useful one."""
+    """Pydantic's complaint as a 400 naming the top-level body field. Of several, where a
+    field takes one of several shapes (a string or a list of parts), the complaint of the
+    shape the client meant: one a validator raised (the shape fitted, a value did not),
+    else the one deepest in the body (that shape got furthest)."""
     errors: list[dict[str, Any]] = [dict(e) for e in exc.errors()]
-    first = max(errors, key=lambda e: len(e.get("loc", ())), default={})
+    first = max(errors, key=lambda e: (e.get("type") == "value_error", len(e.get("loc", ()))),
+                default={})
     loc = _path(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         return bad_request(f"malformed JSON body: {first.get('msg', 'invalid JSON')}", "body")
     if not loc:
         return bad_request(f"request body: {first.get('msg', 'invalid')}", "body")
     where = ".".join(loc)
-    return bad_request(f"{where}: {first.get('msg', 'invalid value')}", loc[0])
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return bad_request(f"{where}: {message}", loc[0])
 
 
 def _path(loc: Sequence[object]) -> list[str]:
     """Pydantic's error location as the client's field path: without "body" and without
-    the labels it gives the shapes a field may take ("list[TextPart]", "NamedToolChoice");
-    the last part is always kept (it is the field or key complained about)."""
+    the labels it gives the shapes a field may take ("list[TextPart]", "NamedToolChoice",
+    "function-after[_utf8(), str]"). A last part is kept (it is the field or key complained
+    about, which may be a key the client made up) unless it is a validator's label."""
     parts = [str(part) for part in loc if part != "body"]
+    if len(parts) > 1 and parts[-1].startswith("function-"):
+        parts.pop()
     return [p for p in parts[:-1] if "[" not in p and not p[:1].isupper()] + parts[-1:]
 
 

@@ -11,9 +11,10 @@ Responses carry one extra field, `braid`: per-response speculation figures and p
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+import types
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 
 def _utf8(text: str) -> str:
@@ -27,10 +28,15 @@ def _utf8(text: str) -> str:
 Text = Annotated[str, AfterValidator(_utf8)]
 
 
+def _takes_null(annotation: Any) -> bool:
+    return annotation is Any or annotation is None or type(None) in get_args(annotation) or any(
+        _takes_null(a) for a in get_args(annotation) if isinstance(a, types.UnionType))
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    include_usage: bool = False
+    include_usage: bool = True  # as in vLLM: `stream_options: {}` asks for usage
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage in every chunk
 
 
@@ -76,6 +82,17 @@ class SamplingRequest(BaseModel):
     # none is a sampling parameter
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """`null` for a field that takes no null is its default, as vLLM (whose sampling
+        fields are Optional) and OpenAI take it: clients send unset options as null."""
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items()
+                if v is not None or k not in cls.model_fields
+                or _takes_null(cls.model_fields[k].annotation)}
+
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
     temperature: float = 1.0
@@ -118,7 +135,9 @@ class SamplingRequest(BaseModel):
                                            and self.stream_options.continuous_usage_stats)
 
     def unsupported_field(self) -> tuple[str, str] | None:
-        """(field, why) for the first field set to something braid does not do yet."""
+        """(field, why) for the first field set to something braid does not do (yet)."""
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "only with stream: true (as vLLM has it)"
         if self.best_of not in (None, 1):
             return "best_of", "best_of > 1 is not supported; use n"
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):

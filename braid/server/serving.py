@@ -76,7 +76,8 @@ class Job:
 
 def check_model(ctx: ServerContext, name: str | None) -> str:
     if name is not None and name not in ctx.model_names:
-        raise APIError(400, f"model {name!r} does not exist; this server serves "
+        # 404 as vLLM answers it (OpenAI too); the code names the case for clients
+        raise APIError(404, f"The model `{name}` does not exist; this server serves "
                        f"{', '.join(map(repr, ctx.model_names))}", "model", "model_not_found")
     return name or ctx.model_names[0]
 

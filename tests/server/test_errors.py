@@ -28,7 +28,6 @@ CASES = {
     "max_completion_tokens zero": (chat(max_completion_tokens=0), "max_completion_tokens"),
     "temperature negative": (completion(temperature=-0.5), "temperature"),
     "top_p too large": (chat(top_p=1.5), "top_p"),
-    "unknown model": (completion(model="no-such-model"), "model"),
     "max_tokens wrong type": (completion(max_tokens="many"), "max_tokens"),
     "temperature wrong type": (chat(temperature=[1]), "temperature"),
     "messages wrong type": (("/v1/chat/completions", {"messages": "hi"}), "messages"),
@@ -38,6 +37,7 @@ CASES = {
     "empty prompt": (completion(prompt=""), "prompt"),
     "n zero": (completion(n=0), "n"),
     "stream wrong type": (completion(stream="yes please"), "stream"),
+    "stream_options without stream": (completion(stream_options={}), "stream_options"),
 }
 
 
@@ -45,8 +45,6 @@ CASES = {
 def test_bad_input_is_400_naming_the_field(server: ServerProcess, case: str) -> None:
     (path, body), field = CASES[case]
     body.setdefault("model", server.model)
-    if case == "unknown model":
-        body["model"] = "no-such-model"
     r = httpx.post(f"{server.url}{path}", json=body, timeout=30)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
@@ -70,6 +68,26 @@ def test_openai_client_sees_bad_request(server: ServerProcess) -> None:
         client.completions.create(model=server.model, prompt="hi", temperature=-1)
     assert info.value.status_code == 400
     assert info.value.param == "temperature"
+
+
+@pytest.mark.parametrize("path, body", [chat(), completion(),
+                                        ("/tokenize", {"prompt": "hi"}),
+                                        ("/detokenize", {"tokens": [104]})])
+def test_an_unknown_model_is_404_as_in_vllm(server: ServerProcess, path: str, body: dict
+                                            ) -> None:
+    r = httpx.post(f"{server.url}{path}", json={**body, "model": "no-such-model"}, timeout=30)
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == (
+        "not_found_error", "model", "model_not_found")
+    assert error["message"].startswith("The model `no-such-model` does not exist")
+    assert server.model in error["message"]
+
+
+def test_openai_client_sees_not_found(server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
 
 
 def test_server_still_serves_after_bad_requests(server: ServerProcess) -> None:

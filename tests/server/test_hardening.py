@@ -61,6 +61,9 @@ def test_lone_surrogate_is_400_naming_the_field(server: ServerProcess, where: st
     }[where]()
     assert_400(r, {"chat content": "messages", "chat part": "messages",
                    "prompt list": "prompt"}.get(where, where))
+    message = r.json()["error"]["message"]  # the client's path, in plain words
+    assert "text must be valid UTF-8" in message and "function-" not in message
+    assert "Value error" not in message
     assert completion(server).status_code == 200
 
 
@@ -93,6 +96,34 @@ def test_unimplemented_and_unknown_fields_are_400(server: ServerProcess, name: s
     if name not in ("suffix", "tools", "tool_choice"):  # completions-only refusals (chat
         # refuses suffix as unknown and implements tools)
         assert_400(chat(server, **REFUSED[name]), name)
+
+
+def test_null_is_the_field_s_default_as_in_vllm(server: ServerProcess) -> None:
+    """Clients send unset options as null; vLLM's fields are Optional, so null means the
+    default. Where null is a value (completions' max_tokens: to the context's end) it stays."""
+    nulls = dict.fromkeys(("top_p", "top_k", "min_p", "n", "presence_penalty",
+                           "frequency_penalty", "repetition_penalty", "min_tokens",
+                           "ignore_eos", "stream", "include_stop_str_in_output", "seed",
+                           "stop", "logprobs"))
+    for send in (completion, chat):
+        plain = send(server, max_tokens=6, temperature=0)
+        r = send(server, max_tokens=6, temperature=0, **nulls)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"] == plain.json()["choices"]
+        assert send(server, temperature=None, seed=3, max_tokens=2).status_code == 200
+    r = completion(server, max_tokens=None, ignore_eos=True)
+    assert r.json()["usage"]["completion_tokens"] + r.json()["usage"]["prompt_tokens"] == 256
+
+
+def test_stream_options_as_in_vllm(server: ServerProcess) -> None:
+    """include_usage defaults to true once stream_options is given; stream_options without
+    stream is a 400 naming it."""
+    r = completion(server, stream=True, stream_options={}, max_tokens=3)
+    events = [line.removeprefix("data: ") for line in r.text.splitlines() if line]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 3
+    for send in (completion, chat):
+        assert_400(send(server, stream_options={"include_usage": True}), "stream_options")
 
 
 def test_accepted_no_ops(server: ServerProcess) -> None:
@@ -188,7 +219,7 @@ def test_chat_template_fields_as_in_vllm(server: ServerProcess) -> None:
 
     opened = tokens(add_generation_prompt=False, continue_final_message=True)
     detok = post(server, "/detokenize", {"tokens": opened}).json()["prompt"]
-    assert detok.endswith("user\nhey\nassistant\nSure, ")  # special tokens left out
+    assert detok.endswith("<|im_start|>assistant\nSure, ")
     closed = tokens(add_generation_prompt=False)
     assert closed[:len(opened)] == opened and len(closed) > len(opened)
     variables = "{% if tail %}{{ tail }}{% endif %}"  # the tiny model's template has none
