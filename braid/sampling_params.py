@@ -48,7 +48,8 @@ class SamplingParams:
     `top_k` of 0 or -1 disables top-k. `logprobs=n` returns the sampled token's logprob and the
     top-n logprobs per position (0: only the sampled token's); `prompt_logprobs=n` the same for
     every prompt token after the first. `logit_bias` maps token ids to a bias added to their
-    logits before penalties and sampling (greedy included). After `__post_init__`, `stop` and
+    logits before penalties and sampling (greedy included); `allowed_token_ids` (as vLLM's)
+restricts every output token to those ids. After `__post_init__`, `stop` and
     `stop_token_ids` are always lists (possibly empty). `structured_outputs` constrains the
     output to a grammar (braid/structured/); the request finishes when the grammar is complete.
     """
@@ -70,6 +71,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
@@ -141,6 +143,11 @@ class SamplingParams:
             raise ValueError(f"stop must not contain empty strings, got {self.stop!r}")
         if any(t < 0 for t in self.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids
+                or any(not is_int(t) or t < 0 for t in self.allowed_token_ids)):
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids >= 0, "
+                             f"got {self.allowed_token_ids!r}")
         for token, bias in (self.logit_bias or {}).items():
             if token < 0 or not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias must map token ids >= 0 to biases in [-100, 100], "

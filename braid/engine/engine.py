@@ -185,6 +185,8 @@ class LLMEngine:
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
         if any(token >= vocab for token in params.logit_bias or {}):
             raise RequestError(f"logit_bias token ids must be in [0, {vocab})")
+        if any(token >= vocab for token in params.allowed_token_ids or []):
+            raise RequestError(f"allowed_token_ids must be token ids in [0, {vocab})")
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > vocab:
                 raise RequestError(f"{name} must be <= the vocabulary size ({vocab}), got "

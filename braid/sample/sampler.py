@@ -8,7 +8,8 @@ the row's output position.
 
 Order of processing, as in vLLM V1:
   raw logits -> (logprobs are taken here: log_softmax of the raw model output)
-  -> logit_bias -> repetition/frequency/presence penalties, min_tokens stop suppression
+  -> logit_bias, allowed_token_ids -> repetition/frequency/presence penalties, min_tokens
+     stop suppression
   -> grammar masks (structured output: the tokens a row's grammar state allows)
   -> greedy rows: argmax
   -> random rows: temperature -> min_p -> top_k -> top_p -> softmax -> inverse-CDF draw.
@@ -84,6 +85,8 @@ class SamplingMetadata:
     prompt_token_mask: torch.Tensor | None  # [B, V] bool; only with a repetition penalty
     suppressed: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) set to -inf
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, ids, biases)
+    allowed_ids: tuple[torch.Tensor, torch.Tensor] | None  # (rows, [R, V] bool) of rows
+    # with allowed_token_ids
     seeds: list[int]  # per row, its request's seed
     positions: list[int]  # per row, its output position (output tokens before it)
     uniforms: torch.Tensor | None  # [B] float64 keyed numbers of the draw; None if all greedy
@@ -129,6 +132,7 @@ class SamplingMetadata:
             **penalties,
             suppressed=_suppressed(params, output_token_ids, eos_token_ids, vocab_size, device),
             logit_bias=_logit_bias(params, vocab_size, device),
+            allowed_ids=_allowed_ids(params, vocab_size, device),
             seeds=list(seeds),
             positions=positions,
             uniforms=None if all(greedy) else torch.from_numpy(
@@ -246,6 +250,20 @@ def _logit_bias(
             torch.tensor(biases, dtype=torch.float32, device=device))
 
 
+def _allowed_ids(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, [R, V] bool) of the rows with allowed_token_ids: the ids each may sample."""
+    rows = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not rows:
+        return None
+    mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
+    for i, row in enumerate(rows):
+        ids = [t for t in params[row].allowed_token_ids or [] if t < vocab_size]
+        mask[i, torch.tensor(ids, dtype=torch.int64, device=device)] = True
+    return torch.tensor(rows, dtype=torch.int64, device=device), mask
+
+
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """logit_bias, repetition/frequency/presence penalties (vLLM semantics), min_tokens
     suppression and grammar masks: everything a greedy argmax sees. Never modifies `logits`
@@ -253,6 +271,9 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     if meta.logit_bias is not None:
         rows, tokens, biases = meta.logit_bias
         logits = logits.index_put((rows, tokens), biases, accumulate=True)
+    if meta.allowed_ids is not None:
+        rows, allowed = meta.allowed_ids
+        logits = logits.index_put((rows,), logits[rows].masked_fill(~allowed, _NEG_INF))
     if meta.repetition_penalty is not None:
         assert meta.output_token_counts is not None
         assert meta.presence_penalty is not None and meta.frequency_penalty is not None

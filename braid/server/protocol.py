@@ -113,6 +113,7 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, unused
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None

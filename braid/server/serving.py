@@ -93,7 +93,8 @@ def build_params(rename: dict[str, str] | None = None, **kwargs: object) -> Samp
 
 _SHARED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                  "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+                  "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+                  "allowed_token_ids")
 
 
 def request_params(body: SamplingRequest, max_tokens: int | None, logprobs: int | None,

@@ -136,6 +136,36 @@ def test_logit_bias_with_speculation_is_lossless() -> None:
     assert all(9 not in tokens for tokens in outputs[0].values())
 
 
+def test_allowed_token_ids_restrict_output_with_and_without_speculation() -> None:
+    """vLLM's allowed_token_ids: every output token among them, greedy and sampled, over
+    several batches; greedy speculation equals greedy without it."""
+    allowed = [5, 9, 17, 23, 42]
+    outputs = []
+    for engine in (make_engine(), spec_engine("draft_model", 3), spec_engine("ngram", 2)):
+        for batch in range(2):  # a second batch after the engine went idle
+            for i, ids in enumerate(prompts()[:4]):
+                engine.add_request(f"{batch}-{i}", ids, SamplingParams(
+                    temperature=0 if i % 2 == 0 else 1.0, seed=i, max_tokens=10,
+                    ignore_eos=True, allowed_token_ids=allowed))
+            outputs.append({o.request_id: o.outputs[0].token_ids
+                            for o in engine.run_until_done() if o.finished})
+    assert all(set(t) <= set(allowed) and len(t) == 10
+               for out in outputs for t in out.values())
+    greedy = [{k: v for k, v in out.items() if int(k[-1]) % 2 == 0} for out in outputs]
+    assert all(g == greedy[0] for g in greedy[::2]) and all(g == greedy[1] for g in greedy[1::2])
+    plain = make_engine()
+    plain.add_request("free", prompts()[0], SamplingParams(temperature=0, max_tokens=10,
+                                                           ignore_eos=True))
+    free = next(o for o in plain.run_until_done() if o.finished).outputs[0].token_ids
+    assert not set(free) <= set(allowed)  # the restriction did something
+
+
+@pytest.mark.parametrize("allowed", [[], [-1], [CFG.vocab_size], [True]])
+def test_bad_allowed_token_ids_are_refused(allowed: list[int]) -> None:
+    with pytest.raises((RequestError, ValueError), match="allowed_token_ids"):
+        make_engine().add_request("a", [1, 2], SamplingParams(allowed_token_ids=allowed))
+
+
 @pytest.mark.parametrize("bias", [{CFG.vocab_size: 1.0}, {-1: 1.0}, {3: 101.0}])
 def test_bad_logit_bias_is_refused(bias: dict[int, float]) -> None:
     with pytest.raises((RequestError, ValueError), match="logit_bias"):

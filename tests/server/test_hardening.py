@@ -144,6 +144,20 @@ def test_logit_bias_steers_greedy_output(server: ServerProcess) -> None:
     assert_400(completion(server, logit_bias={"99999": 1}), "logit_bias")
 
 
+
+def test_allowed_token_ids_restrict_the_output(server: ServerProcess) -> None:
+    allowed = [ord(c) for c in "ab"]  # byte-level tokens
+    for r in (completion(server, allowed_token_ids=allowed, max_tokens=8, ignore_eos=True),
+              chat(server, allowed_token_ids=allowed, max_tokens=8, ignore_eos=True,
+                   temperature=1.0, seed=4)):
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        text = choice.get("text") or choice["message"]["content"]
+        assert len(text) == 8 and set(text) <= set("ab")
+    for bad in ([], [-1], [99999], "a"):
+        assert_400(completion(server, allowed_token_ids=bad), "allowed_token_ids")
+
+
 def test_echo_returns_prompt_then_completion(server: ServerProcess) -> None:
     plain = completion(server, prompt="hello", max_tokens=5).json()["choices"][0]
     r = completion(server, prompt="hello", max_tokens=5, echo=True, logprobs=1)
