@@ -114,6 +114,9 @@ class SamplingRequest(BaseModel):
     user: str | None = None  # accepted, unused
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     allowed_token_ids: list[int] | None = None
+    # vLLM's: keep the prompt's last k tokens (-1: max_model_len); the response id's tail
+    truncate_prompt_tokens: int | None = None
+    request_id: Text | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -177,6 +180,7 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: Text | list[int] | list[Text] | list[list[int]]
+    add_special_tokens: bool = True
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
@@ -256,6 +260,7 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     chat_template: Text | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # the template writes them
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -434,6 +439,7 @@ class TokenizeChatRequest(BaseModel):
     continue_final_message: bool = False
     chat_template: Text | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
     tools: list[ToolDefinition] | None = None
 
 

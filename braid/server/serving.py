@@ -155,13 +155,29 @@ def check_room(ctx: ServerContext, prompts: list[list[int]], max_tokens: int | N
             f"({max_tokens} > {ctx.max_model_len} - {longest})", param)
 
 
-def make_job(prefix: str, prompts: list[list[int]], params: SamplingParams, n: int) -> Job:
+def kept_prompt_tokens(ctx: ServerContext, truncate_prompt_tokens: int | None) -> int | None:
+    """How many of a prompt's last tokens to keep (vLLM's truncate_prompt_tokens; -1: up to
+    max_model_len), None to keep all; 400 naming the field for a value it cannot take."""
+    k = truncate_prompt_tokens
+    if k is None:
+        return None
+    if k == 0 or k < -1 or k > ctx.max_model_len:
+        raise bad_request(f"truncate_prompt_tokens must be -1 or in [1, {ctx.max_model_len}] "
+                          f"(max_model_len), got {k}", "truncate_prompt_tokens")
+    return ctx.max_model_len if k == -1 else k
+
+
+def make_job(prefix: str, prompts: list[list[int]], params: SamplingParams, n: int,
+             request_id: str | None = None) -> Job:
+    """The job of one request; `request_id` (the client's, as vLLM takes it) names the
+    response, while the engine requests keep ids of their own (a client may reuse one)."""
     job_id = f"{prefix}-{time.time_ns():x}{next(_counter):x}"
     choices, per_choice = [], []
     for index, (p, j) in enumerate(itertools.product(range(len(prompts)), range(n))):
         choices.append(ChoiceState(index, f"{job_id}-{index}", p))
         per_choice.append(dataclasses.replace(params, seed=choice_seed(params.seed, j)))
-    return Job(job_id, prompts, choices, per_choice)
+    public = job_id if request_id is None else f"{prefix}-{request_id}"
+    return Job(public, prompts, choices, per_choice)
 
 
 _counter = itertools.count()

@@ -35,6 +35,7 @@ from braid.server.serving import (
     check_model,
     check_room,
     event_stream,
+    kept_prompt_tokens,
     make_job,
     request_params,
     respond,
@@ -70,9 +71,13 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
         body, asked, (body.top_logprobs or 0) if body.logprobs else None,
         {"max_tokens": asked_field} if use_new_name else None, constraint=constraint)
     check_template_fields(body, ctx.trust_request_chat_template)
-    prompt = await asyncio.to_thread(render_chat, ctx.tokenizer, body, ctx.max_model_len)
+    keep = kept_prompt_tokens(ctx, body.truncate_prompt_tokens)
+    prompt = await asyncio.to_thread(render_chat, ctx.tokenizer, body,
+                                     ctx.max_model_len if keep is None else None)
+    if keep is not None:
+        prompt = prompt[-keep:]
     check_room(ctx, [prompt], asked, asked_field)
-    job = make_job("chatcmpl", [prompt], params, body.n)
+    job = make_job("chatcmpl", [prompt], params, body.n, body.request_id)
     await submit(ctx, job, prompt_field="messages")
     tools = {c.index: ChoiceTools(mode, body) for c in job.choices} if mode else {}
     return await respond(ctx, job, raw, body.stream,
@@ -96,7 +101,7 @@ def render_chat(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeChat
     except Exception as e:  # template errors are the conversation's fault (jinja raise_exception)
         raise bad_request(f"messages: the chat template rejected them: {e}", "messages") from None
     try:
-        return tokenizer.encode(text, add_special_tokens=False,
+        return tokenizer.encode(text, add_special_tokens=body.add_special_tokens,
                                 max_tokens=None if max_model_len is None else max_model_len - 1)
     except PromptTooLong as e:
         assert max_model_len is not None

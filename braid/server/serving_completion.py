@@ -31,6 +31,7 @@ from braid.server.serving import (
     check_model,
     check_room,
     event_stream,
+    kept_prompt_tokens,
     make_job,
     request_params,
     respond,
@@ -51,13 +52,17 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest,
     score_only = body.echo and body.max_tokens == 0
     max_tokens = 1 if score_only else body.max_tokens
     params = request_params(body, max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
+    keep = kept_prompt_tokens(ctx, body.truncate_prompt_tokens)
     try:
-        prompts = await asyncio.to_thread(tokenize_prompts, ctx.tokenizer, body.prompt,
-                                          ctx.max_model_len - 1)
+        prompts = await asyncio.to_thread(
+            tokenize_prompts, ctx.tokenizer, body.prompt,
+            ctx.max_model_len - 1 if keep is None else None, body.add_special_tokens)
     except PromptTooLong as e:
         raise prompt_too_long(str(e), ctx.max_model_len, "prompt") from None
+    if keep is not None:
+        prompts = [p[-keep:] for p in prompts]
     check_room(ctx, prompts, max_tokens, "max_tokens")
-    job = make_job("cmpl", prompts, params, body.n)
+    job = make_job("cmpl", prompts, params, body.n, body.request_id)
     if score_only:
         job.view = _prompt_only
     await submit(ctx, job)
@@ -66,15 +71,16 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest,
 
 
 def tokenize_prompts(tokenizer: Tokenizer, prompt: str | list[int] | list[str] | list[list[int]],
-                     max_tokens: int | None = None) -> list[list[int]]:
+                     max_tokens: int | None = None, add_special_tokens: bool = True
+                     ) -> list[list[int]]:
     """One prompt or a batch, as token ids (the engine checks lengths and ids; texts longer
     than `max_tokens` raise PromptTooLong before their ids are built)."""
     if isinstance(prompt, str):
-        return [tokenizer.encode(prompt, max_tokens=max_tokens)]
+        return [tokenizer.encode(prompt, add_special_tokens, max_tokens)]
     if not prompt or isinstance(prompt[0], int):
         return [list(prompt)]  # type: ignore[arg-type]
-    return [tokenizer.encode(p, max_tokens=max_tokens) if isinstance(p, str) else list(p)
-            for p in prompt]
+    return [tokenizer.encode(p, add_special_tokens, max_tokens) if isinstance(p, str)
+            else list(p) for p in prompt]
 
 
 def _echo(ctx: ServerContext, body: CompletionRequest, out: RequestOutput) -> Delta:

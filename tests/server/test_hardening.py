@@ -145,6 +145,42 @@ def test_logit_bias_steers_greedy_output(server: ServerProcess) -> None:
 
 
 
+def test_truncate_prompt_tokens_keeps_the_prompt_s_end(server: ServerProcess) -> None:
+    """vLLM's truncate_prompt_tokens: the last k prompt tokens (-1: max_model_len); a prompt
+    past the context then fits where it was a 400."""
+    r = completion(server, prompt="abcdefghij", truncate_prompt_tokens=4, echo=True,
+                   max_tokens=1)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 4
+    assert r.json()["choices"][0]["text"].startswith("ghij")
+    long = "x" * 300  # one token a byte, past max_model_len 256
+    assert_400(completion(server, prompt=long), "prompt")
+    r = completion(server, prompt=[long, "ab"], truncate_prompt_tokens=200, max_tokens=2)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 202
+    assert_400(completion(server, prompt=long, truncate_prompt_tokens=-1), "max_tokens")
+    r = chat(server, "y" * 300, truncate_prompt_tokens=100, max_tokens=2)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 100
+    for bad in (0, -2, 257, "x"):
+        assert_400(completion(server, truncate_prompt_tokens=bad), "truncate_prompt_tokens")
+        assert_400(chat(server, truncate_prompt_tokens=bad), "truncate_prompt_tokens")
+
+
+def test_request_id_names_the_response(server: ServerProcess) -> None:
+    """vLLM's request_id: the response id's tail; two requests may share one."""
+    with ThreadPoolExecutor(2) as pool:
+        same = list(pool.map(lambda _: completion(server, request_id="mine", max_tokens=4),
+                             range(2)))
+    assert [r.json()["id"] for r in same] == ["cmpl-mine"] * 2
+    assert chat(server, request_id="mine").json()["id"] == "chatcmpl-mine"
+    r = chat(server, request_id="s", stream=True)
+    assert all(json.loads(line[6:])["id"] == "chatcmpl-s" for line in r.text.splitlines()
+               if line.startswith("data: {"))
+    assert completion(server, add_special_tokens=False).status_code == 200
+    assert chat(server, add_special_tokens=True).status_code == 200
+
+
 def test_allowed_token_ids_restrict_the_output(server: ServerProcess) -> None:
     allowed = [ord(c) for c in "ab"]  # byte-level tokens
     for r in (completion(server, allowed_token_ids=allowed, max_tokens=8, ignore_eos=True),
