@@ -175,6 +175,10 @@ def compile_chat_template(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
+# Fill-in-the-middle tokens (prefix, suffix, middle) as code models spell them.
+FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder
+              ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))  # StarCoder, SantaCoder
+
 # apply_chat_template's own arguments: not template variables a request may pass.
 TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "chat_template",
                                 "continue_final_message"})
@@ -311,6 +315,15 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    def fill_in_middle(self, prefix: str, suffix: str) -> str | None:
+        """The prompt that asks a code model for the text between `prefix` and `suffix`
+        (prefix-suffix-middle order, in the model's own fill-in-the-middle tokens: Qwen2.5-Coder's
+        or StarCoder's spelling), or None for a model without them."""
+        for pre, suf, mid in FIM_TOKENS:
+            if all(self.token_to_id(t) in self._special_ids for t in (pre, suf, mid)):
+                return f"{pre}{prefix}{suf}{suffix}{mid}"
+        return None
 
     @property
     def all_special_ids(self) -> list[int]:

@@ -127,6 +127,10 @@ def test_continue_final_message_template_and_variables(tiny_tokenizer: Tokenizer
         prefill, chat_template=template, greeting="", eos_token="E") == " 2 E"
 
 
+def test_no_fill_in_the_middle_without_its_tokens(tiny_tokenizer: Tokenizer) -> None:
+    assert tiny_tokenizer.fill_in_middle("a", "b") is None
+
+
 def test_chat_template_helpers() -> None:
     template = compile_chat_template(
         "{% if tools %}{{ tools | tojson }}{% endif %}\n"
@@ -172,6 +176,8 @@ def test_real_chat_template_matches_transformers(
     assert tokenizer.apply_chat_template(prefill, False, continue_final_message=True) == (
         reference_tokenizer.apply_chat_template(prefill, tokenize=False,
                                                 continue_final_message=True))
+    assert tokenizer.fill_in_middle("def f(", "):") == (
+        "<|fim_prefix|>def f(<|fim_suffix|>):<|fim_middle|>")
     user_only = messages[1:]
     assert tokenizer.apply_chat_template(user_only) == reference_tokenizer.apply_chat_template(
         user_only, tokenize=False, add_generation_prompt=True)

@@ -1,7 +1,7 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
 Every request field is honoured or refused: unknown fields get 400 naming them, and the
-known ones braid does not implement (`best_of` > 1, `suffix`, `tools` on completions, vLLM's
+known ones braid does not implement (`best_of` > 1, `tools` on completions, vLLM's
 removed `guided_*` fields) get 400 from `unsupported_field`. `user` is accepted and unused.
 Structured output comes as OpenAI's `response_format` or vLLM's `structured_outputs`.
 Text that cannot be UTF-8 (a lone surrogate such as "\ud800") is refused where it enters.
@@ -184,13 +184,11 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None  # fill in the middle, with a code model's FIM tokens
     tools: list[Any] | None = None
     tool_choice: Any = None
 
     def unsupported_field(self) -> tuple[str, str] | None:
-        if self.suffix:
-            return "suffix", "suffix (fill in the middle) is not supported"
         if self.tools:
             return "tools", "tool calling is on /v1/chat/completions"
         if self.tool_choice not in (None, "none"):

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import cast
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from braid.outputs import RequestOutput
-from braid.server.errors import prompt_too_long
+from braid.server.errors import bad_request, prompt_too_long
 from braid.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -55,7 +56,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest,
     keep = kept_prompt_tokens(ctx, body.truncate_prompt_tokens)
     try:
         prompts = await asyncio.to_thread(
-            tokenize_prompts, ctx.tokenizer, body.prompt,
+            tokenize_prompts, ctx.tokenizer, fill_in_middle(ctx.tokenizer, body),
             ctx.max_model_len - 1 if keep is None else None, body.add_special_tokens)
     except PromptTooLong as e:
         raise prompt_too_long(str(e), ctx.max_model_len, "prompt") from None
@@ -68,6 +69,28 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest,
     await submit(ctx, job)
     return await respond(ctx, job, raw, body.stream, lambda: _stream(ctx, job, body, model),
                          lambda finals: _response(ctx, job, body, model, finals))
+
+
+def fill_in_middle(tokenizer: Tokenizer, body: CompletionRequest
+                   ) -> str | list[int] | list[str] | list[list[int]]:
+    """The request's prompt; with a `suffix` (OpenAI's legacy field), each text prompt as
+    the model's fill-in-the-middle prompt, so the completion is what goes between prompt and
+    suffix (code infill, as llama.cpp's /infill gives it). 400 naming `suffix` for a model
+    without those tokens, a token-id prompt, or echo."""
+    if not body.suffix:
+        return body.prompt
+    if body.echo:
+        raise bad_request("suffix: cannot go with echo", "suffix")
+    texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    if not all(isinstance(t, str) for t in texts):
+        raise bad_request("suffix: fill in the middle needs text prompts, not token ids",
+                          "suffix")
+    filled = [tokenizer.fill_in_middle(cast(str, t), body.suffix) for t in texts]
+    if None in filled:
+        raise bad_request("suffix: this model has no fill-in-the-middle tokens (such as "
+                          "Qwen2.5-Coder's <|fim_prefix|>)", "suffix")
+    prompts = cast(list[str], filled)
+    return prompts[0] if isinstance(body.prompt, str) else prompts
 
 
 def tokenize_prompts(tokenizer: Tokenizer, prompt: str | list[int] | list[str] | list[list[int]],

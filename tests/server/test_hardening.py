@@ -81,7 +81,6 @@ def test_seed_past_64_bits_is_400_and_the_largest_works_with_n_2(server: ServerP
 
 REFUSED = {
     "best_of": {"best_of": 2},
-    "suffix": {"suffix": "tail"},
     "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
     "tool_choice": {"tool_choice": "auto"},
     "guided_json": {"guided_json": {"type": "object"}},
@@ -93,8 +92,8 @@ REFUSED = {
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_unimplemented_and_unknown_fields_are_400(server: ServerProcess, name: str) -> None:
     assert_400(completion(server, **REFUSED[name]), name)
-    if name not in ("suffix", "tools", "tool_choice"):  # completions-only refusals (chat
-        # refuses suffix as unknown and implements tools)
+    if name not in ("tools", "tool_choice"):  # completions-only refusals (chat implements
+        # tools)
         assert_400(chat(server, **REFUSED[name]), name)
 
 
@@ -143,6 +142,16 @@ def test_logit_bias_steers_greedy_output(server: ServerProcess) -> None:
     assert_400(completion(server, logit_bias={"3": 500}), "logit_bias")
     assert_400(completion(server, logit_bias={"99999": 1}), "logit_bias")
 
+
+
+def test_suffix_needs_fill_in_the_middle_tokens(server: ServerProcess) -> None:
+    """The tiny model has no FIM tokens: a suffix is a 400 naming it (the default model's
+    infill is in test_real_model); an empty suffix is no suffix. Chat has no suffix."""
+    r = completion(server, suffix="tail")
+    assert_400(r, "suffix")
+    assert "fill-in-the-middle" in r.json()["error"]["message"]
+    assert completion(server, suffix="").status_code == 200
+    assert_400(chat(server, suffix="tail"), "suffix")
 
 
 def test_truncate_prompt_tokens_keeps_the_prompt_s_end(server: ServerProcess) -> None:

@@ -50,6 +50,23 @@ def test_real_model_chat(real_server: ServerProcess) -> None:
     assert spec["mean_acceptance_length"] > 1
 
 
+def test_real_model_fills_in_the_middle(real_server: ServerProcess) -> None:
+    """Completions with a suffix: the coder model writes what goes between prompt and suffix
+    (its FIM tokens), for text prompts; token ids and echo are 400s naming suffix."""
+    client = openai.OpenAI(base_url=f"{real_server.url}/v1", api_key="none", max_retries=0,
+                           timeout=600)
+    res = client.completions.create(
+        model=real_server.model, temperature=0, max_tokens=16,
+        prompt=["def add(a, b):\n    return ", "def add(x, y):\n    return "],
+        suffix="\n\nprint(add(1, 2))\n")
+    assert [c.text.strip() for c in res.choices] == ["a + b", "x + y"]
+    assert all(c.finish_reason == "stop" for c in res.choices)
+    for bad in ({"prompt": [1, 2, 3]}, {"prompt": "x", "echo": True}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=real_server.model, suffix="y", **bad)
+        assert info.value.param == "suffix"
+
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {
