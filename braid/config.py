@@ -205,6 +205,10 @@ class EngineConfig:
         "the draft lengths so the predicted step time stays under it (needs chunked prefill "
         "and a goodput speculative config)")
     log_stats_interval: float = _opt(10.0, "seconds between one-line stats logs (0: off)")
+    generation_config: str = _opt(
+        "auto", "default sampling as vLLM takes it: auto (the model folder's "
+        "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, for "
+        "what a request leaves unset), vllm (none), or a folder holding one")
 
     def __post_init__(self) -> None:
         self._check_types()

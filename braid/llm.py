@@ -30,6 +30,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat use without sampling_params: SamplingParams' defaults, with
+        the model's generation_config.json recommendations over them (as vLLM)."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -39,7 +44,8 @@ class LLM:
         """One output per prompt, in prompt order. One SamplingParams for all, or one each;
         `n > 1` gives n completions per prompt (n engine requests; seeds seed, seed + 1, ...)."""
         prompt_list = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompt_list))
+        params = _as_params_list(self.get_default_sampling_params() if sampling_params is None
+                                 else sampling_params, len(prompt_list))
         groups: list[list[str]] = []
         try:
             for prompt, p in zip(prompt_list, params, strict=True):
@@ -140,10 +146,8 @@ def _prompt_of(prompt: object) -> str | list[int]:
 
 
 def _as_params_list(
-    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    params: SamplingParams | Sequence[SamplingParams], n: int
 ) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
     if len(params) != n:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -152,6 +154,31 @@ restricts every output token to those ids. After `__post_init__`, `stop` and
             if token < 0 or not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias must map token ids >= 0 to biases in [-100, 100], "
                                  f"got {token!r}: {bias!r}")
+
+
+# The generation_config.json fields vLLM takes as default sampling (HF name -> ours).
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                       "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
+
+
+def generation_defaults(folder: Path) -> dict[str, Any]:
+    """The sampling defaults a model's creator recommends, from `folder`'s
+    generation_config.json ({} without one); ValueError naming the file for values a request
+    could not take either."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not readable JSON ({e})") from None
+    defaults = {ours: found[hf] for hf, ours in GENERATION_DEFAULTS.items()
+                if isinstance(found, dict) and found.get(hf) is not None}
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    return defaults
 
 
 def is_int(value: object) -> bool:

@@ -176,3 +176,37 @@ def test_logprobs_are_vllm_logprob_objects(tmp_path) -> None:
         assert entry is not None and token in entry and 1 <= len(entry) <= 2
         assert entry[token].rank is not None and entry[token].rank >= 1
         assert math.isfinite(entry[token].logprob) and entry[token].decoded_token is not None
+
+
+def test_generation_config_sampling_defaults_as_in_vllm(tmp_path) -> None:
+    """The model folder's generation_config.json recommends sampling; LLM uses it without
+    sampling_params (a request's own fields win); --generation-config vllm ignores it; a bad
+    file or folder is a ConfigError naming the flag."""
+    import json
+
+    import pytest
+
+    from braid import LLM, SamplingParams
+    from braid.config import ConfigError
+    from tests.tiny import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "model")
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": 2, "do_sample": True, "temperature": 0.7, "top_k": 1, "top_p": 0.9}))
+    engine = dict(num_kv_blocks=256, block_size=4, max_model_len=256, log_stats_interval=0)
+    llm = LLM(str(folder), **engine)
+    default = llm.get_default_sampling_params()
+    assert (default.temperature, default.top_k, default.top_p) == (0.7, 1, 0.9)
+    assert default.max_tokens == SamplingParams().max_tokens
+    greedy = llm.generate("hello", SamplingParams(temperature=0), use_tqdm=False)[0]
+    out = llm.generate("hello", use_tqdm=False)[0]  # top_k 1 is greedy
+    assert out.outputs[0].token_ids == greedy.outputs[0].token_ids
+    plain = LLM(str(folder), generation_config="vllm", **engine)
+    assert plain.get_default_sampling_params() == SamplingParams()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"top_p": 5}))
+    with pytest.raises(ConfigError, match="--generation-config: .*generation_config.json: top_p"):
+        LLM(str(folder), generation_config=str(other), **engine)
+    with pytest.raises(ConfigError, match="--generation-config nowhere: expected auto, vllm"):
+        LLM(str(folder), generation_config="nowhere", **engine)

@@ -8,6 +8,8 @@ import random
 import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, wait
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,7 +24,7 @@ from braid.models.config import ModelConfig
 from braid.models.qwen2 import Qwen2ForCausalLM
 from braid.outputs import RequestOutput
 from braid.sample.step import StepSample, StepSampler, score_prompts
-from braid.sampling_params import SamplingParams
+from braid.sampling_params import SamplingParams, generation_defaults
 from braid.spec_decode.build import check_draft, make_speculator
 from braid.spec_decode.cost_model import attention_work
 from braid.spec_decode.speculator import SpeculatorFigures
@@ -65,6 +67,30 @@ def _refuse_beyond_memory(nbytes: int, what: str) -> None:
                           f"{memory / 2**30:.1f} GiB of memory")
 
 
+def sampling_defaults(config: EngineConfig, folder: Path | None) -> dict[str, Any]:
+    """--generation-config's default sampling: auto, the model `folder`'s (None: a model
+    given in memory has none); vllm, none; else the folder it names."""
+    choice = config.generation_config
+    if choice == "vllm":
+        return {}
+    if choice != "auto":
+        folder = Path(choice)
+        if not folder.is_dir():
+            raise ConfigError(f"--generation-config {choice}: expected auto, vllm or a folder "
+                              "holding a generation_config.json")
+    if folder is None:
+        return {}
+    try:
+        defaults = generation_defaults(folder)
+    except ValueError as e:
+        raise ConfigError(f"--generation-config: {e}") from None
+    if defaults:
+        logger.info("default sampling from %s: %s, for what a request leaves unset "
+                    "(--generation-config vllm: none)", folder / "generation_config.json",
+                    defaults)
+    return defaults
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -74,12 +100,15 @@ class LLMEngine:
         draft_model: Qwen2ForCausalLM | None = None,
     ) -> None:
         torch.set_num_threads(config.threads)
+        # what requests leave unset, from the model's generation_config.json (as vLLM)
+        self.default_sampling: dict[str, Any] = {}
         if model is None:
             from braid.models.build import load_model
             from braid.models.loader import load_config, model_folder
 
             # the checks that need only the models' config.json, before any weight loads
             model_config = load_config(model_folder(config.model))
+            self.default_sampling = sampling_defaults(config, model_folder(config.model))
             config.finalize(model_config.max_position_embeddings)
             kv_cache_blocks(config, model_config, config.torch_dtype)
             spec = config.spec_config
@@ -87,6 +116,8 @@ class LLMEngine:
                 check_draft(config, model_config, load_config(model_folder(spec.model)))
             model, tokenizer = load_model(config.model, config.torch_dtype, config.device,
                                           config.quantization)
+        elif config.generation_config not in ("auto", "vllm"):
+            self.default_sampling = sampling_defaults(config, None)
         config.finalize(model.config.max_position_embeddings)
         self.config = config
         self.model_config = model.config

@@ -152,7 +152,8 @@ def run_server(args: argparse.Namespace) -> int:
     metrics = ServerMetrics(names[0])
     ctx = ServerContext(AsyncEngine(engine, metrics), engine.tokenizer, names,
                         config.max_model_len, args.max_waiting_requests,
-                        trust_request_chat_template=args.trust_request_chat_template)
+                        trust_request_chat_template=args.trust_request_chat_template,
+                        default_sampling=engine.default_sampling)
     app = create_app(ctx, metrics, AppOptions(args.max_request_bytes, args.api_key,
                                               args.enable_docs))
     server = _Server(uvicorn.Config(

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -42,6 +43,8 @@ class ServerContext:
     max_waiting_requests: int
     retry_after_s: int = 1
     trust_request_chat_template: bool = False  # a request's own chat_template is accepted
+    # sampling for the fields a request leaves unset (the model's generation_config.json)
+    default_sampling: dict[str, Any] = field(default_factory=dict)
 
 
 class EngineFailure(Exception):
@@ -100,10 +103,12 @@ _SHARED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "sto
 def request_params(body: SamplingRequest, max_tokens: int | None, logprobs: int | None,
                    rename: dict[str, str] | None = None,
                    prompt_logprobs: int | None = None,
-                   constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+                   constraint: StructuredOutputsParams | None = None,
+                   defaults: dict[str, Any] | None = None) -> SamplingParams:
     """SamplingParams from the fields completions and chat requests share (same names); 400
     for a field braid does not implement. `constraint`: a tool choice's grammar, which the
-    request's own structured output may not contradict."""
+    request's own structured output may not contradict. `defaults` stand for the fields the
+    request left unset (absent or null)."""
     unsupported = body.unsupported_field()
     if unsupported is not None:
         name, why = unsupported
@@ -113,6 +118,8 @@ def request_params(body: SamplingRequest, max_tokens: int | None, logprobs: int 
     except ValueError as e:
         raise bad_request(str(e), "logit_bias") from None
     shared = {name: getattr(body, name) for name in _SHARED_FIELDS}
+    shared.update({name: value for name, value in (defaults or {}).items()
+                   if name not in body.model_fields_set})
     if prompt_logprobs is None:
         prompt_logprobs = body.prompt_logprobs
     own = structured(body)

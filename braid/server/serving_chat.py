@@ -69,7 +69,8 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
         raise bad_request(f"tool_choice: {e}", "tool_choice") from None
     params = request_params(
         body, asked, (body.top_logprobs or 0) if body.logprobs else None,
-        {"max_tokens": asked_field} if use_new_name else None, constraint=constraint)
+        {"max_tokens": asked_field} if use_new_name else None, constraint=constraint,
+        defaults=ctx.default_sampling)
     check_template_fields(body, ctx.trust_request_chat_template)
     keep = kept_prompt_tokens(ctx, body.truncate_prompt_tokens)
     prompt = await asyncio.to_thread(render_chat, ctx.tokenizer, body,

@@ -52,7 +52,8 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest,
     # generates one token, which the response leaves out
     score_only = body.echo and body.max_tokens == 0
     max_tokens = 1 if score_only else body.max_tokens
-    params = request_params(body, max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
+    params = request_params(body, max_tokens, body.logprobs, prompt_logprobs=echo_logprobs,
+                            defaults=ctx.default_sampling)
     keep = kept_prompt_tokens(ctx, body.truncate_prompt_tokens)
     try:
         prompts = await asyncio.to_thread(

@@ -154,6 +154,31 @@ def test_suffix_needs_fill_in_the_middle_tokens(server: ServerProcess) -> None:
     assert_400(chat(server, suffix="tail"), "suffix")
 
 
+def test_generation_config_fills_what_a_request_leaves_unset(tmp_path: Path) -> None:
+    """As vLLM's --generation-config auto: the folder's recommended sampling (here top_k 1,
+    which is greedy) for fields a request leaves out or sends as null; its own fields win."""
+    from tests.tiny import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "model")
+    (folder / "generation_config.json").write_text(json.dumps({"top_k": 1, "temperature": 0.9}))
+    server = ServerProcess(folder, tmp_path, *ENGINE_FLAGS)
+    try:
+        greedy = completion(server, temperature=0, max_tokens=8).json()["choices"][0]["text"]
+        for fields in ({"seed": 1}, {"seed": 2, "top_k": None}, {"seed": 3, "temperature": 1.5}):
+            r = completion(server, max_tokens=8, **fields)
+            assert r.json()["choices"][0]["text"] == greedy, fields
+        r = chat(server, seed=4, max_tokens=8)
+        assert r.json()["choices"][0]["message"]["content"] == chat(
+            server, temperature=0, max_tokens=8).json()["choices"][0]["message"]["content"]
+        sampled = {completion(server, max_tokens=8, top_k=0, temperature=5, seed=s).json()[
+                       "choices"][0]["text"]
+                   for s in range(4)}
+        assert sampled != {greedy}  # a request's own top_k wins
+    finally:
+        assert server.stop() == 0, server.log()
+    assert "default sampling from" in server.log_path.read_text()
+
+
 def test_truncate_prompt_tokens_keeps_the_prompt_s_end(server: ServerProcess) -> None:
     """vLLM's truncate_prompt_tokens: the last k prompt tokens (-1: max_model_len); a prompt
     past the context then fits where it was a 400."""
