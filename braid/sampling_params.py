@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,9 @@ class SamplingParams:
     top-n logprobs per position (0: only the sampled token's); `prompt_logprobs=n` the same for
     every prompt token after the first. `logit_bias` maps token ids to a bias added to their
     logits before penalties and sampling (greedy included); `allowed_token_ids` (as vLLM's)
-restricts every output token to those ids. After `__post_init__`, `stop` and
+restricts every output token to those ids; `bad_words` (as vLLM's) are never generated:
+a word's last token is refused where the output so far ends with the rest of it. After
+`__post_init__`, `stop` and
     `stop_token_ids` are always lists (possibly empty). `structured_outputs` constrains the
     output to a grammar (braid/structured/); the request finishes when the grammar is complete.
     """
@@ -74,6 +77,9 @@ restricts every output token to those ids. After `__post_init__`, `stop` and
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # bad_words as token id sequences; the engine fills it from bad_words at admission
+    bad_words_token_ids: list[list[int]] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
@@ -150,10 +156,28 @@ restricts every output token to those ids. After `__post_init__`, `stop` and
                 or any(not is_int(t) or t < 0 for t in self.allowed_token_ids)):
             raise ValueError("allowed_token_ids must be a non-empty list of token ids >= 0, "
                              f"got {self.allowed_token_ids!r}")
+        if self.bad_words is not None and any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words must be non-blank strings, got {self.bad_words!r}")
         for token, bias in (self.logit_bias or {}).items():
             if token < 0 or not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias must map token ids >= 0 to biases in [-100, 100], "
                                  f"got {token!r}: {bias!r}")
+
+
+def bad_words_token_ids(words: Sequence[str], encode: Callable[[str], list[int]]
+                        ) -> list[list[int]]:
+    """bad_words as vLLM tokenizes them: each word without its leading spaces, and after
+    one space where that spells it with as many tokens starting with another one (a word
+    inside a sentence)."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = encode(word.lstrip())
+        out.append(bare)
+        spaced = encode(" " + word.lstrip())
+        if spaced and len(spaced) == len(bare) and spaced[0] != bare[0]:
+            out.append(spaced)
+    return out
 
 
 # The generation_config.json fields vLLM takes as default sampling (HF name -> ours).

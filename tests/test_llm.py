@@ -210,3 +210,35 @@ def test_generation_config_sampling_defaults_as_in_vllm(tmp_path) -> None:
         LLM(str(folder), generation_config=str(other), **engine)
     with pytest.raises(ConfigError, match="--generation-config nowhere: expected auto, vllm"):
         LLM(str(folder), generation_config="nowhere", **engine)
+
+
+def test_bad_words_are_never_generated_with_or_without_speculation(tmp_path) -> None:
+    """vLLM's bad_words: a word's last token is refused where the output ends with the rest
+    of it; greedy speculation (draft model, prompt lookup) equals greedy without it."""
+    import pytest
+
+    from braid import LLM, SamplingParams
+    from tests.tiny import save_tiny_model
+
+    folder = str(save_tiny_model(tmp_path / "model"))
+    engine = dict(num_kv_blocks=256, block_size=4, max_model_len=256, log_stats_interval=0)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    banned = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, bad_words=["nc", "%"])
+    llm = LLM(folder, **engine)
+    free = llm.generate(["hello", "hi there"], greedy, use_tqdm=False)
+    assert "nc" in free[0].outputs[0].text and "%" in free[0].outputs[0].text
+    texts = []
+    for spec in (None, {"method": "draft_model", "model": folder, "num_speculative_tokens": 3},
+                 {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}):
+        llm = LLM(folder, speculative_config=spec, **engine)
+        for _ in range(2):  # a second batch after the engine went idle
+            outs = llm.generate(["hello", "hi there"], banned, use_tqdm=False)
+            texts.append([o.outputs[0].text for o in outs])
+        sampled = llm.generate("hello", SamplingParams(temperature=1.0, seed=3, max_tokens=24,
+                                                       ignore_eos=True, bad_words=["nc"]),
+                               use_tqdm=False)[0].outputs[0].text
+        assert "nc" not in sampled
+    assert all(t == texts[0] for t in texts)
+    assert all("nc" not in t and "%" not in t and len(t) for t in texts[0])
+    with pytest.raises(ValueError, match="bad_words"):
+        llm.generate("hello", SamplingParams(bad_words=[" "]), use_tqdm=False)

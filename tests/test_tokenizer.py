@@ -9,6 +9,7 @@ import pytest
 
 from braid.models.gguf_loader import gguf_to_hf_folder
 from braid.models.loader import model_folder
+from braid.sampling_params import bad_words_token_ids
 from braid.tokenizer import (
     ContinuationError,
     IncrementalDetokenizer,
@@ -160,6 +161,21 @@ def test_real_tokenizer_matches_transformers(target_gguf: Path, reference_tokeni
     assert tokenizer.eos_token_id == reference_tokenizer.eos_token_id
     assert {tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")} <= (
         tokenizer.eos_token_ids)
+
+
+@pytest.mark.real_model
+def test_bad_words_tokenized_as_vllm_does(target_gguf: Path) -> None:
+    """A bad word bare and, where it spells the same count of other tokens, after a space
+    (as inside a sentence): vLLM's SamplingParams.update_from_tokenizer."""
+    tokenizer = Tokenizer.from_folder(model_folder(str(target_gguf)))
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    ids = bad_words_token_ids(["  hello", "print(x)"], encode)
+    assert ids[:2] == [encode("hello"), encode(" hello")] and encode("hello") != encode(" hello")
+    assert encode("print(x)") in ids
+    assert all(len(w) >= 1 for w in ids)
 
 
 @pytest.mark.real_model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -24,7 +25,7 @@ from braid.models.config import ModelConfig
 from braid.models.qwen2 import Qwen2ForCausalLM
 from braid.outputs import RequestOutput
 from braid.sample.step import StepSample, StepSampler, score_prompts
-from braid.sampling_params import SamplingParams, generation_defaults
+from braid.sampling_params import SamplingParams, bad_words_token_ids, generation_defaults
 from braid.spec_decode.build import check_draft, make_speculator
 from braid.spec_decode.cost_model import attention_work
 from braid.spec_decode.speculator import SpeculatorFigures
@@ -174,6 +175,12 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise RequestError("bad_words needs a tokenizer: this engine has none")
+            tokenizer = self.tokenizer
+            params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(
+                params.bad_words, lambda text: tokenizer.encode(text, add_special_tokens=False)))
         text, ids = self._tokenize(prompt)
         self._check_prompt(ids, params)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)

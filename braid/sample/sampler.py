@@ -216,17 +216,22 @@ def _suppressed(
     vocab_size: int,
     device: torch.device | str,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(row, token) pairs a row may not sample yet: its stop ids (and eos unless ignore_eos)
-    while it has fewer than min_tokens output tokens."""
+    """(row, token) pairs a row may not sample now: its stop ids (and eos unless ignore_eos)
+    while it has fewer than min_tokens output tokens, and the last token of each bad word
+    whose other tokens end its output."""
     rows: list[int] = []
     tokens: list[int] = []
     for row, (p, out) in enumerate(zip(params, output_token_ids, strict=True)):
-        if len(out) >= p.min_tokens:
-            continue
-        stops = set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(eos_token_ids))
-        stops = {t for t in stops if t < vocab_size}
-        rows += [row] * len(stops)
-        tokens += sorted(stops)
+        banned: set[int] = set()
+        if len(out) < p.min_tokens:
+            banned |= set(p.stop_token_ids or []) | (
+                set() if p.ignore_eos else set(eos_token_ids))
+        for word in p.bad_words_token_ids or ():
+            if word and list(out[max(0, len(out) - len(word) + 1):]) == word[:-1]:
+                banned.add(word[-1])
+        banned = {t for t in banned if t < vocab_size}
+        rows += [row] * len(banned)
+        tokens += sorted(banned)
     if not rows:
         return None
     return (

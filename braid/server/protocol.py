@@ -114,6 +114,7 @@ class SamplingRequest(BaseModel):
     user: str | None = None  # accepted, unused
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     allowed_token_ids: list[int] | None = None
+    bad_words: list[Text] | None = None
     # vLLM's: keep the prompt's last k tokens (-1: max_model_len); the response id's tail
     truncate_prompt_tokens: int | None = None
     request_id: Text | None = None

@@ -97,7 +97,7 @@ def build_params(rename: dict[str, str] | None = None, **kwargs: object) -> Samp
 _SHARED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                   "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
-                  "allowed_token_ids")
+                  "allowed_token_ids", "bad_words")
 
 
 def request_params(body: SamplingRequest, max_tokens: int | None, logprobs: int | None,

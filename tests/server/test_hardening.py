@@ -215,6 +215,18 @@ def test_request_id_names_the_response(server: ServerProcess) -> None:
     assert chat(server, add_special_tokens=True).status_code == 200
 
 
+def test_bad_words_are_not_generated(server: ServerProcess) -> None:
+    forced = {"logit_bias": {str(ord("h")): 100}, "max_tokens": 6}  # "hhhhhh" otherwise
+    for r in (completion(server, bad_words=["hh"], **forced),
+              chat(server, bad_words=["hh"], **forced)):
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        text = choice.get("text") or choice["message"]["content"]
+        assert "hh" not in text and text.count("h") == 3, text  # every other token
+    for bad in ([""], ["  "], "hh", [3]):
+        assert_400(completion(server, bad_words=bad), "bad_words")
+
+
 def test_allowed_token_ids_restrict_the_output(server: ServerProcess) -> None:
     allowed = [ord(c) for c in "ab"]  # byte-level tokens
     for r in (completion(server, allowed_token_ids=allowed, max_tokens=8, ignore_eos=True),
