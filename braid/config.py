@@ -186,6 +186,10 @@ class EngineConfig:
         None, "token budget: query tokens in one forward (default 128 with chunked prefill, "
         "max_model_len without)")
     max_num_seqs: int = _opt(64, "most requests running at once")
+    scheduling_policy: str = _opt(
+        "fcfs", "fcfs (first come, first served) or priority (a request's `priority`, lower "
+        "first, then arrival: which waiting request runs next, which running one is preempted "
+        "first)")
     max_model_len: int | None = _opt(None, "longest prompt + output (default min(4096, model))")
     block_size: int = _opt(16, "tokens per KV cache block")
     kv_cache_gib: float = _opt(2.0, "KV cache size in GiB (ignored when num_kv_blocks is set)")
@@ -218,6 +222,9 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(
                 f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError("--scheduling-policy must be fcfs or priority, got "
+                              f"{self.scheduling_policy!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, "
                               f"got {self.quantization!r}")

@@ -40,19 +40,25 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt, in prompt order. One SamplingParams for all, or one each;
-        `n > 1` gives n completions per prompt (n engine requests; seeds seed, seed + 1, ...)."""
+        `n > 1` gives n completions per prompt (n engine requests; seeds seed, seed + 1, ...).
+        `priority`, one per prompt, counts under scheduling_policy="priority"."""
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(self.get_default_sampling_params() if sampling_params is None
                                  else sampling_params, len(prompt_list))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} "
+                             "prompts")
         groups: list[list[str]] = []
         try:
-            for prompt, p in zip(prompt_list, params, strict=True):
+            for i, (prompt, p) in enumerate(zip(prompt_list, params, strict=True)):
                 rid = str(next(self._ids))
                 groups.append([f"{rid}-{j}" for j in range(p.n)] if p.n > 1 else [rid])
                 for sub_id, sub in zip(groups[-1], _fan_out(p), strict=True):
-                    self.engine.add_request(sub_id, prompt, sub)
+                    self.engine.add_request(sub_id, prompt, sub,
+                                            priority=0 if priority is None else priority[i])
             return self._run(groups, use_tqdm)
         except BaseException:
             # a bad prompt, a failed step or an interrupt leaves none of this call's requests

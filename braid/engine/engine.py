@@ -25,7 +25,12 @@ from braid.models.config import ModelConfig
 from braid.models.qwen2 import Qwen2ForCausalLM
 from braid.outputs import RequestOutput
 from braid.sample.step import StepSample, StepSampler, score_prompts
-from braid.sampling_params import SamplingParams, bad_words_token_ids, generation_defaults
+from braid.sampling_params import (
+    SamplingParams,
+    bad_words_token_ids,
+    generation_defaults,
+    is_int,
+)
 from braid.spec_decode.build import check_draft, make_speculator
 from braid.spec_decode.cost_model import attention_work
 from braid.spec_decode.speculator import SpeculatorFigures
@@ -129,7 +134,7 @@ class LLMEngine:
         assert config.max_num_batched_tokens is not None
         self.scheduler = Scheduler(
             self.blocks, config.max_num_batched_tokens, config.max_num_seqs,
-            config.enable_chunked_prefill,
+            config.enable_chunked_prefill, priority=config.scheduling_policy == "priority",
         )
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.device)
         self.outputs = OutputProcessor(tokenizer, self._eos_token_ids(model),
@@ -171,10 +176,17 @@ class LLMEngine:
         prompt: str | list[int],
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> Request:
+        """Queue a request. `priority` (lower first) counts under --scheduling-policy
+        priority; elsewhere only 0 is accepted, as vLLM."""
         params = sampling_params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
+        if not is_int(priority):
+            raise RequestError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and not self.scheduler.priority:
+            raise RequestError(f"priority {priority} needs --scheduling-policy priority")
         if params.bad_words:
             if self.tokenizer is None:
                 raise RequestError("bad_words needs a tokenizer: this engine has none")
@@ -184,7 +196,7 @@ class LLMEngine:
         text, ids = self._tokenize(prompt)
         self._check_prompt(ids, params)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
-        req = Request(request_id, ids, params, prompt=text, seed=seed)
+        req = Request(request_id, ids, params, prompt=text, seed=seed, priority=priority)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         if params.structured_outputs is not None:

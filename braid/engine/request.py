@@ -31,6 +31,7 @@ class Request:
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
     prompt: str | None = None
+    priority: int = 0  # with --scheduling-policy priority: lower runs first
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose KV is in the cache and final (docs/architecture.md, vocabulary).
     num_computed_tokens: int = 0

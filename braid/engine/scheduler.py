@@ -95,6 +95,11 @@ class RequestUpdate:
 StopCheck = Callable[[Request, int], str | None]
 
 
+def _rank(req: Request) -> tuple[int, float]:
+    """A request's place under the priority policy: lower priority value, then earlier."""
+    return req.priority, req.arrival_time
+
+
 class Scheduler:
     def __init__(
         self,
@@ -102,11 +107,15 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         enable_chunked_prefill: bool = True,
+        priority: bool = False,
     ) -> None:
         self.blocks = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
+        # --scheduling-policy priority: requests ordered by (priority, arrival) instead of
+        # FCFS, for admission and (last first) for preemption, as vLLM's priority policy
+        self.priority = priority
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last one is preempted first
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -158,9 +167,12 @@ class Scheduler:
             out.published += self.blocks.publish(req.request_id, req.token_ids, final)
 
     def _split_running(self) -> tuple[list[Request], list[Request]]:
-        """Running requests past their prompt (decode first), then those still prefilling."""
-        decoding = [r for r in self.running if not r.is_prefilling]
-        return decoding, [r for r in self.running if r.is_prefilling]
+        """Running requests past their prompt (decode first), then those still prefilling;
+        under the priority policy, each in priority order (the budget goes to them first,
+        and the preemption victims come last)."""
+        running = sorted(self.running, key=_rank) if self.priority else self.running
+        decoding = [r for r in running if not r.is_prefilling]
+        return decoding, [r for r in running if r.is_prefilling]
 
     def _schedule_running(
         self, out: SchedulerOutput, requests: Iterable[Request], budget: int
@@ -183,7 +195,7 @@ class Scheduler:
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Make room for `n` more tokens of `req`, preempting the newest running requests."""
         while not self.blocks.allocate(req.request_id, req.num_computed_tokens + n):
-            victim = self.running[-1]
+            victim = max(self.running, key=_rank) if self.priority else self.running[-1]
             self._preempt(victim, out)
             if victim is req:
                 return False
@@ -209,10 +221,13 @@ class Scheduler:
                                                             self._cached_prefix(req))
 
     def _next_waiting(self) -> Request | None:
-        """The first waiting request that can run: FCFS, passing over those whose grammar
-        is still compiling or failed (they keep their place; the engine ends failed ones)."""
-        return next((r for r in self.waiting if r.grammar is not None
-                     or r.grammar_future is None), None)
+        """The first waiting request that can run (FCFS, or by priority), passing over those
+        whose grammar is still compiling or failed (they keep their place; the engine ends
+        failed ones)."""
+        ready = (r for r in self.waiting if r.grammar is not None or r.grammar_future is None)
+        if self.priority:
+            return min(ready, key=_rank, default=None)
+        return next(ready, None)
 
     def _cached_prefix(self, req: Request) -> list[int]:
         """Published blocks of the request's prefix. The last token is always computed (its

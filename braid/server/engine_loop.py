@@ -33,7 +33,7 @@ class EngineLike(Protocol):
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams | None = ...,
-                    arrival_time: float | None = ...) -> Any: ...
+                    arrival_time: float | None = ..., priority: int = ...) -> Any: ...
     def abort(self, request_id: str) -> RequestOutput | None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
@@ -74,6 +74,7 @@ class _Add:
     arrival_time: float
     queue: OutputQueue
     admitted: asyncio.Future[None]
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -137,7 +138,8 @@ class AsyncEngine:
         return self.snapshot.num_waiting + self._num_pending_adds
 
     def add_all(self, requests: list[tuple[str, list[int], SamplingParams]], out: OutputQueue,
-                arrival_time: float | None = None) -> Awaitable[list[BaseException | None]]:
+                arrival_time: float | None = None, priority: int = 0
+                ) -> Awaitable[list[BaseException | None]]:
         """Add requests (id, prompt ids, params) whose outputs go to `out`. They count in
         `num_waiting` from this call on (not from the first await), so a caller that checked
         the waiting limit just before cannot be overtaken. The result holds, per request,
@@ -149,7 +151,7 @@ class AsyncEngine:
         futures = []
         for request_id, prompt, params in requests:
             admitted: asyncio.Future[None] = self._loop.create_future()
-            self._inbox.put(_Add(request_id, prompt, params, arrival, out, admitted))
+            self._inbox.put(_Add(request_id, prompt, params, arrival, out, admitted, priority))
             futures.append(admitted)
         self._num_pending_adds += len(requests)
         return self._await_admission([r[0] for r in requests], futures)
@@ -226,7 +228,7 @@ class AsyncEngine:
     def _add(self, command: _Add) -> BaseException | None:
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params,
-                                    command.arrival_time)
+                                    command.arrival_time, command.priority)
         except Exception as e:  # reported to this request's handler only
             return e
         self._queues[command.request_id] = command.queue

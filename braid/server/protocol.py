@@ -118,6 +118,7 @@ class SamplingRequest(BaseModel):
     # vLLM's: keep the prompt's last k tokens (-1: max_model_len); the response id's tail
     truncate_prompt_tokens: int | None = None
     request_id: Text | None = None
+    priority: int = 0  # with --scheduling-policy priority: lower runs first
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None

@@ -190,7 +190,8 @@ def make_job(prefix: str, prompts: list[list[int]], params: SamplingParams, n: i
 _counter = itertools.count()
 
 
-async def submit(ctx: ServerContext, job: Job, prompt_field: str = "prompt") -> None:
+async def submit(ctx: ServerContext, job: Job, prompt_field: str = "prompt",
+                 priority: int = 0) -> None:
     """Admit every choice, or none: 400 for a request larger than the waiting limit, 503 when
     too many wait, 400 for a prompt the engine refuses (the field is renamed to
     `prompt_field`), 500 for anything else. The check and the reservation of the waiting
@@ -208,7 +209,8 @@ async def submit(ctx: ServerContext, job: Job, prompt_field: str = "prompt") -> 
                        headers={"Retry-After": str(ctx.retry_after_s)})
     results = await ctx.engine.add_all(
         [(c.request_id, job.prompts[c.prompt_index], p)
-         for c, p in zip(job.choices, job.params, strict=True)], job.queue, job.arrival_time)
+         for c, p in zip(job.choices, job.params, strict=True)], job.queue, job.arrival_time,
+        priority)
     errors = [r for r in results if r is not None]
     if errors:
         abort_unfinished(ctx, job)

@@ -79,7 +79,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
         prompt = prompt[-keep:]
     check_room(ctx, [prompt], asked, asked_field)
     job = make_job("chatcmpl", [prompt], params, body.n, body.request_id)
-    await submit(ctx, job, prompt_field="messages")
+    await submit(ctx, job, prompt_field="messages", priority=body.priority)
     tools = {c.index: ChoiceTools(mode, body) for c in job.choices} if mode else {}
     return await respond(ctx, job, raw, body.stream,
                          lambda: _stream(ctx, job, body, model, tools),

@@ -67,7 +67,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest,
     job = make_job("cmpl", prompts, params, body.n, body.request_id)
     if score_only:
         job.view = _prompt_only
-    await submit(ctx, job)
+    await submit(ctx, job, priority=body.priority)
     return await respond(ctx, job, raw, body.stream, lambda: _stream(ctx, job, body, model),
                          lambda finals: _response(ctx, job, body, model, finals))
 

@@ -82,6 +82,47 @@ def test_preemption_keeps_outputs(alone, chunked: bool) -> None:
     assert engine.stats.num_preemptions > 0
 
 
+def test_priority_policy_orders_admission_and_preemption(alone) -> None:
+    """--scheduling-policy priority (vLLM's): the waiting request with the lowest priority
+    value runs first (then arrival), and preemption takes the running request with the
+    highest value, not the newest; outputs stay those of each request alone. FCFS refuses a
+    priority other than 0."""
+    preemptions: dict[str, int] = {}
+
+    def finish_order(engine, priorities: dict[int, int], late: dict[int, int]) -> list[str]:
+        order, step = [], 0
+        for i, pr in priorities.items():
+            engine.add_request(str(i), prompts()[i], GREEDY, priority=pr)
+        while engine.has_unfinished_requests() or step == 0:
+            for i, pr in late.items() if step == 2 else ():
+                engine.add_request(str(i), prompts()[i], GREEDY, priority=pr)
+            for out in engine.step():
+                if out.finished:
+                    order.append(out.request_id)
+                    preemptions[out.request_id] = out.metrics.num_preemptions
+                    assert out.outputs[0].token_ids == alone[out.request_id]
+            step += 1
+        return order
+
+    one_at_a_time = {"max_num_seqs": 1, "max_num_batched_tokens": 256}
+    assert finish_order(make_engine(**one_at_a_time), {0: 0, 1: 0, 2: 0, 3: 0}, {}) == [
+        "0", "1", "2", "3"]
+    engine = make_engine(scheduling_policy="priority", **one_at_a_time)
+    assert finish_order(engine, {0: 5, 1: 0, 2: 5, 3: -1}, {}) == ["3", "1", "0", "2"]
+    # KV for about two requests at a time: the late, urgent one is never preempted, the
+    # least urgent one is (FCFS would preempt the newest, the urgent one)
+    for policy, first, victim, urgent in (("priority", 3, "0", "5"), ("fcfs", 0, "5", "0")):
+        preemptions.clear()
+        finish_order(make_engine(scheduling_policy=policy, num_kv_blocks=14, max_model_len=56,
+                                 max_num_batched_tokens=32), {0: first, 3: 0}, {5: 0})
+        assert preemptions[victim] > 0, (policy, preemptions)
+        assert preemptions[urgent] == 0, (policy, preemptions)
+    with pytest.raises(RequestError, match="priority 1 needs --scheduling-policy priority"):
+        make_engine().add_request("x", [1, 2], GREEDY, priority=1)
+    with pytest.raises(ConfigError, match="--scheduling-policy must be fcfs or priority"):
+        make_engine(scheduling_policy="lifo")
+
+
 def test_budget_below_max_model_len_without_chunking_fails() -> None:
     with pytest.raises(ConfigError, match="--max-num-batched-tokens"):
         make_engine(enable_chunked_prefill=False, max_num_batched_tokens=8)

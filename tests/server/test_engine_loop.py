@@ -21,7 +21,7 @@ class FakeEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0) -> None:
         assert isinstance(prompt, list)
         if prompt == BAD_ADD:
             raise RuntimeError("tokenizer bug")

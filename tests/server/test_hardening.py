@@ -215,6 +215,16 @@ def test_request_id_names_the_response(server: ServerProcess) -> None:
     assert chat(server, add_special_tokens=True).status_code == 200
 
 
+def test_priority_needs_the_priority_policy(server: ServerProcess) -> None:
+    """As vLLM: a priority other than 0 is refused unless --scheduling-policy priority."""
+    assert completion(server, priority=0).status_code == 200
+    for send in (completion, chat):
+        r = send(server, priority=2)
+        assert_400(r, "priority")
+        assert "--scheduling-policy priority" in r.json()["error"]["message"]
+    assert_400(completion(server, priority="high"), "priority")
+
+
 def test_bad_words_are_not_generated(server: ServerProcess) -> None:
     forced = {"logit_bias": {str(ord("h")): 100}, "max_tokens": 6}  # "hhhhhh" otherwise
     for r in (completion(server, bad_words=["hh"], **forced),
