@@ -261,6 +261,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: Text | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # the template writes them
+    echo: bool = False  # vLLM's: the last message's content leads the reply (a prefill)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -140,16 +140,27 @@ def _logprobs(ctx: ServerContext, body: ChatCompletionRequest, delta: Delta) -> 
     return chat_logprobs(ctx.tokenizer, delta, body.top_logprobs or 0)
 
 
+def _echoed(body: ChatCompletionRequest) -> str:
+    """With `echo` (vLLM's), what leads each reply: the last message's content where the
+    reply continues it (no generation prompt, or an assistant's last message)."""
+    last = body.messages[-1]
+    if not body.echo or (body.add_generation_prompt and last.role != "assistant"):
+        return ""
+    return str(last.as_template_dict()["content"])
+
+
 def _response(ctx: ServerContext, job: Job, body: ChatCompletionRequest, model: str,
               finals: list[RequestOutput], tools: dict[int, ChoiceTools]
               ) -> ChatCompletionResponse:
     choices = []
+    echoed = _echoed(body)
     for choice, out in zip(job.choices, finals, strict=True):
         c = out.outputs[0]
-        message, reason = ChatResponseMessage(content=c.text), c.finish_reason
+        message, reason = ChatResponseMessage(content=echoed + c.text), c.finish_reason
         if (t := tools.get(choice.index)) is not None:
             content, calls = t.whole(c.text)
-            message, reason = ChatResponseMessage(content=content, tool_calls=calls), \
+            message, reason = ChatResponseMessage(
+                content=echoed + (content or "") if echoed else content, tool_calls=calls), \
                 t.finish_reason(reason)
         choices.append(ChatChoice(
             index=choice.index, message=message,
@@ -193,6 +204,6 @@ def _stream(ctx: ServerContext, job: Job, body: ChatCompletionRequest, model: st
                                                  usage=usage(job.prompts, job.choices),
                                                  braid=braid_info(finals)))]
 
-    head = [sse_chunk(chunk(c.index, DeltaMessage(role="assistant", content="")), body, job)
-            for c in job.choices]
+    head = [sse_chunk(chunk(c.index, DeltaMessage(role="assistant", content=_echoed(body))),
+                      body, job) for c in job.choices]
     return event_stream(ctx, job, head, render, tail)

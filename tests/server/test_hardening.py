@@ -353,6 +353,27 @@ def test_chat_template_fields_as_in_vllm(server: ServerProcess) -> None:
     assert chat(server).status_code == 200
 
 
+def test_chat_echo_leads_the_reply_with_the_prefill(server: ServerProcess) -> None:
+    """vLLM's chat `echo`: where the reply continues the last message (an assistant prefill,
+    or no generation prompt), that message's content leads it, streamed or not."""
+    prefill = [{"role": "user", "content": "hey"}, {"role": "assistant", "content": "Sure, "}]
+    fields = {"model": server.model, "messages": prefill, "max_tokens": 4, "temperature": 0,
+              "ignore_eos": True, "add_generation_prompt": False,
+              "continue_final_message": True}
+    plain = post(server, "/v1/chat/completions", fields).json()["choices"][0]["message"]
+    echoed = post(server, "/v1/chat/completions", {**fields, "echo": True}).json()
+    assert echoed["choices"][0]["message"]["content"] == "Sure, " + plain["content"]
+    assert echoed["usage"]["completion_tokens"] == 4
+    r = post(server, "/v1/chat/completions", {**fields, "echo": True, "stream": True})
+    deltas = [json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+              for line in r.text.splitlines() if line.startswith("data: {")]
+    assert deltas[0] == "Sure, " and "".join(deltas) == "Sure, " + plain["content"]
+    # a new assistant turn does not continue the user's message: nothing to echo
+    r = chat(server, echo=True)
+    assert r.json()["choices"][0]["message"]["content"] == chat(server).json()[
+        "choices"][0]["message"]["content"]
+
+
 def test_serve_chat_template_flag(tiny_model_dir: Path, tmp_path: Path,
                                   capsys: pytest.CaptureFixture) -> None:
     """--chat-template (a file, or the template itself, as in vLLM) replaces the model's."""
