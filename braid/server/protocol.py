@@ -262,6 +262,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # the template writes them
     echo: bool = False  # vLLM's: the last message's content leads the reply (a prefill)
+    documents: list[dict[str, Text]] | None = None  # for a RAG template, as vLLM passes them
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -442,6 +443,7 @@ class TokenizeChatRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
     tools: list[ToolDefinition] | None = None
+    documents: list[dict[str, Text]] | None = None
 
 
 class TokenizeResponse(BaseModel):

@@ -96,7 +96,7 @@ def render_chat(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeChat
             messages, body.add_generation_prompt,
             [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
             chat_template=body.chat_template, continue_final_message=body.continue_final_message,
-            **body.chat_template_kwargs or {})
+            **{"documents": body.documents, **(body.chat_template_kwargs or {})})
     except ContinuationError as e:
         raise bad_request(str(e), "continue_final_message") from None
     except Exception as e:  # template errors are the conversation's fault (jinja raise_exception)

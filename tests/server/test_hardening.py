@@ -394,6 +394,9 @@ def test_serve_chat_template_flag(tiny_model_dir: Path, tmp_path: Path,
         assert text() == "user: hey\nassistant: Sure, \n"
         own = "{% for m in messages %}{{ m.role[0] }}{{ m.content }}{% endfor %}{{ tail }}"
         assert text(chat_template=own, chat_template_kwargs={"tail": "!"}) == "uheyaSure, !"
+        rag = "{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+        assert text(chat_template=rag, documents=[{"title": "A", "text": "x"},
+                                                  {"title": "B", "text": "y"}]) == "[A: x][B: y]"
         assert text(chat_template=own, add_generation_prompt=False,
                     continue_final_message=True) == "uheyaSure, "
         assert chat(server, chat_template=own).status_code == 200
