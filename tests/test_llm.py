@@ -242,3 +242,36 @@ def test_bad_words_are_never_generated_with_or_without_speculation(tmp_path) -> 
     assert all("nc" not in t and "%" not in t and len(t) for t in texts[0])
     with pytest.raises(ValueError, match="bad_words"):
         llm.generate("hello", SamplingParams(bad_words=[" "]), use_tqdm=False)
+
+
+def test_constraints_that_leave_no_token_end_the_request(tmp_path) -> None:
+    """allowed_token_ids against a grammar, bad_words or min_tokens can leave a row no token:
+    it takes its eos and ends, greedy or sampled, with logprobs, beside other requests and
+    with speculation as without. (It drew an id past the vocabulary, and with logprobs the
+    whole step failed.)"""
+    from braid import LLM, SamplingParams
+    from braid.sampling_params import StructuredOutputsParams
+    from tests.tiny import save_tiny_model
+
+    folder = str(save_tiny_model(tmp_path / "model"))
+    engine = dict(num_kv_blocks=256, block_size=4, max_model_len=256, log_stats_interval=0)
+    conflicts = [{"allowed_token_ids": [ord("a")],
+                  "structured_outputs": StructuredOutputsParams(json_object=True)},
+                 {"allowed_token_ids": [ord("a")], "bad_words": ["a"]}]
+    results = []
+    for spec in (None, {"method": "draft_model", "model": folder, "num_speculative_tokens": 3}):
+        llm = LLM(folder, speculative_config=spec, **engine)
+        eos = min(llm.get_tokenizer().eos_token_ids)
+        conflicts.append({"allowed_token_ids": [eos], "min_tokens": 2})
+        params = [SamplingParams(temperature=t, seed=1, max_tokens=6, logprobs=2, **c)
+                  for c in conflicts for t in (0.0, 0.7)]
+        healthy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        outs = llm.generate(["hi"] * len(params) + ["ok"], [*params, healthy], use_tqdm=False)
+        for out in outs[:-1]:
+            c = out.outputs[0]
+            assert c.finish_reason == "stop" and c.token_ids[-1] == eos, c
+            assert all(t == eos for t in c.token_ids)
+        assert len(outs[-1].outputs[0].token_ids) == 6
+        results.append([o.outputs[0].token_ids for o in outs])
+        conflicts.pop()
+    assert results[0] == results[1]

@@ -25,7 +25,7 @@ from braid.bench.serve import (
     save_json,
 )
 from braid.bench.server_process import ServerProcess, check_serve_flags
-from braid.bench.sweep_report import machine_info, write_report
+from braid.bench.sweep_report import machine_info, report_stem, write_report
 
 logger = logging.getLogger("braid.bench")
 SCHEMA = "braid.bench.sweep/1"
@@ -151,8 +151,9 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     logger.info("sweep: %d modes x %d rates, server logs in %s", len(modes), len(rates), log_dir)
     for mode in modes:
         sweep["modes"][mode] = run_mode(args, mode, prompts, rates, log_dir)
-        save_json(sweep, out / f"sweep_{args.dataset}.json")  # partial results survive a crash
-    write_report(sweep, out, args.dataset)
+        # partial results survive a crash
+        save_json(sweep, out / f"{report_stem(sweep, args.dataset)}.json")
+    sweep["report"] = str(write_report(sweep, out, args.dataset))
     return sweep
 
 
@@ -169,7 +170,7 @@ def cmd_bench_sweep(args: argparse.Namespace) -> int:
     start = time.monotonic()
     sweep = run_sweep(args)
     failed = [m for m, e in sweep["modes"].items() if e["error"]]
-    print(f"sweep done in {time.monotonic() - start:.0f} s: {args.out}/sweep_{args.dataset}.md")
+    print(f"sweep done in {time.monotonic() - start:.0f} s: {sweep['report']}")
     if failed:
         print(f"modes that failed: {', '.join(failed)}")
     return 1 if failed else 0

@@ -160,10 +160,17 @@ def plot(sweep: dict[str, Any], out: Path, stem: str) -> list[Path]:
     return paths
 
 
+def report_stem(sweep: dict[str, Any], dataset: str) -> str:
+    """sweep_<dataset>, or sweep_<dataset>_failed while no mode has run: a sweep whose
+    servers all failed (a bad --server-args value) must not replace the last results."""
+    ok = any(entry["error"] is None for entry in sweep["modes"].values())
+    return f"sweep_{dataset}" if ok else f"sweep_{dataset}_failed"
+
+
 def write_report(sweep: dict[str, Any], out: Path, dataset: str) -> Path:
-    """sweep_<dataset>.json, the PNGs and sweep_<dataset>.md into `out`."""
+    """<stem>.json, the PNGs and <stem>.md into `out` (stem: `report_stem`)."""
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"sweep_{dataset}"
+    stem = report_stem(sweep, dataset)
     save_json(sweep, out / f"{stem}.json")
     md = out / f"{stem}.md"
     md.write_text(markdown(sweep, plot(sweep, out, stem)))

@@ -92,6 +92,8 @@ class SamplingMetadata:
     uniforms: torch.Tensor | None  # [B] float64 keyed numbers of the draw; None if all greedy
     # (rows, their allowed tokens [R, V] bool) of rows under a grammar
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    # What a row whose constraints leave no token at all takes: its end (see apply_penalties)
+    fallback_token: int = 0
 
     @classmethod
     def build(
@@ -138,6 +140,7 @@ class SamplingMetadata:
             uniforms=None if all(greedy) else torch.from_numpy(
                 keyed_uniform_array(seeds, positions, stream)).to(device),
             allowed=allowed,
+            fallback_token=min(eos_token_ids, default=0),
         )
 
 
@@ -295,6 +298,15 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     if meta.allowed is not None:  # last, so no bias or penalty brings a refused token back
         rows, allowed = meta.allowed
         logits = logits.index_put((rows,), logits[rows].masked_fill(~allowed, _NEG_INF))
+    if meta.allowed is not None or meta.allowed_ids is not None or meta.suppressed is not None:
+        # Constraints that contradict each other (allowed_token_ids, bad_words, min_tokens, a
+        # grammar) can leave a row no token: it takes its end token (the first eos), so the
+        # request ends there instead of drawing from nothing (an id past the vocabulary).
+        dead = logits.amax(dim=-1) == _NEG_INF  # [B]
+        if bool(dead.any()):
+            logits = logits.index_put((dead.nonzero().squeeze(1),
+                                       torch.tensor(meta.fallback_token, device=logits.device)),
+                                      torch.tensor(0.0, device=logits.device))
     return logits
 
 

@@ -82,6 +82,8 @@ def fill_in_middle(tokenizer: Tokenizer, body: CompletionRequest
         return body.prompt
     if body.echo:
         raise bad_request("suffix: cannot go with echo", "suffix")
+    if body.truncate_prompt_tokens is not None:  # it would cut the prompt's FIM tokens away
+        raise bad_request("suffix: cannot go with truncate_prompt_tokens", "suffix")
     texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if not all(isinstance(t, str) for t in texts):
         raise bad_request("suffix: fill in the middle needs text prompts, not token ids",

@@ -74,14 +74,20 @@ def test_sweep_end_to_end(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.C
 
 
 def test_a_mode_whose_server_fails_is_reported(tmp_path: Path) -> None:
+    """...beside the last results, which a sweep whose servers all failed (a model or
+    --server-args value they refuse at start) does not replace."""
     out = tmp_path / "bench"
+    out.mkdir()
+    (out / "sweep_random.json").write_text("{}")
     argv = ["bench", "sweep", "--model", str(tmp_path / "missing"), "--dataset", "random",
             "--modes", "baseline", "--request-rates", "1", "--num-prompts", "1",
             "--out", str(out), "--no-progress", "--server-timeout", "60"]
     assert main(argv) == 1
-    entry = json.loads((out / "sweep_random.json").read_text())["modes"]["baseline"]
+    entry = json.loads((out / "sweep_random_failed.json").read_text())["modes"]["baseline"]
     assert entry["error"].startswith("server did not start") and entry["runs"] == []
-    assert "FAILED" in (out / "sweep_random.md").read_text()
+    assert "FAILED" in (out / "sweep_random_failed.md").read_text()
+    assert (out / "sweep_random.json").read_text() == "{}"
+    assert not (out / "sweep_random.md").exists()
 
 
 @pytest.mark.parametrize("server_args, message", [

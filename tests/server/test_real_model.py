@@ -61,7 +61,8 @@ def test_real_model_fills_in_the_middle(real_server: ServerProcess) -> None:
         suffix="\n\nprint(add(1, 2))\n")
     assert [c.text.strip() for c in res.choices] == ["a + b", "x + y"]
     assert all(c.finish_reason == "stop" for c in res.choices)
-    for bad in ({"prompt": [1, 2, 3]}, {"prompt": "x", "echo": True}):
+    for bad in ({"prompt": [1, 2, 3]}, {"prompt": "x", "echo": True},
+                {"prompt": "x", "extra_body": {"truncate_prompt_tokens": 3}}):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=real_server.model, suffix="y", **bad)
         assert info.value.param == "suffix"
