@@ -89,15 +89,16 @@ class LLM:
         conversations: Sequence[Any] = (
             [messages] if messages and isinstance(messages[0], dict) else messages)
         # as the server renders them: content parts joined, a missing content empty
-        prompts: list[Prompt] = [
-            tokenizer.encode(tokenizer.apply_chat_template(
-                [ChatMessage.model_validate(m).as_template_dict() for m in c],
-                add_generation_prompt, tools, chat_template=chat_template,
-                continue_final_message=continue_final_message, **chat_template_kwargs or {}),
-                add_special_tokens=False)
-            for c in conversations
-        ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        texts = [tokenizer.apply_chat_template(
+            [ChatMessage.model_validate(m).as_template_dict() for m in c],
+            add_generation_prompt, tools, chat_template=chat_template,
+            continue_final_message=continue_final_message, **chat_template_kwargs or {})
+            for c in conversations]
+        prompts: list[Prompt] = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for out, text in zip(outputs, texts, strict=True):
+            out.prompt = text  # the rendered conversation, as vLLM reports it
+        return outputs
 
     def _run(self, groups: list[list[str]], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -294,6 +294,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary's own spelling of each id (byte-level: "Ġ" for a space)."""
+        return [self.backend.id_to_token(i) or "" for i in ids]
+
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 

@@ -139,6 +139,7 @@ def test_prompt_forms_and_chat_messages_as_the_server_takes_them(tmp_path) -> No
                    continue_final_message=True)[0]
     assert llm.get_tokenizer().decode(out.prompt_token_ids, False).endswith(
         "<|im_start|>assistant\nSure, ")
+    assert out.prompt is not None and out.prompt.endswith("<|im_start|>assistant\nSure, ")
     out = llm.chat(prefill, greedy, use_tqdm=False, chat_template="{{ a }}{{ messages | length }}",
                    chat_template_kwargs={"a": "n="})[0]
     assert llm.get_tokenizer().decode(out.prompt_token_ids) == "n=2"

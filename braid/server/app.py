@@ -122,8 +122,10 @@ def _add_token_routes(app: FastAPI, ctx: ServerContext) -> None:
         else:
             tokens = await asyncio.to_thread(ctx.tokenizer.encode, body.prompt,
                                              body.add_special_tokens)
-        return TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len,
-                                tokens=tokens)
+        return TokenizeResponse(
+            count=len(tokens), max_model_len=ctx.max_model_len, tokens=tokens,
+            token_strs=ctx.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs
+            else None)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:

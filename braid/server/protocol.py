@@ -33,14 +33,28 @@ def _takes_null(annotation: Any) -> bool:
         _takes_null(a) for a in get_args(annotation) if isinstance(a, types.UnionType))
 
 
-class StreamOptions(BaseModel):
+class Options(BaseModel):
+    """A request body or part: `null` for a field that takes no null is its default, as vLLM
+    (whose fields are Optional) and OpenAI take it: clients send unset options as null."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items()
+                if v is not None or k not in cls.model_fields
+                or _takes_null(cls.model_fields[k].annotation)}
+
+
+class StreamOptions(Options):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = True  # as in vLLM: `stream_options: {}` asks for usage
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage in every chunk
 
 
-class StructuredOutputsRequest(BaseModel):
+class StructuredOutputsRequest(Options):
     """vLLM's `structured_outputs` request field: exactly one constraint."""
 
     model_config = ConfigDict(extra="forbid")
@@ -57,7 +71,7 @@ class StructuredOutputsRequest(BaseModel):
         return {"json": self.json_, **self.model_dump(exclude={"json_"})}
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(Options):
     """`response_format.json_schema`: OpenAI's named schema (`strict` is always honoured)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -68,30 +82,19 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(Options):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(Options):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     # Python's JSON reader takes NaN and Infinity, and pydantic the strings "nan" and "inf":
     # none is a sampling parameter
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        """`null` for a field that takes no null is its default, as vLLM (whose sampling
-        fields are Optional) and OpenAI take it: clients send unset options as null."""
-        if not isinstance(data, dict):
-            return data
-        return {k: v for k, v in data.items()
-                if v is not None or k not in cls.model_fields
-                or _takes_null(cls.model_fields[k].annotation)}
 
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
@@ -424,15 +427,16 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeCompletionRequest(BaseModel):
+class TokenizeCompletionRequest(Options):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     prompt: Text
     add_special_tokens: bool = True
+    return_token_strs: bool = False
 
 
-class TokenizeChatRequest(BaseModel):
+class TokenizeChatRequest(Options):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
@@ -444,15 +448,17 @@ class TokenizeChatRequest(BaseModel):
     add_special_tokens: bool = False
     tools: list[ToolDefinition] | None = None
     documents: list[dict[str, Text]] | None = None
+    return_token_strs: bool = False
 
 
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs: the vocabulary's spellings
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(Options):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None

@@ -78,7 +78,9 @@ class Job:
 
 
 def check_model(ctx: ServerContext, name: str | None) -> str:
-    if name is not None and name not in ctx.model_names:
+    """The served model a request names; none (absent, null or "", as vLLM takes it) is the
+    first served name."""
+    if name and name not in ctx.model_names:
         # 404 as vLLM answers it (OpenAI too); the code names the case for clients
         raise APIError(404, f"The model `{name}` does not exist; this server serves "
                        f"{', '.join(map(repr, ctx.model_names))}", "model", "model_not_found")
@@ -188,6 +190,12 @@ def make_job(prefix: str, prompts: list[list[int]], params: SamplingParams, n: i
 
 
 _counter = itertools.count()
+
+
+def request_id(body: SamplingRequest, raw: Request) -> str | None:
+    """The client's id for the response, as vLLM takes it: `request_id`, else the
+    X-Request-Id header."""
+    return body.request_id or raw.headers.get("x-request-id") or None
 
 
 async def submit(ctx: ServerContext, job: Job, prompt_field: str = "prompt",

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import jinja2
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic import TypeAdapter, ValidationError
 
 from braid.outputs import RequestOutput
 from braid.server.errors import bad_request, prompt_too_long
@@ -37,6 +39,7 @@ from braid.server.serving import (
     event_stream,
     kept_prompt_tokens,
     make_job,
+    request_id,
     request_params,
     respond,
     sse,
@@ -56,6 +59,7 @@ from braid.tokenizer import (
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest,
                                  raw: Request) -> Response:
     model = check_model(ctx, body.model)
+    check_template_fields(body, ctx.trust_request_chat_template)  # may set tools
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs: set logprobs to true to get top_logprobs",
                           "top_logprobs")
@@ -71,14 +75,13 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
         body, asked, (body.top_logprobs or 0) if body.logprobs else None,
         {"max_tokens": asked_field} if use_new_name else None, constraint=constraint,
         defaults=ctx.default_sampling)
-    check_template_fields(body, ctx.trust_request_chat_template)
     keep = kept_prompt_tokens(ctx, body.truncate_prompt_tokens)
     prompt = await asyncio.to_thread(render_chat, ctx.tokenizer, body,
                                      ctx.max_model_len if keep is None else None)
     if keep is not None:
         prompt = prompt[-keep:]
     check_room(ctx, [prompt], asked, asked_field)
-    job = make_job("chatcmpl", [prompt], params, body.n, body.request_id)
+    job = make_job("chatcmpl", [prompt], params, body.n, request_id(body, raw))
     await submit(ctx, job, prompt_field="messages", priority=body.priority)
     tools = {c.index: ChoiceTools(mode, body) for c in job.choices} if mode else {}
     return await respond(ctx, job, raw, body.stream,
@@ -111,11 +114,26 @@ def render_chat(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeChat
 
 def check_template_fields(body: ChatCompletionRequest | TokenizeChatRequest,
                           trust_request_chat_template: bool) -> None:
-    """400s naming the field for what the template cannot take, as vLLM gives them: both
-    continue_final_message and add_generation_prompt, a request's own chat_template unless
-    the server trusts them (a template runs in a sandbox, but can loop for as long as it
-    likes), one that is not Jinja, and chat_template_kwargs that would replace the request's
-    own variables."""
+    """As vLLM: chat_template_kwargs may set add_generation_prompt, continue_final_message,
+    chat_template, tools and documents, over the fields of those names (moved onto `body`
+    here); `messages` stays the request's. Then 400s naming the field for what the template
+    cannot take: both continue_final_message and add_generation_prompt, a request's own
+    chat_template unless the server trusts them (a template runs in a sandbox, but can loop
+    for as long as it likes), or one that is not Jinja."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    if "messages" in kwargs:
+        raise bad_request("chat_template_kwargs: 'messages' is the request's own field, not a "
+                          "template variable", "chat_template_kwargs")
+    for name in sorted(TEMPLATE_VARIABLES & set(kwargs)):
+        value = kwargs.pop(name)
+        try:
+            field = type(body).model_fields[name]
+            setattr(body, name, TypeAdapter(Any if field.annotation is None else field.annotation)
+                    .validate_python(value))
+        except ValidationError as e:
+            raise bad_request(f"chat_template_kwargs.{name}: {e.errors()[0]['msg']}",
+                              "chat_template_kwargs") from None
+    body.chat_template_kwargs = kwargs
     if body.continue_final_message and body.add_generation_prompt:
         raise bad_request("continue_final_message: cannot be true while add_generation_prompt "
                           "is true (send add_generation_prompt: false)", "continue_final_message")

@@ -34,6 +34,7 @@ from braid.server.serving import (
     event_stream,
     kept_prompt_tokens,
     make_job,
+    request_id,
     request_params,
     respond,
     sse,
@@ -64,7 +65,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest,
     if keep is not None:
         prompts = [p[-keep:] for p in prompts]
     check_room(ctx, prompts, max_tokens, "max_tokens")
-    job = make_job("cmpl", prompts, params, body.n, body.request_id)
+    job = make_job("cmpl", prompts, params, body.n, request_id(body, raw))
     if score_only:
         job.view = _prompt_only
     await submit(ctx, job, priority=body.priority)

@@ -114,6 +114,24 @@ def test_null_is_the_field_s_default_as_in_vllm(server: ServerProcess) -> None:
     assert r.json()["usage"]["completion_tokens"] + r.json()["usage"]["prompt_tokens"] == 256
 
 
+def test_more_of_vllm_s_request_conventions(server: ServerProcess) -> None:
+    """An empty model name is the served model; null inside a part of the body is its
+    default too; the X-Request-Id header names the response; /tokenize gives token strings."""
+    assert completion(server, model="").status_code == 200
+    r = completion(server, stream=True, stream_options={"include_usage": None}, max_tokens=2)
+    assert '"usage":{"prompt_tokens"' in r.text.replace(" ", "")
+    r = chat(server, response_format={"type": "json_schema", "json_schema": {
+        "name": None, "schema": {"type": "object"}}}, max_tokens=6)
+    assert r.status_code == 200, r.text
+    r = post(server, "/v1/completions", {"model": server.model, "prompt": "hi", "max_tokens": 2},
+             headers={"X-Request-Id": "from-header"})
+    assert r.json()["id"] == "cmpl-from-header"
+    r = post(server, "/tokenize", {"prompt": "hi you", "return_token_strs": True})
+    assert "".join(r.json()["token_strs"]) == "hiĠyou"  # byte-level spellings
+    assert len(r.json()["token_strs"]) == r.json()["count"]
+    assert post(server, "/tokenize", {"prompt": "hi"}).json().get("token_strs") is None
+
+
 def test_stream_options_as_in_vllm(server: ServerProcess) -> None:
     """include_usage defaults to true once stream_options is given; stream_options without
     stream is a 400 naming it."""
@@ -298,7 +316,8 @@ def test_prompt_logprobs_over_http(server: ServerProcess) -> None:
 def test_tokenize_detokenize_version(server: ServerProcess) -> None:
     r = post(server, "/tokenize", {"model": server.model, "prompt": "hey"})
     assert r.status_code == 200, r.text
-    assert r.json() == {"count": 3, "max_model_len": 256, "tokens": [104, 101, 121]}
+    assert r.json() == {"count": 3, "max_model_len": 256, "tokens": [104, 101, 121],
+                        "token_strs": None}
     r = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hey"}]})
     assert r.status_code == 200 and r.json()["count"] > 3
     r = post(server, "/detokenize", {"tokens": [104, 101, 121]})
@@ -337,9 +356,13 @@ def test_chat_template_fields_as_in_vllm(server: ServerProcess) -> None:
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == len(opened)
 
+    # as in vLLM, chat_template_kwargs may set the template's own options
+    assert tokens(chat_template_kwargs={"add_generation_prompt": False,
+                                        "continue_final_message": True}) == opened
     assert_400(chat(server, continue_final_message=True), "continue_final_message")
-    for kwargs in ({"messages": []}, {"chat_template": variables}, [1]):
+    for kwargs in ({"messages": []}, {"add_generation_prompt": "maybe"}, [1]):
         assert_400(chat(server, chat_template_kwargs=kwargs), "chat_template_kwargs")
+    assert_400(chat(server, chat_template_kwargs={"chat_template": variables}), "chat_template")
     assert_400(post(server, "/tokenize", {"messages": [prefill[0], {"role": "assistant"}],
                                           "add_generation_prompt": False,
                                           "continue_final_message": True}),
