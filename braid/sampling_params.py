@@ -78,6 +78,7 @@ a word's last token is refused where the output so far ends with the rest of it.
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k (-1: max_model_len)
     # bad_words as token id sequences; the engine fills it from bad_words at admission
     bad_words_token_ids: list[list[int]] | None = None
     skip_special_tokens: bool = True
@@ -110,7 +111,7 @@ a word's last token is refused where the output so far ends with the rest of it.
 
     def _validate(self) -> None:
         for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
-                     "seed"):
+                     "seed", "truncate_prompt_tokens"):
             value = getattr(self, name)
             if value is not None and not is_int(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -135,6 +136,8 @@ a word's last token is refused where the output so far ends with the rest of it.
              "prompt_logprobs must be >= 0"),
             (self.seed is None or -(2**63) <= self.seed < 2**64,
              "seed must be in [-2**63, 2**64 - 1]"),
+            (self.truncate_prompt_tokens in (None, -1) or (self.truncate_prompt_tokens or 0) >= 1,
+             "truncate_prompt_tokens must be -1 (max_model_len) or >= 1"),
         ]
         for ok, message in checks:
             if not ok:

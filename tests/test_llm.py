@@ -133,6 +133,14 @@ def test_prompt_forms_and_chat_messages_as_the_server_takes_them(tmp_path) -> No
                  {"role": "assistant", "content": None}, {"role": "user"}])
     with pytest.raises(ValueError, match="content"):
         chat([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}])
+    # vLLM's SamplingParams.truncate_prompt_tokens: the prompt's last k tokens
+    ids = llm.get_tokenizer().encode("abcdefghij")
+    out = llm.generate("abcdefghij", SamplingParams(truncate_prompt_tokens=4, max_tokens=1),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids[-4:]
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
     # vLLM's LLM.chat options: an assistant prefill continued, another template, variables
     prefill = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}]
     out = llm.chat(prefill, greedy, use_tqdm=False, add_generation_prompt=False,

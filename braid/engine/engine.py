@@ -194,6 +194,9 @@ class LLMEngine:
             params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(
                 params.bad_words, lambda text: tokenizer.encode(text, add_special_tokens=False)))
         text, ids = self._tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:  # vLLM's: the prompt's last k tokens
+            keep = params.truncate_prompt_tokens
+            ids = ids[-(self.config.max_model_len or len(ids) if keep == -1 else keep):]
         self._check_prompt(ids, params)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
         req = Request(request_id, ids, params, prompt=text, seed=seed, priority=priority)

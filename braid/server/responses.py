@@ -39,11 +39,13 @@ class ChoiceState:
     prompt_index: int
     sent_chars: int = 0
     sent_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens from the prefix cache, as the last output says
     final: RequestOutput | None = None
 
     def advance(self, out: RequestOutput) -> Delta:
         """What `out` adds to what was sent (engine text and token ids are cumulative)."""
         c = out.outputs[0]
+        self.cached_tokens = out.num_cached_tokens
         delta = Delta(c.text[self.sent_chars:], c.token_ids[self.sent_tokens:],
                       None if c.logprobs is None else c.logprobs[self.sent_tokens:])
         self.sent_chars = max(self.sent_chars, len(c.text))
@@ -124,7 +126,7 @@ def usage(prompts: list[list[int]], choices: list[ChoiceState]) -> UsageInfo:
     for c in choices:
         if c.prompt_index not in first or c.index < first[c.prompt_index].index:
             first[c.prompt_index] = c
-    cached = sum(c.final.num_cached_tokens for c in first.values() if c.final is not None)
+    cached = sum(c.cached_tokens for c in first.values())  # known from the first output on
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))

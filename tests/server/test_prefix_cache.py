@@ -81,3 +81,18 @@ def test_cached_text_equals_uncached(server: ServerProcess, tiny_model_dir: Path
     offline = LLM(server.model, **ENGINE_OPTIONS, enable_prefix_caching=False)
     ref = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert cached[0].choices[0].text == cached[1].choices[0].text == ref[0].outputs[0].text
+
+
+def test_every_streamed_usage_reports_the_cached_tokens(server: ServerProcess) -> None:
+    """With continuous_usage_stats each chunk's usage has the prompt's cached tokens, not 0
+    until the last chunk."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                           timeout=60)
+    prompt = SYSTEM + "Q: what now?"
+    client.completions.create(model=server.model, prompt=prompt, max_tokens=2, temperature=0)
+    chunks = list(client.completions.create(
+        model=server.model, prompt=prompt, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    cached = {c.usage.prompt_tokens_details.cached_tokens for c in chunks
+              if c.usage is not None and c.usage.prompt_tokens_details is not None}
+    assert len(cached) == 1 and cached.pop() > 0
