@@ -115,8 +115,9 @@ def render_chat(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeChat
 def check_template_fields(body: ChatCompletionRequest | TokenizeChatRequest,
                           trust_request_chat_template: bool) -> None:
     """As vLLM: chat_template_kwargs may set add_generation_prompt, continue_final_message,
-    chat_template, tools and documents, over the fields of those names (moved onto `body`
-    here); `messages` stays the request's. Then 400s naming the field for what the template
+    chat_template and tools over the fields of those names (moved onto `body` here, checked
+    as the fields are), and documents (a plain template variable); `messages` stays the
+    request's. Then 400s naming the field for what the template
     cannot take: both continue_final_message and add_generation_prompt, a request's own
     chat_template unless the server trusts them (a template runs in a sandbox, but can loop
     for as long as it likes), or one that is not Jinja."""
@@ -146,10 +147,6 @@ def check_template_fields(body: ChatCompletionRequest | TokenizeChatRequest,
         except jinja2.TemplateSyntaxError as e:
             raise bad_request(f"chat_template: not a valid Jinja template (line {e.lineno}: "
                               f"{e.message})", "chat_template") from None
-    taken = sorted(set(body.chat_template_kwargs or {}) & TEMPLATE_VARIABLES)
-    if taken:
-        raise bad_request(f"chat_template_kwargs: {taken[0]!r} is the request's own field, "
-                          "not a template variable", "chat_template_kwargs")
 
 
 def _logprobs(ctx: ServerContext, body: ChatCompletionRequest, delta: Delta) -> ChatLogprobs | None:
