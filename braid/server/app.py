@@ -155,7 +155,8 @@ def run_server(args: argparse.Namespace) -> int:
     ctx = ServerContext(AsyncEngine(engine, metrics), engine.tokenizer, names,
                         config.max_model_len, args.max_waiting_requests,
                         trust_request_chat_template=args.trust_request_chat_template,
-                        default_sampling=engine.default_sampling)
+                        default_sampling=engine.default_sampling,
+                        return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     app = create_app(ctx, metrics, AppOptions(args.max_request_bytes, args.api_key,
                                               args.enable_docs))
     server = _Server(uvicorn.Config(

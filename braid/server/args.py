@@ -65,6 +65,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--chat-template", type=_chat_template, default=None,
                        help="chat template for /v1/chat/completions instead of the model's: "
                             "a Jinja file, or the template itself")
+    group.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="logprobs name tokens as \"token_id:<id>\" (vLLM's; a request's "
+                            "return_tokens_as_token_ids asks for it alone)")
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept a request's own `chat_template` (refused by default, as in "
                             "vLLM)")

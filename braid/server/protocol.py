@@ -122,6 +122,7 @@ class SamplingRequest(Options):
     truncate_prompt_tokens: int | None = None
     request_id: Text | None = None
     priority: int = 0  # with --scheduling-policy priority: lower runs first
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:<id>"
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None

@@ -67,22 +67,25 @@ def _clamp(logprob: float) -> float:
     return max(logprob, _MIN_LOGPROB)
 
 
-def _text(tokenizer: Tokenizer, token_id: int, lp: Logprob) -> str:
+def _text(tokenizer: Tokenizer, token_id: int, lp: Logprob, as_ids: bool = False) -> str:
+    if as_ids:  # vLLM's return_tokens_as_token_ids: tokens JSON cannot spell are named too
+        return f"token_id:{token_id}"
     return lp.decoded_token if lp.decoded_token is not None else token_text(tokenizer, token_id)
 
 
 def completion_logprobs(tokenizer: Tokenizer, delta: Delta, top_n: int,
-                        offset: int) -> CompletionLogprobs:
+                        offset: int, as_ids: bool = False) -> CompletionLogprobs:
     """Legacy completions logprobs; an entry of None (an echoed prompt's first token) gets
     null logprobs. As in vLLM (and OpenAI's legacy API), a position's top_logprobs hold its
-    own token and the top `top_n`: up to top_n + 1 entries."""
+    own token and the top `top_n`: up to top_n + 1 entries. `as_ids`: tokens as
+    "token_id:<id>" (vLLM's return_tokens_as_token_ids; text_offset still counts text)."""
     result = CompletionLogprobs()
     for token_id, entry in zip(delta.token_ids, delta.logprobs or [], strict=False):
         text = token_text(tokenizer, token_id)
-        result.tokens.append(text)
+        result.tokens.append(f"token_id:{token_id}" if as_ids else text)
         result.token_logprobs.append(None if entry is None else _clamp(entry[token_id].logprob))
         result.top_logprobs.append(None if entry is None else {
-            _text(tokenizer, t, lp): _clamp(lp.logprob) for t, lp in entry.items()
+            _text(tokenizer, t, lp, as_ids): _clamp(lp.logprob) for t, lp in entry.items()
             if t == token_id or (lp.rank is not None and lp.rank <= top_n)})
         result.text_offset.append(offset)
         offset += len(text)
@@ -101,19 +104,21 @@ def prompt_logprobs(tokenizer: Tokenizer, out: RequestOutput
         for entry in out.prompt_logprobs]
 
 
-def chat_logprobs(tokenizer: Tokenizer, delta: Delta, top_n: int) -> ChatLogprobs:
+def chat_logprobs(tokenizer: Tokenizer, delta: Delta, top_n: int,
+                  as_ids: bool = False) -> ChatLogprobs:
     content = []
     for token_id, entry in zip(delta.token_ids, delta.logprobs or [], strict=False):
         assert entry is not None  # only echoed prompts have entries of None
-        text = token_text(tokenizer, token_id)
-        top = [_top_logprob(tokenizer, t, lp) for t, lp in _top(entry, top_n)]
+        text = f"token_id:{token_id}" if as_ids else token_text(tokenizer, token_id)
+        top = [_top_logprob(tokenizer, t, lp, as_ids) for t, lp in _top(entry, top_n)]
         content.append(TokenLogprob(token=text, logprob=_clamp(entry[token_id].logprob),
                                     bytes=list(text.encode()), top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
-def _top_logprob(tokenizer: Tokenizer, token_id: int, lp: Logprob) -> TopLogprob:
-    text = _text(tokenizer, token_id, lp)
+def _top_logprob(tokenizer: Tokenizer, token_id: int, lp: Logprob,
+                 as_ids: bool = False) -> TopLogprob:
+    text = _text(tokenizer, token_id, lp, as_ids)
     return TopLogprob(token=text, logprob=_clamp(lp.logprob), bytes=list(text.encode()))
 
 

@@ -43,6 +43,7 @@ class ServerContext:
     max_waiting_requests: int
     retry_after_s: int = 1
     trust_request_chat_template: bool = False  # a request's own chat_template is accepted
+    return_tokens_as_token_ids: bool = False  # every response's logprobs tokens as ids
     # sampling for the fields a request leaves unset (the model's generation_config.json)
     default_sampling: dict[str, Any] = field(default_factory=dict)
 

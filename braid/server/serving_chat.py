@@ -152,7 +152,8 @@ def check_template_fields(body: ChatCompletionRequest | TokenizeChatRequest,
 def _logprobs(ctx: ServerContext, body: ChatCompletionRequest, delta: Delta) -> ChatLogprobs | None:
     if not body.logprobs:
         return None
-    return chat_logprobs(ctx.tokenizer, delta, body.top_logprobs or 0)
+    return chat_logprobs(ctx.tokenizer, delta, body.top_logprobs or 0,
+                         body.return_tokens_as_token_ids or ctx.return_tokens_as_token_ids)
 
 
 def _echoed(body: ChatCompletionRequest) -> str:

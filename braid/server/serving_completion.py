@@ -131,7 +131,8 @@ def _logprobs(ctx: ServerContext, body: CompletionRequest, delta: Delta,
               offset: int) -> CompletionLogprobs | None:
     if body.logprobs is None:
         return None
-    return completion_logprobs(ctx.tokenizer, delta, body.logprobs, offset)
+    return completion_logprobs(ctx.tokenizer, delta, body.logprobs, offset,
+                               body.return_tokens_as_token_ids or ctx.return_tokens_as_token_ids)
 
 
 def _response(ctx: ServerContext, job: Job, body: CompletionRequest, model: str,

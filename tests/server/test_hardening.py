@@ -132,6 +132,26 @@ def test_more_of_vllm_s_request_conventions(server: ServerProcess) -> None:
     assert post(server, "/tokenize", {"prompt": "hi"}).json().get("token_strs") is None
 
 
+def test_return_tokens_as_token_ids(server: ServerProcess) -> None:
+    """vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>" (bytes that
+    are no text are named exactly); text and text offsets stay text."""
+    plain = completion(server, logprobs=2, max_tokens=4, prompt="hey").json()["choices"][0]
+    r = completion(server, logprobs=2, max_tokens=4, prompt="hey",
+                   return_tokens_as_token_ids=True).json()["choices"][0]
+    assert r["text"] == plain["text"]
+    assert r["logprobs"]["text_offset"] == plain["logprobs"]["text_offset"]
+    assert all(t.startswith("token_id:") for t in r["logprobs"]["tokens"])
+    assert len(r["logprobs"]["tokens"]) == 4
+    for token, top in zip(r["logprobs"]["tokens"], r["logprobs"]["top_logprobs"], strict=True):
+        assert token in top and all(k.startswith("token_id:") for k in top)  # its own too
+    assert [t.removeprefix("token_id:").isdigit() for t in r["logprobs"]["tokens"]] == [True] * 4
+    c = chat(server, logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True).json()
+    for entry in c["choices"][0]["logprobs"]["content"]:
+        assert entry["token"].startswith("token_id:")
+        assert entry["bytes"] == list(entry["token"].encode())
+        assert all(t["token"].startswith("token_id:") for t in entry["top_logprobs"])
+
+
 def test_stream_options_as_in_vllm(server: ServerProcess) -> None:
     """include_usage defaults to true once stream_options is given; stream_options without
     stream is a 400 naming it."""
