@@ -84,7 +84,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> Non
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, max_model_len=ctx.max_model_len)
+        return ModelList(data=[ModelCard(id=name, root=ctx.root, max_model_len=ctx.max_model_len)
                                for name in ctx.model_names])
 
     @app.get("/metrics")
@@ -156,7 +156,8 @@ def run_server(args: argparse.Namespace) -> int:
                         config.max_model_len, args.max_waiting_requests,
                         trust_request_chat_template=args.trust_request_chat_template,
                         default_sampling=engine.default_sampling,
-                        return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                        root=config.model)
     app = create_app(ctx, metrics, AppOptions(args.max_request_bytes, args.api_key,
                                               args.enable_docs))
     server = _Server(uvicorn.Config(

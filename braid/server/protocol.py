@@ -420,6 +420,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "braid"
+    root: str | None = None  # the model it serves (--model), as vLLM's card says
+    parent: str | None = None
     max_model_len: int | None = None
 
 

@@ -44,6 +44,7 @@ class ServerContext:
     retry_after_s: int = 1
     trust_request_chat_template: bool = False  # a request's own chat_template is accepted
     return_tokens_as_token_ids: bool = False  # every response's logprobs tokens as ids
+    root: str | None = None  # the --model the served names stand for
     # sampling for the fields a request leaves unset (the model's generation_config.json)
     default_sampling: dict[str, Any] = field(default_factory=dict)
 
@@ -282,12 +283,13 @@ async def respond(ctx: ServerContext, job: Job, raw: Request, stream: bool,
                   build: Callable[[list[RequestOutput]], BaseModel]) -> Response:
     """SSE stream of `events()`, or one JSON body built from every choice's final output."""
     if stream:
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"X-Request-Id": job.id})
     try:
         finals = await collect(ctx, job, raw)
     except ClientGone:
         return Response(status_code=499)
-    return JSONResponse(build(finals).model_dump())
+    return JSONResponse(build(finals).model_dump(), headers={"X-Request-Id": job.id})
 
 
 def sse(body: BaseModel) -> str:

@@ -37,6 +37,8 @@ def test_health_and_models(server: ServerProcess, client: openai.OpenAI) -> None
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     models = client.models.list().data
     assert [m.id for m in models] == [server.model]
+    card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
+    assert (card["root"], card["parent"], card["max_model_len"]) == (server.model, None, 256)
 
 
 def test_completion_matches_offline(server: ServerProcess, client: openai.OpenAI,

@@ -125,7 +125,10 @@ def test_more_of_vllm_s_request_conventions(server: ServerProcess) -> None:
     assert r.status_code == 200, r.text
     r = post(server, "/v1/completions", {"model": server.model, "prompt": "hi", "max_tokens": 2},
              headers={"X-Request-Id": "from-header"})
-    assert r.json()["id"] == "cmpl-from-header"
+    assert r.json()["id"] == r.headers["x-request-id"] == "cmpl-from-header"
+    r = chat(server, stream=True, max_tokens=2)
+    assert r.headers["x-request-id"].startswith("chatcmpl-") and r.headers[
+        "x-request-id"] in r.text
     r = post(server, "/tokenize", {"prompt": "hi you", "return_token_strs": True})
     assert "".join(r.json()["token_strs"]) == "hiĠyou"  # byte-level spellings
     assert len(r.json()["token_strs"]) == r.json()["count"]
