@@ -8,9 +8,8 @@ the row's output position.
 
 Order of processing, as in vLLM V1:
   raw logits -> (logprobs are taken here: log_softmax of the raw model output)
-  -> logit_bias, allowed_token_ids -> repetition/frequency/presence penalties, min_tokens
-     stop suppression
-  -> grammar masks (structured output: the tokens a row's grammar state allows)
+  -> logit_bias -> repetition/frequency/presence penalties, min_tokens stop suppression
+  -> allowed tokens (a row's allowed_token_ids, and the tokens its grammar state allows)
   -> greedy rows: argmax
   -> random rows: temperature -> min_p -> top_k -> top_p -> softmax -> inverse-CDF draw.
 
@@ -85,12 +84,10 @@ class SamplingMetadata:
     prompt_token_mask: torch.Tensor | None  # [B, V] bool; only with a repetition penalty
     suppressed: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) set to -inf
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, ids, biases)
-    allowed_ids: tuple[torch.Tensor, torch.Tensor] | None  # (rows, [R, V] bool) of rows
-    # with allowed_token_ids
     seeds: list[int]  # per row, its request's seed
     positions: list[int]  # per row, its output position (output tokens before it)
     uniforms: torch.Tensor | None  # [B] float64 keyed numbers of the draw; None if all greedy
-    # (rows, their allowed tokens [R, V] bool) of rows under a grammar
+    # (rows, their allowed tokens [R, V] bool) of rows under a grammar or allowed_token_ids
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
     # What a row whose constraints leave no token at all takes: its end (see apply_penalties)
     fallback_token: int = 0
@@ -111,7 +108,7 @@ class SamplingMetadata:
         """`seeds[i]` is row i's request seed (the request's `seed`, or one the engine drew
         for it); row i's draw uses `keyed_uniform(seeds[i], len(output_token_ids[i]),
         stream)` (`stream` one for all rows or one per row). `allowed` (rows, [R, V] bool)
-        restricts those rows to a grammar's tokens."""
+        restricts those rows to a grammar's tokens; allowed_token_ids join it."""
         if not len(params) == len(prompt_token_ids) == len(output_token_ids) == len(seeds):
             raise ValueError("params, token ids and seeds must have one entry per row")
         greedy = [p.greedy for p in params]
@@ -134,12 +131,11 @@ class SamplingMetadata:
             **penalties,
             suppressed=_suppressed(params, output_token_ids, eos_token_ids, vocab_size, device),
             logit_bias=_logit_bias(params, vocab_size, device),
-            allowed_ids=_allowed_ids(params, vocab_size, device),
             seeds=list(seeds),
             positions=positions,
             uniforms=None if all(greedy) else torch.from_numpy(
                 keyed_uniform_array(seeds, positions, stream)).to(device),
-            allowed=allowed,
+            allowed=_with_allowed_ids(allowed, params, vocab_size, device),
             fallback_token=min(eos_token_ids, default=0),
         )
 
@@ -258,17 +254,24 @@ def _logit_bias(
             torch.tensor(biases, dtype=torch.float32, device=device))
 
 
-def _allowed_ids(
-    params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str
+def _with_allowed_ids(
+    grammar: tuple[torch.Tensor, torch.Tensor] | None, params: Sequence[SamplingParams],
+    vocab_size: int, device: torch.device | str,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows, [R, V] bool) of the rows with allowed_token_ids: the ids each may sample."""
-    rows = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
-    if not rows:
-        return None
-    mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
-    for i, row in enumerate(rows):
-        ids = [t for t in params[row].allowed_token_ids or [] if t < vocab_size]
-        mask[i, torch.tensor(ids, dtype=torch.int64, device=device)] = True
+    """The grammar masks (rows, [R, V] bool) with each row's allowed_token_ids joined in: a
+    row may take the tokens both allow."""
+    with_ids = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not with_ids:
+        return grammar
+    rows = sorted(set(with_ids) | set(() if grammar is None else grammar[0].tolist()))
+    at = {row: i for i, row in enumerate(rows)}
+    mask = torch.ones(len(rows), vocab_size, dtype=torch.bool, device=device)
+    if grammar is not None:
+        mask[[at[row] for row in grammar[0].tolist()]] = grammar[1]
+    for row in with_ids:
+        ids = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        ids[[t for t in params[row].allowed_token_ids or [] if t < vocab_size]] = True
+        mask[at[row]] &= ids
     return torch.tensor(rows, dtype=torch.int64, device=device), mask
 
 
@@ -279,9 +282,6 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     if meta.logit_bias is not None:
         rows, tokens, biases = meta.logit_bias
         logits = logits.index_put((rows, tokens), biases, accumulate=True)
-    if meta.allowed_ids is not None:
-        rows, allowed = meta.allowed_ids
-        logits = logits.index_put((rows,), logits[rows].masked_fill(~allowed, _NEG_INF))
     if meta.repetition_penalty is not None:
         assert meta.output_token_counts is not None
         assert meta.presence_penalty is not None and meta.frequency_penalty is not None
@@ -298,7 +298,7 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     if meta.allowed is not None:  # last, so no bias or penalty brings a refused token back
         rows, allowed = meta.allowed
         logits = logits.index_put((rows,), logits[rows].masked_fill(~allowed, _NEG_INF))
-    if meta.allowed is not None or meta.allowed_ids is not None or meta.suppressed is not None:
+    if meta.allowed is not None or meta.suppressed is not None:
         # Constraints that contradict each other (allowed_token_ids, bad_words, min_tokens, a
         # grammar) can leave a row no token: it takes its end token (the first eos), so the
         # request ends there instead of drawing from nothing (an id past the vocabulary).

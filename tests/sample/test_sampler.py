@@ -209,6 +209,22 @@ def test_build_skips_unused_tensors() -> None:
     assert meta.output_token_counts.shape == (1, V) and meta.output_token_counts.sum() == 0
 
 
+def test_allowed_token_ids_join_the_grammar_masks() -> None:
+    """A row may take what both its grammar and its allowed_token_ids allow; rows with only
+    one of them, or neither, keep theirs."""
+    params = [SamplingParams(allowed_token_ids=[1, 2, 3]), SamplingParams(),
+              SamplingParams(allowed_token_ids=[4, 5]), SamplingParams()]
+    grammar = torch.zeros(2, V, dtype=torch.bool)
+    grammar[0, [2, 3, 9]] = True  # row 0
+    grammar[1, [7, 8]] = True  # row 3
+    meta = SamplingMetadata.build(params, [[1]] * 4, [[]] * 4, [0] * 4, V, "cpu",
+                                  allowed=(torch.tensor([0, 3]), grammar))
+    assert meta.allowed is not None and meta.allowed[0].tolist() == [0, 2, 3]
+    finite = apply_penalties(torch.zeros(4, V), meta).isfinite()
+    assert [finite[row].nonzero().flatten().tolist() for row in range(4)] == [
+        [2, 3], list(range(V)), [4, 5], [7, 8]]
+
+
 def test_greedy_is_argmax_after_penalties() -> None:
     params = [SamplingParams(temperature=0), SamplingParams(top_k=1, repetition_penalty=3.0)]
     logits = random_logits(2, seed=3)
