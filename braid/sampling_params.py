@@ -52,11 +52,11 @@ class SamplingParams:
     top-n logprobs per position (0: only the sampled token's); `prompt_logprobs=n` the same for
     every prompt token after the first. `logit_bias` maps token ids to a bias added to their
     logits before penalties and sampling (greedy included); `allowed_token_ids` (as vLLM's)
-restricts every output token to those ids; `bad_words` (as vLLM's) are never generated:
-a word's last token is refused where the output so far ends with the rest of it. After
-`__post_init__`, `stop` and
-    `stop_token_ids` are always lists (possibly empty). `structured_outputs` constrains the
-    output to a grammar (braid/structured/); the request finishes when the grammar is complete.
+    restricts every output token to those ids; `bad_words` (as vLLM's) are never generated:
+    a word's last token is refused where the output so far ends with the rest of it. After
+    `__post_init__`, `stop` and `stop_token_ids` are always lists (possibly empty).
+    `structured_outputs` constrains the output to a grammar (braid/structured/); the request
+    finishes when the grammar is complete.
     """
 
     n: int = 1

@@ -113,8 +113,9 @@ class LLMEngine:
             from braid.models.loader import load_config, model_folder
 
             # the checks that need only the models' config.json, before any weight loads
-            model_config = load_config(model_folder(config.model))
-            self.default_sampling = sampling_defaults(config, model_folder(config.model))
+            folder = model_folder(config.model)
+            model_config = load_config(folder)
+            self.default_sampling = sampling_defaults(config, folder)
             config.finalize(model_config.max_position_embeddings)
             kv_cache_blocks(config, model_config, config.torch_dtype)
             spec = config.spec_config
@@ -194,8 +195,8 @@ class LLMEngine:
             params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(
                 params.bad_words, lambda text: tokenizer.encode(text, add_special_tokens=False)))
         text, ids = self._tokenize(prompt)
-        if params.truncate_prompt_tokens is not None:  # vLLM's: the prompt's last k tokens
-            keep = params.truncate_prompt_tokens
+        keep = params.truncate_prompt_tokens  # vLLM's: the prompt's last k tokens
+        if keep is not None:
             ids = ids[-(self.config.max_model_len or len(ids) if keep == -1 else keep):]
         self._check_prompt(ids, params)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)

@@ -67,10 +67,16 @@ def _clamp(logprob: float) -> float:
     return max(logprob, _MIN_LOGPROB)
 
 
+def _named(tokenizer: Tokenizer, token_id: int, as_ids: bool) -> str:
+    """A token as logprobs name it: its text, or "token_id:<id>" (vLLM's
+    return_tokens_as_token_ids: tokens JSON cannot spell are named exactly too)."""
+    return f"token_id:{token_id}" if as_ids else token_text(tokenizer, token_id)
+
+
 def _text(tokenizer: Tokenizer, token_id: int, lp: Logprob, as_ids: bool = False) -> str:
-    if as_ids:  # vLLM's return_tokens_as_token_ids: tokens JSON cannot spell are named too
-        return f"token_id:{token_id}"
-    return lp.decoded_token if lp.decoded_token is not None else token_text(tokenizer, token_id)
+    if as_ids or lp.decoded_token is None:
+        return _named(tokenizer, token_id, as_ids)
+    return lp.decoded_token
 
 
 def completion_logprobs(tokenizer: Tokenizer, delta: Delta, top_n: int,
@@ -82,7 +88,7 @@ def completion_logprobs(tokenizer: Tokenizer, delta: Delta, top_n: int,
     result = CompletionLogprobs()
     for token_id, entry in zip(delta.token_ids, delta.logprobs or [], strict=False):
         text = token_text(tokenizer, token_id)
-        result.tokens.append(f"token_id:{token_id}" if as_ids else text)
+        result.tokens.append(_named(tokenizer, token_id, as_ids))
         result.token_logprobs.append(None if entry is None else _clamp(entry[token_id].logprob))
         result.top_logprobs.append(None if entry is None else {
             _text(tokenizer, t, lp, as_ids): _clamp(lp.logprob) for t, lp in entry.items()
@@ -109,7 +115,7 @@ def chat_logprobs(tokenizer: Tokenizer, delta: Delta, top_n: int,
     content = []
     for token_id, entry in zip(delta.token_ids, delta.logprobs or [], strict=False):
         assert entry is not None  # only echoed prompts have entries of None
-        text = f"token_id:{token_id}" if as_ids else token_text(tokenizer, token_id)
+        text = _named(tokenizer, token_id, as_ids)
         top = [_top_logprob(tokenizer, t, lp, as_ids) for t, lp in _top(entry, top_n)]
         content.append(TokenLogprob(token=text, logprob=_clamp(entry[token_id].logprob),
                                     bytes=list(text.encode()), top_logprobs=top))

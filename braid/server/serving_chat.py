@@ -117,10 +117,10 @@ def check_template_fields(body: ChatCompletionRequest | TokenizeChatRequest,
     """As vLLM: chat_template_kwargs may set add_generation_prompt, continue_final_message,
     chat_template and tools over the fields of those names (moved onto `body` here, checked
     as the fields are), and documents (a plain template variable); `messages` stays the
-    request's. Then 400s naming the field for what the template
-    cannot take: both continue_final_message and add_generation_prompt, a request's own
-    chat_template unless the server trusts them (a template runs in a sandbox, but can loop
-    for as long as it likes), or one that is not Jinja."""
+    request's. Then 400s naming chat_template for a request's own template unless the
+    server trusts them (a template runs in a sandbox, but can loop for as long as it likes)
+    or one that is not Jinja. (Both continue_final_message and add_generation_prompt is the
+    tokenizer's ContinuationError, a 400 from render_chat.)"""
     kwargs = dict(body.chat_template_kwargs or {})
     if "messages" in kwargs:
         raise bad_request("chat_template_kwargs: 'messages' is the request's own field, not a "
@@ -135,9 +135,6 @@ def check_template_fields(body: ChatCompletionRequest | TokenizeChatRequest,
             raise bad_request(f"chat_template_kwargs.{name}: {e.errors()[0]['msg']}",
                               "chat_template_kwargs") from None
     body.chat_template_kwargs = kwargs
-    if body.continue_final_message and body.add_generation_prompt:
-        raise bad_request("continue_final_message: cannot be true while add_generation_prompt "
-                          "is true (send add_generation_prompt: false)", "continue_final_message")
     if body.chat_template is not None:
         if not trust_request_chat_template:
             raise bad_request("chat_template: request chat templates need the server started "
