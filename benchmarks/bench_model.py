@@ -3,17 +3,23 @@ times and peak memory, for the default target on this machine.
 
     python benchmarks/bench_model.py [--model NAME] [--quantization auto|none] [--cold]
         [--vs-llamacpp BIN_DIR [--pairs 4]]
+        [--kv-cache-dtypes float32,float16,bfloat16 [--kv-requests 16] [--kv-context 700]]
 
 Prints a table; `--cold` also times a load into an empty cache folder (tokenizer conversion).
 `--vs-llamacpp` (a llama.cpp build's bin folder, see the README's peers note) alternates
 llama-bench tg64 on the same GGUF with braid's single-request decode, pair after pair, and
 prints each pair's ratio: this machine's memory bandwidth drifts by 10-30% over minutes, so
-only side-by-side pairs compare.
+only side-by-side pairs compare. `--kv-cache-dtypes` times a batched decode step (16 requests
+of 700 distinct cached tokens by default) with each KV cache type in turn, over the same
+loaded model, for `--rounds` rounds, and prints each step time and each type's ratio to the
+first type's in the same round.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
 import json
 import os
 import platform
@@ -28,8 +34,10 @@ import torch
 
 from braid.config import (
     DEFAULT_TARGET,
+    DTYPES,
     QUANTIZATIONS,
     EngineConfig,
+    comma_list,
     positive_float,
     positive_int,
 )
@@ -124,6 +132,53 @@ def versus_llamacpp(engine: LLMEngine, bin_dir: str, pairs: int) -> None:
     print(f"braid / llama.cpp decode, median of {pairs} pairs: {statistics.median(ratios):.2f}x")
 
 
+def distinct_prompts(tokenizer, requests: int, tokens: int) -> list[list[int]]:
+    """`requests` prompts of `tokens` tokens each, no two sharing a block: consecutive spans
+    of standard-library sources (prefix caching cannot shorten them)."""
+    text = "".join(inspect.getsource(importlib.import_module(name)) for name in (
+        "argparse", "difflib", "email.message", "http.client", "json", "textwrap"))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) < requests * tokens:
+        raise SystemExit(f"--kv-requests x --kv-context needs {requests * tokens} tokens of "
+                         f"text; this benchmark has {len(ids)}")
+    return [ids[i * tokens:(i + 1) * tokens] for i in range(requests)]
+
+
+def kv_cache_steps(engine: LLMEngine, dtypes: list[str], requests: int, context: int,
+                   rounds: int, steps: int = 24) -> None:
+    """A decode step of `requests` requests with `context` cached tokens each, per KV cache
+    type, rounds alternated over the same loaded model; prints ms per step and ratios."""
+    model, tokenizer = engine.runner.model, engine.tokenizer
+    prompts = distinct_prompts(tokenizer, requests, context)
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for r in range(rounds):
+        times: dict[str, float] = {}
+        for dtype in dtypes:
+            e = LLMEngine(EngineConfig(model=engine.config.model, kv_cache_dtype=dtype,
+                                       max_model_len=context + steps + 16,
+                                       kv_cache_gib=engine.config.kv_cache_gib,
+                                       max_num_batched_tokens=512, log_stats_interval=0,
+                                       enable_prefix_caching=False),
+                          model=model, tokenizer=tokenizer)  # binds the model to its cache
+            for i, p in enumerate(prompts):
+                e.add_request(str(i), p, params)
+            start = time.perf_counter()
+            while e.scheduler.waiting or any(q.num_computed_tokens < context
+                                             for q in e.scheduler.running):
+                e.step()
+            prefill = time.perf_counter() - start
+            start = time.perf_counter()
+            for _ in range(steps):
+                e.step()
+            times[dtype] = (time.perf_counter() - start) / steps * 1e3
+            while e.has_unfinished_requests():
+                e.step()
+            print(f"round {r + 1}, KV cache {dtype:>8}: prefill {prefill:5.1f} s, decode step "
+                  f"of {requests} x {context} tokens {times[dtype]:6.1f} ms "
+                  f"({times[dtype] / times[dtypes[0]]:.3f}x {dtypes[0]})", flush=True)
+    engine.runner.model.bind_kv_cache(engine.runner.kv_cache)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_TARGET)
@@ -133,7 +188,16 @@ def main() -> None:
     parser.add_argument("--vs-llamacpp", metavar="BIN_DIR",
                         help="a llama.cpp bin folder: alternate llama-bench and braid decode")
     parser.add_argument("--pairs", type=positive_int, default=4, help="with --vs-llamacpp")
+    parser.add_argument("--kv-cache-dtypes", type=comma_list(str), default=None,
+                        help=f"compare batched decode steps over these KV cache types "
+                        f"({', '.join(DTYPES)})")
+    parser.add_argument("--kv-requests", type=positive_int, default=16)
+    parser.add_argument("--kv-context", type=positive_int, default=700)
+    parser.add_argument("--rounds", type=positive_int, default=2, help="with --kv-cache-dtypes")
     args = parser.parse_args()
+    for dtype in args.kv_cache_dtypes or []:
+        if dtype not in DTYPES:
+            parser.error(f"--kv-cache-dtypes: {dtype!r} is not one of {', '.join(DTYPES)}")
 
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
@@ -172,6 +236,9 @@ def main() -> None:
           f"{gguf_ratio(args.model, peak, kv_bytes)})")
     if args.vs_llamacpp:
         versus_llamacpp(engine, args.vs_llamacpp, args.pairs)
+    if args.kv_cache_dtypes:
+        kv_cache_steps(engine, args.kv_cache_dtypes, args.kv_requests, args.kv_context,
+                       args.rounds)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype and the draft's draft_dtype
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype, --kv-cache-dtype, draft_dtype
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # --quantization and the draft's
 
 
@@ -192,6 +192,11 @@ class EngineConfig:
         "first)")
     max_model_len: int | None = _opt(None, "longest prompt + output (default min(4096, model))")
     block_size: int = _opt(16, "tokens per KV cache block")
+    kv_cache_dtype: str = _opt(
+        "auto", "KV cache element type: auto (each model's activation dtype: float32 on the "
+        "CPU), float32, float16 or bfloat16 (a 16-bit cache holds twice the tokens in "
+        "--kv-cache-gib and attention reads half the bytes; keys and values are rounded to "
+        "16 bits, which moves logits slightly, as llama.cpp's default f16 cache does)")
     kv_cache_gib: float = _opt(2.0, "KV cache size in GiB (ignored when num_kv_blocks is set)")
     num_kv_blocks: int | None = _opt(None, "KV cache size in blocks")
     enable_chunked_prefill: bool = _opt(True, "split prompts into chunks that ride along with "
@@ -222,6 +227,9 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(
                 f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in DTYPES:
+            raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(DTYPES)}, got "
+                              f"{self.kv_cache_dtype!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError("--scheduling-policy must be fcfs or priority, got "
                               f"{self.scheduling_policy!r}")
@@ -315,6 +323,14 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.float32
         return getattr(torch, self.dtype)
+
+    def kv_dtype(self, model_dtype: Any) -> Any:
+        """The KV cache's torch dtype for a model whose activations are `model_dtype`."""
+        import torch
+
+        if self.kv_cache_dtype == "auto":
+            return model_dtype
+        return getattr(torch, self.kv_cache_dtype)
 
     @property
     def threads(self) -> int:

@@ -117,7 +117,7 @@ class LLMEngine:
             model_config = load_config(folder)
             self.default_sampling = sampling_defaults(config, folder)
             config.finalize(model_config.max_position_embeddings)
-            kv_cache_blocks(config, model_config, config.torch_dtype)
+            kv_cache_blocks(config, model_config, config.kv_dtype(config.torch_dtype))
             spec = config.spec_config
             if spec is not None and spec.model is not None and draft_model is None:
                 check_draft(config, model_config, load_config(model_folder(spec.model)))
@@ -130,14 +130,15 @@ class LLMEngine:
         self.model_config = model.config
         self.tokenizer = tokenizer
         self.device = torch.device(config.device)
-        num_blocks = kv_cache_blocks(config, model.config, model.dtype)
+        num_blocks = kv_cache_blocks(config, model.config, config.kv_dtype(model.dtype))
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         assert config.max_num_batched_tokens is not None
         self.scheduler = Scheduler(
             self.blocks, config.max_num_batched_tokens, config.max_num_seqs,
             config.enable_chunked_prefill, priority=config.scheduling_policy == "priority",
         )
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.device)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.device,
+                                  config.kv_dtype(model.dtype))
         self.outputs = OutputProcessor(tokenizer, self._eos_token_ids(model),
                                        config.max_model_len or 0)
         self.sampler = StepSampler(self.device, self.outputs.eos_token_ids, config.spec_config)

@@ -57,14 +57,16 @@ class ModelRunner:
     """Owns a model and its paged KV cache ([layers, 2, slots, KVH, D])."""
 
     def __init__(
-        self, model: Qwen2ForCausalLM, num_blocks: int, block_size: int, device: torch.device
+        self, model: Qwen2ForCausalLM, num_blocks: int, block_size: int, device: torch.device,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
+        """kv_dtype: the cache's element type (None: the model's activation dtype)."""
         cfg = model.config
         self.model = model
         self.device = device
         self.block_size = block_size
         self.logit_ids: int | None = None  # score only token ids below this (None: all)
-        dtype = model.dtype
+        dtype = kv_dtype or model.dtype
         shape = (cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads,
                  cfg.head_dim)
         self.kv_cache = (huge_page_zeros(shape, dtype) if torch.device(device).type == "cpu"

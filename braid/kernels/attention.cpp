@@ -9,6 +9,10 @@
 // difference in attention can flip an activation's rounding and grow into a visible logit
 // difference, so greedy speculation is only lossless if a verification window's rows equal the
 // decodes they stand for, bit for bit.
+//
+// The caches hold float32, float16 or bfloat16 (--kv-cache-dtype). A 16-bit element widens to
+// float32 exactly (F16C / AVX512 conversion, or a shift for bfloat16, the same values as the
+// scalar c10 conversion), and every sum is float32, so the rules above hold for each cache type.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -25,14 +29,20 @@ namespace {
 
 using namespace braid_kernels::vexp;
 
-float dot_scalar(const float* a, const float* b, int64_t n) {
+// A cache element as float32 (exact for each cache type).
+inline float widen(float x) { return x; }
+inline float widen(at::Half x) { return static_cast<float>(x); }
+inline float widen(at::BFloat16 x) { return static_cast<float>(x); }
+
+template <typename KV>
+float dot_scalar(const float* a, const KV* b, int64_t n) {
   float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
-    for (int l = 0; l < 8; ++l) lanes[l] += a[i + l] * b[i + l];
+    for (int l = 0; l < 8; ++l) lanes[l] += a[i + l] * widen(b[i + l]);
   float s = 0.f;
   for (int l = 0; l < 8; ++l) s += lanes[l];
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += a[i] * widen(b[i]);
   return s;
 }
 
@@ -45,40 +55,52 @@ float softmax_exp_scalar(float* scores, int64_t n, float mx) {
   return sum;
 }
 
-void axpy_scalar(float a, const float* x, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+template <typename KV>
+void axpy_scalar(float a, const KV* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a * widen(x[i]);
 }
 
 #ifdef BRAID_X86
-#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
 
-AVX2 float dot_avx2(const float* a, const float* b, int64_t n) {
+// Eight cache elements as float32.
+AVX2 __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+AVX2 __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+AVX2 __m256 load8(const at::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+template <typename KV>
+AVX2 float dot_avx2(const float* a, const KV* b, int64_t n) {
   // Four independent accumulators (the FMA latency), combined in a fixed order.
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                    _mm256_setzero_ps()};
   int64_t i = 0;
   for (; i + 32 <= n; i += 32)
     for (int u = 0; u < 4; ++u)
-      acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * u), _mm256_loadu_ps(b + i + 8 * u),
-                               acc[u]);
+      acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * u), load8(b + i + 8 * u), acc[u]);
   for (; i + 8 <= n; i += 8)
-    acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc[0]);
+    acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc[0]);
   const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   float r = _mm_cvtss_f32(s);
-  for (; i < n; ++i) r += a[i] * b[i];
+  for (; i < n; ++i) r += a[i] * widen(b[i]);
   return r;
 }
 
 // Scores of four keys at once (the query is loaded once for the four); d % 8 == 0.
-AVX2 void dot4_avx2(const float* q, const float* const* k, int64_t d, float* out) {
+template <typename KV>
+AVX2 void dot4_avx2(const float* q, const KV* const* k, int64_t d, float* out) {
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                    _mm256_setzero_ps()};
   for (int64_t i = 0; i < d; i += 8) {
     const __m256 qv = _mm256_loadu_ps(q + i);
-    for (int u = 0; u < 4; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[u] + i), acc[u]);
+    for (int u = 0; u < 4; ++u) acc[u] = _mm256_fmadd_ps(qv, load8(k[u] + i), acc[u]);
   }
   const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
@@ -105,15 +127,27 @@ AVX2 float softmax_exp_avx2(float* scores, int64_t n, float mx) {
   return sum;
 }
 
-AVX2 void axpy_avx2(float a, const float* x, float* y, int64_t n) {
+template <typename KV>
+AVX2 void axpy_avx2(float a, const KV* x, float* y, int64_t n) {
   const __m256 va = _mm256_set1_ps(a);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] += a * x[i];
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load8(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += a * widen(x[i]);
 }
 
 #define AVX512 __attribute__((target("avx512f,fma")))
+
+// Sixteen cache elements as float32.
+AVX512 __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+AVX512 __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+AVX512 __m512 load16(const at::BFloat16* p) {
+  const __m512i wide =
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
 
 // scores[0..n) = softmax numerators exp(s * scale - max); returns their sum (one vector of
 // lane sums, added up in a fixed order at the end).
@@ -151,47 +185,84 @@ AVX512 float scaled_softmax_exp_avx512(float* scores, int64_t n, float scale) {
   return sum;
 }
 
+// The lane sums of sixteen vectors as one vector (lane u: the sum of v[u]'s lanes), by a
+// transposing tree of in-lane, 64-bit and 128-bit shuffles: ~3 instructions a vector where
+// a reduction of each alone takes ~8. The order of the additions is fixed.
+AVX512 __m512 lane_sums16(const __m512* v) {
+  __m512 pairs[8];  // per 128-bit lane L: [v[2i]'s, v[2i+1]'s, v[2i]'s, v[2i+1]'s] partial sums
+  for (int i = 0; i < 8; ++i)
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  __m512 quads[4];  // per 128-bit lane L: the partial sums of v[4i..4i+3] over L
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  __m512 octs[2];  // 128-bit lanes: v[8i..8i+3] over L0+L1, over L2+L3, v[8i+4..] the same
+  for (int i = 0; i < 2; ++i)
+    octs[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                            _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(octs[0], octs[1], 0x88),
+                       _mm512_shuffle_f32x4(octs[0], octs[1], 0xDD));
+}
+
 // The `group` query heads of one row that share KV head `kv_head` (q: their [group, 16 * C]
 // values), over the row's n keys -> out [group, 16 * C]; scores has room for group * (n + 1).
 // Each head is the same operations in the same order whatever else the step holds: scores
-// four keys at a time (one accumulator per key, summed across lanes), the softmax above,
-// then the values weighted and added up key by key in C registers, divided by the sum at
-// the end. Keys and values are visited in blocks of KEY_BLOCK, every head of the group per
+// sixteen keys at a time (one accumulator per key, their lanes summed by lane_sums16), the
+// rest of a key block four and one at a time (each accumulator summed alone); the softmax
+// above; then the values weighted and added up key by key in C registers, divided by the sum
+// at the end. Keys and values are visited in blocks of KEY_BLOCK, every head of the group per
 // block, so each block is read from memory once and then from L1 (a head's arithmetic does
 // not depend on the blocking: its partial sums pass through `out` unchanged).
 constexpr int64_t KEY_BLOCK = 32;
 
-template <int C>
-AVX512 void attend_group_avx512(const float* q, int64_t group, const float* kp, const float* vp,
+template <int C, typename KV>
+AVX512 void attend_group_avx512(const float* q, int64_t group, const KV* kp, const KV* vp,
                                 const int64_t* pos_slots, int64_t n, int64_t kvh,
                                 int64_t kv_head, float scale, float* scores, float* out) {
   constexpr int64_t d = 16 * C;
   const auto key = [&](int64_t j) { return kp + (pos_slots[j] * kvh + kv_head) * d; };
   const auto value = [&](int64_t j) { return vp + (pos_slots[j] * kvh + kv_head) * d; };
-  const auto prefetch = [&](const float* row) {
-    for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(row + 16 * c), _MM_HINT_T0);
+  const auto prefetch = [&](const KV* row) {  // each 64-byte line of the row
+    for (int64_t b = 0; b < d * (int64_t)sizeof(KV); b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
   };
   for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK) {
     const int64_t j1 = std::min(n, j0 + KEY_BLOCK);
     for (int64_t j = j1; j < std::min(n, j1 + KEY_BLOCK); ++j) prefetch(key(j));
     for (int64_t g = 0; g < group; ++g) {
       float* s = scores + g * n;
+      int64_t j = j0;
+      for (; j + 16 <= j1; j += 16) {  // sixteen keys, the query read from L1 chunk by chunk
+        const KV* k[16];
+        __m512 acc[16];
+        for (int u = 0; u < 16; ++u) {
+          k[u] = key(j + u);
+          acc[u] = _mm512_setzero_ps();
+        }
+        for (int c = 0; c < C; ++c) {
+          const __m512 qc = _mm512_loadu_ps(q + g * d + 16 * c);
+          for (int u = 0; u < 16; ++u) acc[u] = _mm512_fmadd_ps(qc, load16(k[u] + 16 * c), acc[u]);
+        }
+        _mm512_storeu_ps(s + j, lane_sums16(acc));
+      }
       __m512 qz[C];
       for (int c = 0; c < C; ++c) qz[c] = _mm512_loadu_ps(q + g * d + 16 * c);
-      int64_t j = j0;
       for (; j + 4 <= j1; j += 4) {
-        const float* k[4] = {key(j), key(j + 1), key(j + 2), key(j + 3)};
+        const KV* k[4] = {key(j), key(j + 1), key(j + 2), key(j + 3)};
         __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                          _mm512_setzero_ps()};
         for (int c = 0; c < C; ++c)
           for (int u = 0; u < 4; ++u)
-            acc[u] = _mm512_fmadd_ps(qz[c], _mm512_loadu_ps(k[u] + 16 * c), acc[u]);
+            acc[u] = _mm512_fmadd_ps(qz[c], load16(k[u] + 16 * c), acc[u]);
         for (int u = 0; u < 4; ++u) s[j + u] = _mm512_reduce_add_ps(acc[u]);
       }
       for (; j < j1; ++j) {
         __m512 acc = _mm512_setzero_ps();
         for (int c = 0; c < C; ++c)
-          acc = _mm512_fmadd_ps(qz[c], _mm512_loadu_ps(key(j) + 16 * c), acc);
+          acc = _mm512_fmadd_ps(qz[c], load16(key(j) + 16 * c), acc);
         s[j] = _mm512_reduce_add_ps(acc);
       }
     }
@@ -213,9 +284,9 @@ AVX512 void attend_group_avx512(const float* q, int64_t group, const float* kp, 
       }
       for (int64_t j = j0; j < j1; ++j) {
         const __m512 p0 = _mm512_set1_ps(s0[j]), p1 = _mm512_set1_ps(s1[j]);
-        const float* v = value(j);
+        const KV* v = value(j);
         for (int c = 0; c < C; ++c) {
-          const __m512 vz = _mm512_loadu_ps(v + 16 * c);
+          const __m512 vz = load16(v + 16 * c);
           o0[c] = _mm512_fmadd_ps(p0, vz, o0[c]);
           o1[c] = _mm512_fmadd_ps(p1, vz, o1[c]);
         }
@@ -231,8 +302,8 @@ AVX512 void attend_group_avx512(const float* q, int64_t group, const float* kp, 
       for (int c = 0; c < C; ++c) o0[c] = _mm512_loadu_ps(out + g * d + 16 * c);
       for (int64_t j = j0; j < j1; ++j) {
         const __m512 p0 = _mm512_set1_ps(s0[j]);
-        const float* v = value(j);
-        for (int c = 0; c < C; ++c) o0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v + 16 * c), o0[c]);
+        const KV* v = value(j);
+        for (int c = 0; c < C; ++c) o0[c] = _mm512_fmadd_ps(p0, load16(v + 16 * c), o0[c]);
       }
       for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + g * d + 16 * c, o0[c]);
     }
@@ -244,62 +315,37 @@ AVX512 void attend_group_avx512(const float* q, int64_t group, const float* kp, 
   }
 }
 
-using GroupFn = void (*)(const float*, int64_t, const float*, const float*, const int64_t*,
-                         int64_t, int64_t, int64_t, float, float*, float*);
+template <typename KV>
+using GroupFn = void (*)(const float*, int64_t, const KV*, const KV*, const int64_t*, int64_t,
+                         int64_t, int64_t, float, float*, float*);
 
 // The routine for head size d (a multiple of 16, up to 256), or null.
-GroupFn group_fn(int64_t d) {
+template <typename KV>
+GroupFn<KV> group_fn(int64_t d) {
   switch (d) {
-    case 16: return attend_group_avx512<1>;
-    case 32: return attend_group_avx512<2>;
-    case 64: return attend_group_avx512<4>;
-    case 96: return attend_group_avx512<6>;
-    case 128: return attend_group_avx512<8>;
-    case 256: return attend_group_avx512<16>;
+    case 16: return attend_group_avx512<1, KV>;
+    case 32: return attend_group_avx512<2, KV>;
+    case 64: return attend_group_avx512<4, KV>;
+    case 96: return attend_group_avx512<6, KV>;
+    case 128: return attend_group_avx512<8, KV>;
+    case 256: return attend_group_avx512<16, KV>;
     default: return nullptr;
   }
 }
 #endif
 
-}  // namespace
-
-namespace braid_kernels {
-
-// q [T, H, D]; caches [slots, KVH, D]; kv_slots [R, kv_max] (the cache slot of each position of
-// request r); row_seq [T] (the request of each row); row_len [T] (the keys it attends to:
-// positions 0..len-1). Returns [T, H, D].
-torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tensor& k_cache,
-                                   const torch::Tensor& v_cache, const torch::Tensor& kv_slots_in,
-                                   const torch::Tensor& row_seq_in, const torch::Tensor& row_len_in,
-                                   double scale) {
-  const auto q = q_in.contiguous();
-  const auto kv_slots = kv_slots_in.to(torch::kInt64).contiguous();
-  const auto row_seq = row_seq_in.to(torch::kInt64).contiguous();
-  const auto row_len = row_len_in.to(torch::kInt64).contiguous();
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
-                  v_cache.dtype() == torch::kFloat32,
-              "paged_attention_rows needs float32 tensors");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  const int64_t t = q.size(0), h = q.size(1), d = q.size(2), kvh = k_cache.size(1);
-  TORCH_CHECK(h % kvh == 0 && k_cache.size(2) == d, "head shapes do not match");
-  const int64_t kv_max = kv_slots.size(1), slots = k_cache.size(0), group = h / kvh;
-  const int64_t* seq = row_seq.data_ptr<int64_t>();
-  const int64_t* len = row_len.data_ptr<int64_t>();
-  const int64_t* table = kv_slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < t; ++i)
-    TORCH_CHECK(len[i] >= 1 && len[i] <= kv_max && seq[i] >= 0 && seq[i] < kv_slots.size(0),
-                "row ", i, " has no valid keys");
-  for (int64_t i = 0; i < kv_slots.numel(); ++i)
-    TORCH_CHECK(table[i] >= 0 && table[i] < slots, "KV slot out of range");
-  auto out = torch::empty({t, h, d}, torch::kFloat32);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+// Each row's attention (paged_attention_rows after its checks), over caches of type KV.
+template <typename KV>
+void attend_rows(const float* qp, const KV* kp, const KV* vp, const int64_t* table,
+                 const int64_t* seq, const int64_t* len, int64_t t, int64_t h, int64_t d,
+                 int64_t kvh, int64_t kv_max, float scale, float* op) {
+  using braid_kernels::use_avx2;
+  using braid_kernels::use_avx512;
+  const int64_t group = h / kvh;
   int64_t keys = 0;
   for (int64_t i = 0; i < t; ++i) keys += len[i];
 #ifdef BRAID_X86
-  if (const GroupFn fn = use_avx512() ? group_fn(d) : nullptr) {
+  if (const GroupFn<KV> fn = use_avx512() ? group_fn<KV>(d) : nullptr) {
     // At least ~64K multiply-adds per thread: decode steps of a small model stay on one thread.
     const int64_t grain =
         std::max<int64_t>(1, (1 << 16) * t / std::max<int64_t>(1, keys * d * group));
@@ -309,19 +355,19 @@ torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tenso
         const int64_t row = task / kvh, kv_head = task % kvh, n = len[row];
         scores.resize(group * (n + 1));
         const int64_t first = row * h + kv_head * group;  // the group's first query head
-        fn(qp + first * d, group, kp, vp, table + seq[row] * kv_max, n, kvh, kv_head,
-           (float)scale, scores.data(), op + first * d);
+        fn(qp + first * d, group, kp, vp, table + seq[row] * kv_max, n, kvh, kv_head, scale,
+           scores.data(), op + first * d);
       }
     });
-    return out;
+    return;
   }
   const bool avx2 = use_avx2();  // one row and one head a task
-  const auto dot = avx2 ? dot_avx2 : dot_scalar;
-  const auto axpy = avx2 ? axpy_avx2 : axpy_scalar;
+  const auto dot = avx2 ? dot_avx2<KV> : dot_scalar<KV>;
+  const auto axpy = avx2 ? axpy_avx2<KV> : axpy_scalar<KV>;
   const auto softmax_exp = avx2 ? softmax_exp_avx2 : softmax_exp_scalar;
 #else
-  const auto dot = dot_scalar;
-  const auto axpy = axpy_scalar;
+  const auto dot = dot_scalar<KV>;
+  const auto axpy = axpy_scalar<KV>;
   const auto softmax_exp = softmax_exp_scalar;
 #endif
   // At least ~64K multiply-adds per thread: decode steps of a small model stay on one thread.
@@ -337,16 +383,16 @@ torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tenso
 #ifdef BRAID_X86
       if (avx2 && d % 8 == 0) {  // keys 4 at a time, the last n % 4 one by one
         for (; j + 4 <= n; j += 4) {
-          const float* four[4];
+          const KV* four[4];
           for (int u = 0; u < 4; ++u) four[u] = kp + (pos_slots[j + u] * kvh + kv_head) * d;
-          dot4_avx2(qv, four, d, scores.data() + j);
+          dot4_avx2<KV>(qv, four, d, scores.data() + j);
         }
       }
 #endif
       for (; j < n; ++j) scores[j] = dot(qv, kp + (pos_slots[j] * kvh + kv_head) * d, d);
       float mx = -INFINITY;
       for (j = 0; j < n; ++j) {
-        scores[j] *= (float)scale;
+        scores[j] *= scale;
         mx = std::fmax(mx, scores[j]);
       }
       const float sum = softmax_exp(scores.data(), n, mx);
@@ -357,13 +403,60 @@ torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tenso
         axpy(scores[j] * inv, vp + (pos_slots[j] * kvh + kv_head) * d, o, d);
     }
   });
+}
+
+}  // namespace
+
+namespace braid_kernels {
+
+// q [T, H, D] float32; caches [slots, KVH, D] float32, float16 or bfloat16; kv_slots [R, kv_max]
+// (the cache slot of each position of request r); row_seq [T] (the request of each row);
+// row_len [T] (the keys it attends to: positions 0..len-1). Returns [T, H, D] float32.
+torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tensor& k_cache,
+                                   const torch::Tensor& v_cache, const torch::Tensor& kv_slots_in,
+                                   const torch::Tensor& row_seq_in, const torch::Tensor& row_len_in,
+                                   double scale) {
+  const auto q = q_in.contiguous();
+  const auto kv_slots = kv_slots_in.to(torch::kInt64).contiguous();
+  const auto row_seq = row_seq_in.to(torch::kInt64).contiguous();
+  const auto row_len = row_len_in.to(torch::kInt64).contiguous();
+  const auto kv_type = k_cache.scalar_type();
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && v_cache.scalar_type() == kv_type &&
+                  (kv_type == torch::kFloat32 || kv_type == torch::kHalf ||
+                   kv_type == torch::kBFloat16),
+              "paged_attention_rows needs a float32 q and float32, float16 or bfloat16 caches "
+              "of one type");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  const int64_t t = q.size(0), h = q.size(1), d = q.size(2), kvh = k_cache.size(1);
+  TORCH_CHECK(h % kvh == 0 && k_cache.size(2) == d, "head shapes do not match");
+  const int64_t kv_max = kv_slots.size(1), slots = k_cache.size(0);
+  const int64_t* seq = row_seq.data_ptr<int64_t>();
+  const int64_t* len = row_len.data_ptr<int64_t>();
+  const int64_t* table = kv_slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK(len[i] >= 1 && len[i] <= kv_max && seq[i] >= 0 && seq[i] < kv_slots.size(0),
+                "row ", i, " has no valid keys");
+  for (int64_t i = 0; i < kv_slots.numel(); ++i)
+    TORCH_CHECK(table[i] >= 0 && table[i] < slots, "KV slot out of range");
+  auto out = torch::empty({t, h, d}, torch::kFloat32);
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const auto run = [&](auto tag) {
+    using KV = decltype(tag);
+    attend_rows<KV>(qp, static_cast<const KV*>(k_cache.data_ptr()),
+                    static_cast<const KV*>(v_cache.data_ptr()), table, seq, len, t, h, d, kvh,
+                    kv_max, (float)scale, op);
+  };
+  if (kv_type == torch::kHalf) run(at::Half());
+  else if (kv_type == torch::kBFloat16) run(at::BFloat16());
+  else run(float());
   return out;
 }
 
 // The routines paged_attention_rows runs for head size d: "avx512", "avx2" or "scalar".
 std::string attention_isa(int64_t d) {
 #ifdef BRAID_X86
-  if (use_avx512() && group_fn(d) != nullptr) return "avx512";
+  if (use_avx512() && group_fn<float>(d) != nullptr) return "avx512";
   if (use_avx2()) return "avx2";
 #endif
   return "scalar";

@@ -19,6 +19,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
+#include <vector>
 
 #include "ops.h"
 #include "vexp.h"
@@ -190,19 +192,60 @@ void rotate_(torch::Tensor& x, const torch::Tensor& cos_in, const torch::Tensor&
   });
 }
 
+namespace {
+
+// One head of k or v into its cache row: float32 as it is, 16-bit rounded to nearest even
+// (the rounding torch's .to() does, so the module path writes the same values).
+void store_head(const float* src, float* dst, int64_t d) { std::copy(src, src + d, dst); }
+template <typename KV>
+void store_head(const float* src, KV* dst, int64_t d) {
+  for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<KV>(src[j]);
+}
+
+template <typename KV>
+void rope_qkv_rows(const float* src, const float* cp, const float* sp, const int64_t* sl,
+                   int64_t t, int64_t heads, int64_t kvh, int64_t d, float* qp, KV* kp, KV* vp) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> rotated(d);
+    for (int64_t i = begin; i < end; ++i) {
+      const float* row = src + i * (heads + 2 * kvh) * d;
+      const float *c = cp + i * half, *s = sp + i * half;
+      for (int64_t h = 0; h < heads; ++h)
+        rotate_head(row + h * d, qp + (i * heads + h) * d, c, s, half);
+      for (int64_t h = 0; h < kvh; ++h) {
+        KV* dst = kp + (sl[i] * kvh + h) * d;
+        if constexpr (std::is_same_v<KV, float>) {
+          rotate_head(row + (heads + h) * d, dst, c, s, half);
+        } else {
+          rotate_head(row + (heads + h) * d, rotated.data(), c, s, half);
+          store_head(rotated.data(), dst, d);
+        }
+      }
+      store_head(row + (heads + kvh) * d, vp + sl[i] * kvh * d, kvh * d);
+    }
+  });
+}
+
+}  // namespace
+
 // qkv [T, (H + 2 KVH) * D] float32, the fused projection's output (bias added): q and k
-// rotated by cos, sin [T, 1, D/2], k and v written to the caches [slots, KVH, D] at
-// slot_mapping [T]. Returns q [T, H, D].
+// rotated by cos, sin [T, 1, D/2], k and v written to the caches [slots, KVH, D] (float32,
+// float16 or bfloat16) at slot_mapping [T]. Returns q [T, H, D].
 torch::Tensor rope_qkv_to_cache(const torch::Tensor& qkv_in, const torch::Tensor& cos_in,
                                 const torch::Tensor& sin_in, torch::Tensor& k_cache,
                                 torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
                                 int64_t heads) {
   const auto qkv = qkv_in.contiguous();
   const auto slots = slot_mapping.to(torch::kInt64).contiguous();
-  TORCH_CHECK(qkv.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
-                  v_cache.dtype() == torch::kFloat32 && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes(),
-              "rope_qkv_to_cache wants float32 qkv and contiguous float32 [slots, KVH, D] caches");
+  const auto kv_type = k_cache.scalar_type();
+  TORCH_CHECK(qkv.dtype() == torch::kFloat32 && v_cache.scalar_type() == kv_type &&
+                  (kv_type == torch::kFloat32 || kv_type == torch::kHalf ||
+                   kv_type == torch::kBFloat16) &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "rope_qkv_to_cache wants float32 qkv and contiguous [slots, KVH, D] caches of one "
+              "type: float32, float16 or bfloat16");
   const int64_t t = qkv.size(0), kvh = k_cache.size(1), d = k_cache.size(2), half = d / 2;
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kvh) * d && d % 2 == 0,
               "qkv must be [T, (heads + 2 * kv_heads) * head_dim]");
@@ -213,23 +256,15 @@ torch::Tensor rope_qkv_to_cache(const torch::Tensor& qkv_in, const torch::Tensor
   for (int64_t i = 0; i < t; ++i)
     TORCH_CHECK(sl[i] >= 0 && sl[i] < k_cache.size(0), "cache slot out of range");
   auto q = torch::empty({t, heads, d}, torch::kFloat32);
-  const float* src = qkv.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  float* qp = q.data_ptr<float>();
-  float* kp = k_cache.data_ptr<float>();
-  float* vp = v_cache.data_ptr<float>();
-  at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* row = src + i * (heads + 2 * kvh) * d;
-      const float *c = cp + i * half, *s = sp + i * half;
-      for (int64_t h = 0; h < heads; ++h)
-        rotate_head(row + h * d, qp + (i * heads + h) * d, c, s, half);
-      for (int64_t h = 0; h < kvh; ++h)
-        rotate_head(row + (heads + h) * d, kp + (sl[i] * kvh + h) * d, c, s, half);
-      std::copy(row + (heads + kvh) * d, row + (heads + 2 * kvh) * d, vp + sl[i] * kvh * d);
-    }
-  });
+  const auto run = [&](auto tag) {
+    using KV = decltype(tag);
+    rope_qkv_rows<KV>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), sl,
+                      t, heads, kvh, d, q.data_ptr<float>(), static_cast<KV*>(k_cache.data_ptr()),
+                      static_cast<KV*>(v_cache.data_ptr()));
+  };
+  if (kv_type == torch::kHalf) run(at::Half());
+  else if (kv_type == torch::kBFloat16) run(at::BFloat16());
+  else run(float());
   return q;
 }
 

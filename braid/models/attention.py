@@ -141,9 +141,10 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D], caches [num_slots, KVH, D] -> output [T, H, D].
 
-    Writes the new K/V into the caches first, then attends over the cache only."""
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    Writes the new K/V into the caches first (rounded to the caches' dtype), then attends
+    over the cache only."""
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     return attend_cached(q, k_cache, v_cache, meta)
 
 
@@ -152,8 +153,9 @@ def attend_cached(
 ) -> torch.Tensor:
     """q [T, H, D] over caches that already hold this step's keys and values -> [T, H, D].
 
-    On the CPU in float32 the compiled row-by-row kernel computes each row the same way
-    whatever the batch (see attention.cpp); elsewhere one SDPA call per group."""
+    On the CPU with float32 queries the compiled row-by-row kernel computes each row the
+    same way whatever the batch (see attention.cpp), over float32, float16 or bfloat16
+    caches; elsewhere one SDPA call per group, the cache widened to the queries' dtype."""
     ops = quant_ops() if q.device.type == "cpu" and q.dtype == torch.float32 else None
     if ops is not None and meta.kv_slots is not None:
         return ops.paged_attention_rows(q, k_cache, v_cache, meta.kv_slots, meta.row_seq,
@@ -161,8 +163,8 @@ def attend_cached(
     out = torch.empty_like(q)
     for g in meta.groups:
         qg = q[g.query_index].transpose(1, 2)  # [G, H, q_max, D]
-        kg = k_cache[g.kv_slots].transpose(1, 2)  # [G, KVH, kv_max, D]
-        vg = v_cache[g.kv_slots].transpose(1, 2)
+        kg = k_cache[g.kv_slots].to(q.dtype).transpose(1, 2)  # [G, KVH, kv_max, D]
+        vg = v_cache[g.kv_slots].to(q.dtype).transpose(1, 2)
         og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, enable_gqa=True)
         og = og.transpose(1, 2).flatten(0, 1)  # [G * q_max, H, D]
         out[g.out_rows] = og[g.out_select]

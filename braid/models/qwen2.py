@@ -42,6 +42,7 @@ PACK_MIN_ROWS = 4
 # leaving 7 candidates a row on average (docs/benchmarks.md section 5, run 9).
 COARSE_MARGIN = 3.0
 MAX_RESCORED = 4096  # candidates in one forward beyond which the exact head runs whole
+KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the kernels read
 
 
 class Linear(nn.Linear):
@@ -172,8 +173,8 @@ class Attention(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        ops = quant_ops() if qkv.device.type == "cpu" and qkv.dtype == self.k_cache.dtype \
-            == rope[0].dtype == torch.float32 else None
+        ops = quant_ops() if qkv.device.type == "cpu" and qkv.dtype == rope[0].dtype \
+            == torch.float32 and self.k_cache.dtype in KV_CACHE_DTYPES else None
         if ops is not None and meta.kv_slots is not None:
             # q and k rotated, k and v written to the cache, in one pass (same arithmetic)
             q = ops.rope_qkv_to_cache(qkv, *rope, self.k_cache, self.v_cache,
@@ -295,11 +296,13 @@ class Qwen2ForCausalLM(nn.Module):
 
     def _fused_layers(self, x: torch.Tensor, meta: AttentionMetadata) -> list[object] | None:
         """The layers as compiled calls, where every operation has its compiled form:
-        quantized weights, float32 activations and KV cache on the CPU, and the row-by-row
-        attention's metadata; None elsewhere (the modules run)."""
+        quantized weights, float32 activations on the CPU, a KV cache the kernels read
+        (float32, float16 or bfloat16) and the row-by-row attention's metadata; None
+        elsewhere (the modules run)."""
         if (not self.fuse_layers or self.quant_type is None or meta.kv_slots is None
                 or x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous()
-                or cast(DecoderLayer, self.layers[0]).self_attn.k_cache.dtype != torch.float32):
+                or cast(DecoderLayer, self.layers[0]).self_attn.k_cache.dtype
+                not in KV_CACHE_DTYPES):
             return None
         ops = quant_ops()
         if ops is None:

@@ -27,7 +27,7 @@ def make_speculator(cfg: EngineConfig, target: ModelRunner, scheduler: Scheduler
         draft = draft or _load_draft(cfg)
         check_draft(cfg, target.model.config, draft.config)
         proposer = DraftModelProposer(draft, scheduler.blocks, cfg.block_size, target.device,
-                                      spec)
+                                      spec, cfg.kv_dtype(draft.dtype))
     assert cfg.max_model_len is not None
     speculator = Speculator(spec, proposer, cfg.max_model_len,
                             None if cfg.target_itl_ms is None else cfg.target_itl_ms / 1e3)

@@ -46,9 +46,9 @@ class DraftModelProposer(Proposer):
 
     def __init__(
         self, model: Qwen2ForCausalLM, blocks: BlockManager, block_size: int, device: torch.device,
-        spec: SpecConfig | None = None,
+        spec: SpecConfig | None = None, kv_dtype: torch.dtype | None = None,
     ) -> None:
-        self.runner = ModelRunner(model, blocks.num_blocks, block_size, device)
+        self.runner = ModelRunner(model, blocks.num_blocks, block_size, device, kv_dtype)
         self.runner.logit_ids = None if spec is None else spec.draft_vocab_size
         # greedy forwards through the two-stage head where the model can have one
         self.coarse_head = (spec is None or spec.draft_coarse_head) and model.add_coarse_head()

@@ -244,6 +244,14 @@ def test_serve_binds_its_address_before_loading(capsys) -> None:
     assert "--host 192.0.2.1 --port 8000: cannot listen there" in capsys.readouterr().err
 
 
+def test_serve_names_a_bad_kv_cache_dtype(capsys) -> None:
+    from braid.cli import main
+
+    assert main(["serve", "--kv-cache-dtype", "fp8", "--model", "/no/such/model"]) == 2
+    assert ("braid: error: --kv-cache-dtype must be one of auto, float32, bfloat16, float16, "
+            "got 'fp8'") in capsys.readouterr().err
+
+
 def test_generate_names_the_sampling_seed_flag(capsys) -> None:
     """`generate --sampling-seed` (the request's seed; --seed is the engine's) is named as
     such when it is out of range."""

@@ -1,5 +1,6 @@
 """The paged attention kernel: each row equals float64 attention over its keys, and is the
-same bits whatever else the call holds, on every code path the CPU has."""
+same bits whatever else the call holds, on every code path the CPU has and for every cache
+type (float32, float16, bfloat16)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ PATHS = ("avx512", "avx2", "scalar")
 # AVX512 routines have no template for (they take the AVX2 path).
 SHAPES = [(12, 2, 128), (14, 2, 64), (4, 4, 16), (6, 3, 96), (4, 2, 40), (2, 1, 8)]
 SLOTS = 512
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @contextmanager
@@ -33,11 +35,13 @@ def attention_path(ops: ModuleType, path: str, d: int) -> Iterator[None]:
         ops.set_avx2(before)
 
 
-def case(h: int, kvh: int, d: int, lens: list[int], seed: int = 0):
-    """Random caches; request r's positions at scattered slots; one query row per length."""
+def case(h: int, kvh: int, d: int, lens: list[int], seed: int = 0,
+         dtype: torch.dtype = torch.float32):
+    """Random caches of `dtype`; request r's positions at scattered slots; one query row
+    per length."""
     g = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(SLOTS, kvh, d, generator=g)
-    v_cache = torch.randn(SLOTS, kvh, d, generator=g)
+    k_cache = torch.randn(SLOTS, kvh, d, generator=g).to(dtype)
+    v_cache = torch.randn(SLOTS, kvh, d, generator=g).to(dtype)
     kv_max = max(lens)
     kv_slots = torch.stack([torch.randperm(SLOTS, generator=g)[:kv_max] for _ in lens])
     q = torch.randn(len(lens), h, d, generator=g) * 2
@@ -56,22 +60,29 @@ def reference(q, k_cache, v_cache, kv_slots, row_seq, row_len, scale: float) -> 
     return out
 
 
+dtypes = pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=lambda t: str(t).split(".")[1])
+
+
+@dtypes
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"h{h}-kv{k}-d{d}" for h, k, d in SHAPES])
-def test_rows_are_attention_over_their_keys(ops: ModuleType, path: str, shape) -> None:
+def test_rows_are_attention_over_their_keys(ops: ModuleType, path: str, shape, dtype) -> None:
+    """Over 16-bit caches too: the reference reads the same (exactly widened) values."""
     h, kvh, d = shape
-    args = case(h, kvh, d, [1, 3, 4, 17, 64, 301])  # tails of 4 and 16 keys, one key alone
+    # tails of 4 and 16 keys, one key alone
+    args = case(h, kvh, d, [1, 3, 4, 17, 64, 301], dtype=dtype)
     with attention_path(ops, path, d):
         out = ops.paged_attention_rows(*args, d ** -0.5)
     torch.testing.assert_close(out.double(), reference(*args, d ** -0.5), rtol=1e-5, atol=2e-6)
 
 
+@dtypes
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("shape", SHAPES[:3], ids=[f"h{h}-kv{k}-d{d}" for h, k, d in SHAPES[:3]])
-def test_a_row_does_not_depend_on_the_batch(ops: ModuleType, path: str, shape) -> None:
+def test_a_row_does_not_depend_on_the_batch(ops: ModuleType, path: str, shape, dtype) -> None:
     """Alone, beside other requests, and as one row of a window over the same keys."""
     h, kvh, d = shape
-    q, k_cache, v_cache, kv_slots, _, _ = case(h, kvh, d, [40, 40, 40, 9])
+    q, k_cache, v_cache, kv_slots, _, _ = case(h, kvh, d, [40, 40, 40, 9], dtype=dtype)
     window_seq, window_len = torch.tensor([0, 0, 0, 1, 2, 3]), torch.tensor([37, 38, 39, 40, 25, 9])
     qs = torch.cat([q[:1].repeat(3, 1, 1), q])[: len(window_seq)] + torch.arange(6).view(6, 1, 1)
     with attention_path(ops, path, d):
@@ -85,6 +96,27 @@ def test_a_row_does_not_depend_on_the_batch(ops: ModuleType, path: str, shape) -
         with threads(1):
             assert torch.equal(ops.paged_attention_rows(qs, k_cache, v_cache, kv_slots,
                                                         window_seq, window_len, 0.1), together)
+
+
+def test_every_path_reads_a_16_bit_cache_as_its_float32_values(ops: ModuleType) -> None:
+    """A 16-bit cache gives the bits a float32 cache holding the same values gives, on each
+    path: the widening is exact and the arithmetic after it is the float32 path's."""
+    for path in PATHS:
+        for dtype in CACHE_DTYPES[1:]:
+            q, k_cache, v_cache, kv_slots, seq, lens = case(12, 2, 128, [5, 33, 70], dtype=dtype)
+            with attention_path(ops, path, 128):
+                narrow = ops.paged_attention_rows(q, k_cache, v_cache, kv_slots, seq, lens, 0.1)
+                wide = ops.paged_attention_rows(q, k_cache.float(), v_cache.float(), kv_slots,
+                                                seq, lens, 0.1)
+            assert torch.equal(narrow, wide), (path, dtype)
+
+
+def test_caches_of_other_types_are_refused(ops: ModuleType) -> None:
+    q, k_cache, v_cache, kv_slots, seq, lens = case(4, 2, 16, [3])
+    with pytest.raises(RuntimeError, match="float16 or bfloat16"):
+        ops.paged_attention_rows(q, k_cache.half(), v_cache, kv_slots, seq, lens, 0.1)
+    with pytest.raises(RuntimeError, match="float16 or bfloat16"):
+        ops.paged_attention_rows(q, k_cache.double(), v_cache.double(), kv_slots, seq, lens, 0.1)
 
 
 def test_the_cpu_picks_the_widest_path(ops: ModuleType) -> None:

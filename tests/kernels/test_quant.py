@@ -297,21 +297,26 @@ def test_add_rms_norm_is_the_add_then_the_norm_exactly(ops: ModuleType) -> None:
         ops.add_rms_norm_(x.clone(), delta[:2], w, 1e-6)
 
 
-def test_rope_qkv_to_cache_is_the_split_rotation_and_cache_write(ops: ModuleType) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["float32", "float16", "bfloat16"])
+def test_rope_qkv_to_cache_is_the_split_rotation_and_cache_write(ops: ModuleType,
+                                                                  dtype: torch.dtype) -> None:
+    """A 16-bit cache gets the values torch's .to() rounds to (the module path's write)."""
     from braid.models.qwen2 import RotaryEmbedding
 
     heads, kv_heads, d = 6, 2, 64
     cos, sin = RotaryEmbedding(d, 512, 1e6).tables(torch.tensor([0, 5, 300, 301]))
-    qkv = torch.randn(4, (heads + 2 * kv_heads) * d)
+    qkv = torch.randn(4, (heads + 2 * kv_heads) * d) * 30  # some beyond float16's precision
     slots = torch.tensor([3, 17, 9, 30])
-    k_cache, v_cache = torch.zeros(32, kv_heads, d), torch.zeros(32, kv_heads, d)
+    k_cache = torch.zeros(32, kv_heads, d, dtype=dtype)
+    v_cache = torch.zeros(32, kv_heads, d, dtype=dtype)
     q = ops.rope_qkv_to_cache(qkv, cos, sin, k_cache, v_cache, slots, heads)
     qk, v = qkv.split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
     qk = qk.reshape(4, heads + kv_heads, d).contiguous()
     ops.rotate_(qk, cos, sin)
     assert torch.equal(q, qk[:, :heads])
-    assert torch.equal(k_cache[slots], qk[:, heads:])
-    assert torch.equal(v_cache[slots], v.reshape(4, kv_heads, d))
+    assert torch.equal(k_cache[slots], qk[:, heads:].to(dtype))
+    assert torch.equal(v_cache[slots], v.reshape(4, kv_heads, d).to(dtype))
     untouched = torch.ones(32, dtype=torch.bool)
     untouched[slots] = False
     assert not k_cache[untouched].any() and not v_cache[untouched].any()

@@ -49,6 +49,9 @@ PROMPT = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(3)
 # tiny models show: int8 activations alone (the GGUF's blocks run as they are) 3.5%, Q8_0
 # weights and int8 activations 1.4%, Q4_0 weights (16 levels per block of 32) 16%.
 ACTIVATIONS_RTOL, INT8_RTOL, INT4_RTOL = 0.1, 5e-2, 0.4
+# Keys and values rounded to 16 bits (float16 keeps 11 significant bits, bfloat16 8), which
+# int8-quantized activations downstream can amplify.
+KV16_RTOL = 0.05
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -334,15 +337,19 @@ def test_quantized_batches_match_requests_alone(target: Qwen2ForCausalLM,
         assert alone == {str(i): reference[str(i)]}
 
 
-def test_fused_layers_are_the_modules_bit_for_bit(target: Qwen2ForCausalLM) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["float32", "float16", "bfloat16"])
+def test_fused_layers_are_the_modules_bit_for_bit(target: Qwen2ForCausalLM,
+                                                  kv_dtype: torch.dtype) -> None:
     """Prefill chunks, decodes and a verification-sized window in mixed flat batches give
-    the same logits and KV cache whether the layers run as compiled calls or as modules."""
+    the same logits and KV cache whether the layers run as compiled calls or as modules,
+    with each KV cache type."""
     steps = [{"a": PROMPT[:17], "b": PROMPT[5:9]}, {"a": PROMPT[17:], "b": [7]},
              {"a": [11, 12, 13, 14], "b": [8]}, {"a": [15], "c": PROMPT[:3]}]
     runs = []
     for fuse in (False, True):
         target.fuse_layers = fuse
-        paged = PagedRun(target)
+        paged = PagedRun(target, kv_dtype=kv_dtype)
         runs.append(([paged.step(chunks) for chunks in steps], paged.kv.clone()))
     target.fuse_layers = True
     assert target._fused is not None  # the compiled path ran
@@ -351,6 +358,39 @@ def test_fused_layers_are_the_modules_bit_for_bit(target: Qwen2ForCausalLM) -> N
     for modules, fused in zip(logits_modules, logits_fused, strict=True):
         assert modules.keys() == fused.keys()
         assert all(torch.equal(fused[r], modules[r]) for r in modules)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
+def test_a_16_bit_kv_cache(gguf_path: Path, target: Qwen2ForCausalLM, kv_cache_dtype: str
+                           ) -> None:
+    """--kv-cache-dtype: the cache holds twice the blocks in the same bytes; batches equal
+    requests alone; greedy speculation with a draft (whose cache is 16-bit too) equals
+    greedy without it; and the tokens stay close to the float32 cache's (logits move by the
+    16-bit rounding of keys and values only)."""
+    wide = engine(target, num_kv_blocks=None, kv_cache_gib=1 / 64)
+    narrow = engine(target, num_kv_blocks=None, kv_cache_gib=1 / 64, kv_cache_dtype=kv_cache_dtype)
+    assert narrow.blocks.num_blocks == 2 * wide.blocks.num_blocks
+    assert narrow.runner.kv_cache.nbytes == wide.runner.kv_cache.nbytes
+    assert narrow.runner.kv_cache.dtype == getattr(torch, kv_cache_dtype)
+    options = {"kv_cache_dtype": kv_cache_dtype, "max_num_batched_tokens": 256}
+    batched = run(engine(target, **options), STAGGERED, GREEDY)
+    for i in (0, 1, 4):
+        alone = run(engine(target, max_num_seqs=1, **options), {0: [i]}, GREEDY)
+        assert alone == {str(i): batched[str(i)]}
+    draft = load_model(str(gguf_path))[0]
+    e = engine(target, draft, **{**options, "max_num_batched_tokens": 16},
+               speculative_config=spec_config("draft_model", 3, draft_prompt_lookup=False))
+    assert e.speculator is not None
+    assert e.speculator.proposer.runner.kv_cache.dtype == getattr(torch, kv_cache_dtype)
+    assert run(e, STAGGERED, GREEDY) == batched
+    assert e.stats.spec_stats.num_drafts > 0 and e.stats.spec_stats.acceptance_rate == 1.0
+    steps = [{"a": PROMPT[:39]}, {"a": PROMPT[39:]}]  # a prefill, then a decode over it
+    runs = []
+    for dtype in (torch.float32, getattr(torch, kv_cache_dtype)):
+        paged = PagedRun(target, kv_dtype=dtype)  # binds the model to its cache
+        runs.append([paged.step(chunks)["a"] for chunks in steps])
+    for f, r in zip(*runs, strict=True):
+        assert 0 < rel_error(r, f) < KV16_RTOL
 
 
 @pytest.mark.parametrize("budget", [8, 32])
@@ -511,6 +551,12 @@ def test_bad_quantization_is_a_config_error() -> None:
                                                                   quantization="bogus"))
 
 
+def test_bad_kv_cache_dtype_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="--kv-cache-dtype must be one of auto, float32, "
+                       "bfloat16, float16, got 'fp8'"):
+        EngineConfig(model="tiny", kv_cache_dtype="fp8")
+
+
 @pytest.fixture
 def no_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("BRAID_NO_KERNELS", "1")
@@ -530,3 +576,16 @@ def test_without_kernels_a_quantized_gguf_loads_as_float(
     fallback, _ = load_model(str(gguf_path), quantization="auto")
     assert not quant_modules(fallback)
     assert run(engine(fallback, max_num_batched_tokens=32), STAGGERED, GREEDY) == expected
+
+
+def test_without_kernels_a_16_bit_kv_cache_is_read_by_torch(
+        gguf_path: Path, request: pytest.FixtureRequest) -> None:
+    """The torch path writes keys and values rounded to the cache's type and attends over
+    them widened back: the tokens of the kernels' path over the same 16-bit cache."""
+    dequantized, _ = load_model(str(gguf_path), quantization="none")
+    options = {"max_num_batched_tokens": 32, "kv_cache_dtype": "float16"}
+    expected = run(engine(dequantized, **options), STAGGERED, GREEDY)
+    request.getfixturevalue("no_kernels")
+    e = engine(load_model(str(gguf_path), quantization="auto")[0], **options)
+    assert e.runner.kv_cache.dtype == torch.float16
+    assert run(e, STAGGERED, GREEDY) == expected

@@ -17,11 +17,13 @@ TOL = 1e-4
 class PagedRun:
     """Drives braid's model directly: a KV cache, per-request block tables, step inputs."""
 
-    def __init__(self, model, num_blocks: int = 64) -> None:
+    def __init__(self, model, num_blocks: int = 64, kv_dtype: torch.dtype = torch.float32
+                 ) -> None:
         cfg = model.config
         self.model = model
         self.kv = torch.zeros(
-            cfg.num_hidden_layers, 2, num_blocks * BLOCK, cfg.num_key_value_heads, cfg.head_dim
+            cfg.num_hidden_layers, 2, num_blocks * BLOCK, cfg.num_key_value_heads, cfg.head_dim,
+            dtype=kv_dtype,
         )
         model.bind_kv_cache(self.kv)
         # Scattered, non-contiguous blocks so paging bugs show up.

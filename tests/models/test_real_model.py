@@ -47,11 +47,12 @@ def test_greedy_tokens_equal_transformers(float_target: Any, target_gguf: Path) 
     assert ours == ref
 
 
-def all_logits(model: Qwen2ForCausalLM, sequences: list[list[int]]) -> list[torch.Tensor]:
+def all_logits(model: Qwen2ForCausalLM, sequences: list[list[int]],
+               kv_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """Logits at every position of each sequence, all sequences in one flat batch."""
     block = 16
     runner = ModelRunner(model, sum(len(s) // block + 1 for s in sequences), block,
-                         torch.device("cpu"))
+                         torch.device("cpu"), kv_dtype)
     windows, first = [], 0
     for seq in sequences:
         blocks = len(seq) // block + 1
@@ -86,17 +87,39 @@ def test_quantized_target_close_to_float(default_target: Any, float_target: Any)
     assert agree > 0.9, agree
 
 
-def test_quantized_target_is_batch_invariant(default_target: Any) -> None:
+KV_DTYPES = pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16],
+                                    ids=["float32", "float16", "bfloat16"])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16],
+                         ids=["float16", "bfloat16"])
+def test_16_bit_kv_cache_close_to_float32(default_target: Any, kv_dtype: torch.dtype) -> None:
+    """--kv-cache-dtype float16 / bfloat16 on the default target: on a held text the
+    perplexity within 1% of the float32 cache's (it moved by under 0.2% when measured), the
+    same next token at nearly every position."""
+    model, tokenizer = default_target
+    ids = held_text_ids(tokenizer)
+    [full] = all_logits(model, [ids])
+    [rounded] = all_logits(model, [ids], kv_dtype)
+    assert not torch.equal(rounded, full)
+    assert abs(perplexity(rounded, ids) / perplexity(full, ids) - 1) < 0.01
+    agree = (rounded.argmax(-1) == full.argmax(-1)).float().mean().item()
+    assert agree > 0.95, agree
+
+
+@KV_DTYPES
+def test_quantized_target_is_batch_invariant(default_target: Any, kv_dtype: torch.dtype
+                                             ) -> None:
     """A sequence's logits are bit-identical alone, beside decodes, and as a verification
-    window (its last rows) after its prefix was cached."""
+    window (its last rows) after its prefix was cached, with each KV cache type."""
     model, tokenizer = default_target
     ids = held_text_ids(tokenizer, 40)
     other = held_text_ids(tokenizer, 90)[50:]
-    [alone] = all_logits(model, [ids])
-    beside = all_logits(model, [[5, 6, 7], ids, other, [9]])[1]
+    [alone] = all_logits(model, [ids], kv_dtype)
+    beside = all_logits(model, [[5, 6, 7], ids, other, [9]], kv_dtype)[1]
     assert torch.equal(alone, beside)
     # As a window: the last 4 rows computed after the first 36 tokens are in the cache.
-    runner = ModelRunner(model, 8, 16, torch.device("cpu"))
+    runner = ModelRunner(model, 8, 16, torch.device("cpu"), kv_dtype)
     table = list(range(4))
     with torch.no_grad():
         runner.execute(runner.build_input([QuerySpan(ids[:36], 0, table, 1)]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from braid.bench.datasets import humaneval
 from braid.config import EngineConfig
@@ -17,8 +18,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
 def run(target: Any, draft: Any | None, prompts: list[str], policy: str = "fixed",
-        concurrency: int = 4, params: SamplingParams = GREEDY, **spec_options: Any
-        ) -> tuple[list[list[int]], LLMEngine]:
+        concurrency: int = 4, params: SamplingParams = GREEDY, kv_cache_dtype: str = "auto",
+        **spec_options: Any) -> tuple[list[list[int]], LLMEngine]:
     """Outputs of `prompts` (greedy unless `params`), at most `concurrency` in flight, and
     the engine that ran them."""
     model, tokenizer = target
@@ -26,7 +27,7 @@ def run(target: Any, draft: Any | None, prompts: list[str], policy: str = "fixed
              **spec_options} if draft else None)
     engine = LLMEngine(
         EngineConfig(max_model_len=1024, kv_cache_gib=0.25, log_stats_interval=0,
-                     speculative_config=spec),
+                     speculative_config=spec, kv_cache_dtype=kv_cache_dtype),
         model=model, tokenizer=tokenizer, draft_model=draft[0] if draft else None)
     done: dict[str, list[int]] = {}
     for start in range(0, len(prompts), concurrency):
@@ -54,6 +55,20 @@ def test_draft_speculation_is_lossless_on_humaneval(default_target: Any, default
         assert spec_out == reference
         assert spec.num_drafts > 0 and spec.acceptance_rate > 0.3
         assert (engine.speculator.lookup_windows > 0) is lookup  # type: ignore[union-attr]
+
+
+def test_draft_speculation_is_lossless_with_a_float16_kv_cache(default_target: Any,
+                                                                default_draft: Any) -> None:
+    """--kv-cache-dtype float16 (both models' caches): greedy output with the draft equals
+    greedy output without it, over two batches."""
+    prompts = [p.prompt for p in humaneval(4)]
+    reference, engine = run(default_target, None, prompts, concurrency=2,
+                            kv_cache_dtype="float16")
+    assert engine.runner.kv_cache.dtype == torch.float16
+    spec_out, engine = run(default_target, default_draft, prompts, concurrency=2,
+                           kv_cache_dtype="float16")
+    assert spec_out == reference
+    assert engine.stats.spec_stats.num_drafts > 0
 
 
 def test_goodput_policy_is_lossless_on_humaneval(default_target: Any, float_target: Any,
