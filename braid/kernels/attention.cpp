@@ -185,35 +185,12 @@ AVX512 float scaled_softmax_exp_avx512(float* scores, int64_t n, float scale) {
   return sum;
 }
 
-// The lane sums of sixteen vectors as one vector (lane u: the sum of v[u]'s lanes), by a
-// transposing tree of in-lane, 64-bit and 128-bit shuffles: ~3 instructions a vector where
-// a reduction of each alone takes ~8. The order of the additions is fixed.
-AVX512 __m512 lane_sums16(const __m512* v) {
-  __m512 pairs[8];  // per 128-bit lane L: [v[2i]'s, v[2i+1]'s, v[2i]'s, v[2i+1]'s] partial sums
-  for (int i = 0; i < 8; ++i)
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  __m512 quads[4];  // per 128-bit lane L: the partial sums of v[4i..4i+3] over L
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
-    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  __m512 octs[2];  // 128-bit lanes: v[8i..8i+3] over L0+L1, over L2+L3, v[8i+4..] the same
-  for (int i = 0; i < 2; ++i)
-    octs[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
-                            _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(octs[0], octs[1], 0x88),
-                       _mm512_shuffle_f32x4(octs[0], octs[1], 0xDD));
-}
-
 // The `group` query heads of one row that share KV head `kv_head` (q: their [group, 16 * C]
 // values), over the row's n keys -> out [group, 16 * C]; scores has room for group * (n + 1).
 // Each head is the same operations in the same order whatever else the step holds: scores
-// sixteen keys at a time (one accumulator per key, their lanes summed by lane_sums16), the
-// rest of a key block four and one at a time (each accumulator summed alone); the softmax
-// above; then the values weighted and added up key by key in C registers, divided by the sum
-// at the end. Keys and values are visited in blocks of KEY_BLOCK, every head of the group per
+// four keys at a time (one accumulator per key, summed across lanes), the softmax above,
+// then the values weighted and added up key by key in C registers, divided by the sum at
+// the end. Keys and values are visited in blocks of KEY_BLOCK, every head of the group per
 // block, so each block is read from memory once and then from L1 (a head's arithmetic does
 // not depend on the blocking: its partial sums pass through `out` unchanged).
 constexpr int64_t KEY_BLOCK = 32;
@@ -234,22 +211,9 @@ AVX512 void attend_group_avx512(const float* q, int64_t group, const KV* kp, con
     for (int64_t j = j1; j < std::min(n, j1 + KEY_BLOCK); ++j) prefetch(key(j));
     for (int64_t g = 0; g < group; ++g) {
       float* s = scores + g * n;
-      int64_t j = j0;
-      for (; j + 16 <= j1; j += 16) {  // sixteen keys, the query read from L1 chunk by chunk
-        const KV* k[16];
-        __m512 acc[16];
-        for (int u = 0; u < 16; ++u) {
-          k[u] = key(j + u);
-          acc[u] = _mm512_setzero_ps();
-        }
-        for (int c = 0; c < C; ++c) {
-          const __m512 qc = _mm512_loadu_ps(q + g * d + 16 * c);
-          for (int u = 0; u < 16; ++u) acc[u] = _mm512_fmadd_ps(qc, load16(k[u] + 16 * c), acc[u]);
-        }
-        _mm512_storeu_ps(s + j, lane_sums16(acc));
-      }
       __m512 qz[C];
       for (int c = 0; c < C; ++c) qz[c] = _mm512_loadu_ps(q + g * d + 16 * c);
+      int64_t j = j0;
       for (; j + 4 <= j1; j += 4) {
         const KV* k[4] = {key(j), key(j + 1), key(j + 2), key(j + 3)};
         __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
