@@ -204,6 +204,9 @@ class EngineConfig:
     enable_prefix_caching: bool = _opt(True, "reuse the KV of full blocks another request "
                                        "computed with the same prefix (automatic prefix "
                                        "caching; off: --no-enable-prefix-caching)")
+    max_logprobs: int = _opt(
+        20, "most log probabilities per position a request may ask for (logprobs, "
+        "top_logprobs, prompt_logprobs), as vLLM's; -1: the whole vocabulary")
     seed: int = _opt(0, "seed of the engine's random generator (unseeded requests)")
     num_threads: int | None = _opt(None, "torch CPU threads (default: the cores available)")
     speculative_config: dict[str, Any] | None = _opt(
@@ -236,6 +239,9 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, "
                               f"got {self.quantization!r}")
+        if self.max_logprobs < -1:
+            raise ConfigError(f"--max-logprobs must be -1 (no limit) or >= 0, got "
+                              f"{self.max_logprobs}")
         if self.log_stats_interval < 0:
             raise ConfigError("--log-stats-interval must be >= 0")
         self._check_device()

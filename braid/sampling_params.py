@@ -82,6 +82,10 @@ class SamplingParams:
     # bad_words as token id sequences; the engine fills it from bad_words at admission
     bad_words_token_ids: list[list[int]] | None = None
     skip_special_tokens: bool = True
+    # vLLM's. Its fast detokenizer, like braid's, writes special tokens as their text, and
+    # the byte-level decoders of the models braid runs put no space between tokens, so the
+    # text is the same either way (a slow sentencepiece tokenizer in vLLM would differ).
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -115,6 +119,10 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not is_int(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)

@@ -79,7 +79,7 @@ def test_a_failed_call_leaves_nothing_behind(tmp_path, monkeypatch) -> None:
     with pytest.raises(RequestError, match="prompt is"):
         llm.generate(["fine", "x" * 100], greedy, use_tqdm=False)
     assert not llm.engine.requests
-    with pytest.raises(RequestError, match="logprobs must be <= the vocabulary size"):
+    with pytest.raises(RequestError, match=r"logprobs 1000000 exceeds --max-logprobs \(20\)"):
         llm.generate(["fine"], SamplingParams(max_tokens=2, logprobs=10**6), use_tqdm=False)
     assert not llm.engine.requests
 
@@ -185,6 +185,40 @@ def test_logprobs_are_vllm_logprob_objects(tmp_path) -> None:
         assert entry is not None and token in entry and 1 <= len(entry) <= 2
         assert entry[token].rank is not None and entry[token].rank >= 1
         assert math.isfinite(entry[token].logprob) and entry[token].decoded_token is not None
+
+
+def test_max_logprobs_caps_what_a_request_may_ask(tmp_path) -> None:
+    """--max-logprobs (20 by default, as vLLM) refuses more logprobs or prompt_logprobs per
+    position, naming the field; -1 allows the whole vocabulary."""
+    import pytest
+
+    from braid import LLM, SamplingParams
+    from braid.config import ConfigError
+    from braid.engine.engine import RequestError
+    from tests.tiny import save_tiny_model
+
+    folder = str(save_tiny_model(tmp_path))
+    options = {"num_kv_blocks": 64, "block_size": 4, "max_model_len": 64,
+               "log_stats_interval": 0}
+    llm = LLM(folder, **options)
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(RequestError, match=f"^{field} 21 exceeds --max-logprobs \\(20\\)"):
+            llm.generate("hello", SamplingParams(max_tokens=2, **{field: 21}), use_tqdm=False)
+    assert not llm.engine.requests
+    llm = LLM(folder, max_logprobs=-1, **options)
+    vocab = llm.engine.model_config.vocab_size
+    out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=2, logprobs=vocab),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.logprobs is not None and all(len(e) == vocab for e in out.logprobs)
+    with pytest.raises(RequestError, match=f"logprobs {vocab + 1} exceeds --max-logprobs "
+                       f"\\({vocab}\\)"):  # -1: the vocabulary
+        llm.generate("hello", SamplingParams(max_tokens=2, logprobs=vocab + 1), use_tqdm=False)
+    llm = LLM(folder, max_logprobs=10 * vocab, **options)
+    with pytest.raises(RequestError, match="prompt_logprobs must be <= the vocabulary size"):
+        llm.generate("hello", SamplingParams(max_tokens=2, prompt_logprobs=vocab + 1),
+                     use_tqdm=False)
+    with pytest.raises(ConfigError, match="--max-logprobs must be -1"):
+        LLM(folder, max_logprobs=-2, **options)
 
 
 def test_generation_config_sampling_defaults_as_in_vllm(tmp_path) -> None:

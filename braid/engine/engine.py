@@ -172,6 +172,11 @@ class LLMEngine:
 
     # ---- request API -------------------------------------------------------------------
 
+    def max_logprobs(self) -> int:
+        """The most logprobs per position a request may ask for (--max-logprobs)."""
+        cap = self.config.max_logprobs
+        return self.model_config.vocab_size if cap == -1 else cap
+
     def add_request(
         self,
         request_id: str,
@@ -243,9 +248,11 @@ class LLMEngine:
         if any(token >= vocab for token in params.allowed_token_ids or []):
             raise RequestError(f"allowed_token_ids must be token ids in [0, {vocab})")
         for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(params, name) or 0) > vocab:
-                raise RequestError(f"{name} must be <= the vocabulary size ({vocab}), got "
-                                   f"{getattr(params, name)}")
+            n = getattr(params, name) or 0
+            if n > self.max_logprobs():
+                raise RequestError(f"{name} {n} exceeds --max-logprobs ({self.max_logprobs()})")
+            if n > vocab:
+                raise RequestError(f"{name} must be <= the vocabulary size ({vocab}), got {n}")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV blocks; unknown or finished ids are ignored."""

@@ -157,7 +157,7 @@ def run_server(args: argparse.Namespace) -> int:
                         trust_request_chat_template=args.trust_request_chat_template,
                         default_sampling=engine.default_sampling,
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                        root=config.model)
+                        root=config.model, max_logprobs=engine.max_logprobs())
     app = create_app(ctx, metrics, AppOptions(args.max_request_bytes, args.api_key,
                                               args.enable_docs))
     server = _Server(uvicorn.Config(

@@ -111,6 +111,7 @@ class SamplingRequest(Options):
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # vLLM's; the same text here (SamplingParams)
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -123,7 +124,7 @@ class SamplingRequest(Options):
     request_id: Text | None = None
     priority: int = 0  # with --scheduling-policy priority: lower runs first
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:<id>"
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     # Known fields refused until implemented (see `unsupported_field`).
@@ -188,7 +189,7 @@ class CompletionRequest(SamplingRequest):
     prompt: Text | list[int] | list[Text] | list[list[int]]
     add_special_tokens: bool = True
     max_tokens: int | None = 16
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs
     echo: bool = False
     suffix: Text | None = None  # fill in the middle, with a code model's FIM tokens
     tools: list[Any] | None = None
@@ -259,7 +260,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: Text | None = None

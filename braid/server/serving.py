@@ -45,6 +45,7 @@ class ServerContext:
     trust_request_chat_template: bool = False  # a request's own chat_template is accepted
     return_tokens_as_token_ids: bool = False  # every response's logprobs tokens as ids
     root: str | None = None  # the --model the served names stand for
+    max_logprobs: int = 20  # --max-logprobs (the engine checks it too, naming its own fields)
     # sampling for the fields a request leaves unset (the model's generation_config.json)
     default_sampling: dict[str, Any] = field(default_factory=dict)
 
@@ -100,8 +101,8 @@ def build_params(rename: dict[str, str] | None = None, **kwargs: object) -> Samp
 
 _SHARED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                  "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
-                  "allowed_token_ids", "bad_words")
+                  "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                  "include_stop_str_in_output", "allowed_token_ids", "bad_words")
 
 
 def request_params(body: SamplingRequest, max_tokens: int | None, logprobs: int | None,

@@ -63,6 +63,9 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs: set logprobs to true to get top_logprobs",
                           "top_logprobs")
+    if (body.top_logprobs or 0) > ctx.max_logprobs:  # the engine would name "logprobs"
+        raise bad_request(f"top_logprobs {body.top_logprobs} exceeds --max-logprobs "
+                          f"({ctx.max_logprobs})", "top_logprobs")
     # OpenAI's newer name wins where both are set; errors name the field the client used
     use_new_name = body.max_completion_tokens is not None
     asked = body.max_completion_tokens if use_new_name else body.max_tokens

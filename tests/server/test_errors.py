@@ -38,6 +38,11 @@ CASES = {
     "n zero": (completion(n=0), "n"),
     "stream wrong type": (completion(stream="yes please"), "stream"),
     "stream_options without stream": (completion(stream_options={}), "stream_options"),
+    # beyond --max-logprobs (20 by default, as vLLM)
+    "logprobs beyond the limit": (completion(logprobs=21), "logprobs"),
+    "top_logprobs beyond the limit": (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    "prompt_logprobs beyond the limit": (completion(prompt_logprobs=10**6), "prompt_logprobs"),
+    "chat prompt_logprobs beyond the limit": (chat(prompt_logprobs=21), "prompt_logprobs"),
 }
 
 

@@ -256,6 +256,29 @@ def test_request_id_names_the_response(server: ServerProcess) -> None:
     assert chat(server, add_special_tokens=True).status_code == 200
 
 
+def test_spaces_between_special_tokens_as_vllm_s_fast_detokenizer(server: ServerProcess
+                                                                   ) -> None:
+    """Accepted on both endpoints; special tokens generated back to back (the only tokens
+    allowed) read the same either way, with no space between them, as in vLLM with a
+    byte-level tokenizer; a value that is not a boolean is a 400 naming the field."""
+    specials = post(server, "/tokenize", {"model": server.model, "add_special_tokens": False,
+                                          "prompt": "<|im_start|><|im_end|>"}).json()["tokens"]
+    assert len(specials) == 2
+    for send in (completion, chat):
+        texts = set()
+        for spaces in (True, False):
+            r = send(server, allowed_token_ids=specials, skip_special_tokens=False,
+                     spaces_between_special_tokens=spaces, ignore_eos=True, max_tokens=4)
+            assert r.status_code == 200, r.text
+            body = r.json()["choices"][0]
+            texts.add(body["text"] if "text" in body else body["message"]["content"])
+        assert len(texts) == 1
+        text = texts.pop()
+        assert len(text) > len("<|im_end|>") and " " not in text
+    r = completion(server, spaces_between_special_tokens="sometimes")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "spaces_between_special_tokens"
+
+
 def test_priority_needs_the_priority_policy(server: ServerProcess) -> None:
     """As vLLM: a priority other than 0 is refused unless --scheduling-policy priority."""
     assert completion(server, priority=0).status_code == 200
