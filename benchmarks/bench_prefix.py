@@ -190,7 +190,7 @@ def main() -> None:
     args.workloads = comma_choices(parser, "--workloads", args.workloads, WORKLOADS)
     for mode in modes:
         try:
-            check_serve_flags(server_flags(args, mode), "--server-args")
+            check_serve_flags(server_flags(args, mode), "--server-args", args.model)
         except ValueError as e:
             parser.error(str(e))
     rates = args.rates

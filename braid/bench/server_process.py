@@ -28,19 +28,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def check_serve_flags(flags: Sequence[str], option: str) -> None:
+def check_serve_flags(flags: Sequence[str], option: str, model: str | None = None) -> None:
     """Raise ValueError, naming `option` (the benchmark's flag that carried them), if `braid
-    serve` would refuse these flags: parsed by its own parser and checked as its EngineConfig,
-    nothing loaded. A benchmark checks them before it starts anything, instead of reporting a
-    server that exited after its start."""
+    serve` would refuse these flags: parsed by its own parser, checked as its EngineConfig and
+    against the models' config.json files as the engine checks them before loading weights
+    (`check_before_loading`: e.g. a --max-model-len beyond the model's), with `--model
+    model` where given (not quoted in the message). A benchmark checks them before it starts
+    anything, instead of reporting a server that exited after its start."""
     from braid.cli import build_parser
     from braid.config import config_from_args
+    from braid.engine.engine import check_before_loading, sampling_defaults
 
     usage = io.StringIO()
     try:
         with contextlib.redirect_stderr(usage):
-            args = build_parser().parse_args(["serve", *flags])
-        config_from_args(args)
+            model_flags = [] if model is None else ["--model", model]
+            args = build_parser().parse_args(["serve", *model_flags, *flags])
+        config = config_from_args(args)
+        sampling_defaults(config, check_before_loading(config))
     except SystemExit:
         message = usage.getvalue().strip().splitlines()[-1:] or ["not accepted"]
         raise ValueError(f"{option} {' '.join(flags)!r}: {message[0]}") from None

@@ -138,8 +138,8 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes:
         raise ValueError("--modes: name at least one mode")
-    for mode in modes:  # before anything loads: an unknown mode or a flag serve refuses
-        check_serve_flags(serve_flags(args, mode), "--server-args")
+    for mode in modes:  # before any server starts: an unknown mode or a flag serve refuses
+        check_serve_flags(serve_flags(args, mode), "--server-args", args.model)
     parse_goodput(args.goodput)
     prompts = dataset_prompts(args, args.model)
     log_dir = Path(tempfile.mkdtemp(prefix="braid-sweep-logs-"))

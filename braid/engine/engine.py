@@ -97,6 +97,25 @@ def sampling_defaults(config: EngineConfig, folder: Path | None) -> dict[str, An
     return defaults
 
 
+def check_before_loading(config: EngineConfig, draft: bool = True) -> Path:
+    """The checks that need only the models' config.json files, before any weight loads:
+    --max-model-len against the model, the KV cache against --block-size and the machine's
+    memory, the draft's vocabulary against the target's (unless `draft` is False: a draft
+    model given as an object). ConfigError or ModelLoadError naming what is wrong; returns
+    the target's folder. `braid serve` runs them at start, benchmarks on the serve flags
+    they pass (`check_serve_flags`)."""
+    from braid.models.loader import load_config, model_folder
+
+    folder = model_folder(config.model)
+    model_config = load_config(folder)
+    config.finalize(model_config.max_position_embeddings)
+    kv_cache_blocks(config, model_config, config.kv_dtype(config.torch_dtype))
+    spec = config.spec_config
+    if draft and spec is not None and spec.model is not None:
+        check_draft(config, model_config, load_config(model_folder(spec.model)))
+    return folder
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -110,17 +129,9 @@ class LLMEngine:
         self.default_sampling: dict[str, Any] = {}
         if model is None:
             from braid.models.build import load_model
-            from braid.models.loader import load_config, model_folder
 
-            # the checks that need only the models' config.json, before any weight loads
-            folder = model_folder(config.model)
-            model_config = load_config(folder)
+            folder = check_before_loading(config, draft=draft_model is None)
             self.default_sampling = sampling_defaults(config, folder)
-            config.finalize(model_config.max_position_embeddings)
-            kv_cache_blocks(config, model_config, config.kv_dtype(config.torch_dtype))
-            spec = config.spec_config
-            if spec is not None and spec.model is not None and draft_model is None:
-                check_draft(config, model_config, load_config(model_folder(spec.model)))
             model, tokenizer = load_model(config.model, config.torch_dtype, config.device,
                                           config.quantization)
         elif config.generation_config not in ("auto", "vllm"):

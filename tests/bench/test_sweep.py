@@ -13,6 +13,7 @@ from braid.bench.sweep import DEFAULT, MODES, QUICK, mode_flags, parse_rates, re
 from braid.bench.sweep_report import mean_k
 from braid.cli import build_parser, main
 from tests.server.conftest import ENGINE_FLAGS
+from tests.tiny import save_tiny_model
 
 
 def test_mode_flags() -> None:
@@ -74,12 +75,15 @@ def test_sweep_end_to_end(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.C
 
 
 def test_a_mode_whose_server_fails_is_reported(tmp_path: Path) -> None:
-    """...beside the last results, which a sweep whose servers all failed (a model or
-    --server-args value they refuse at start) does not replace."""
+    """...beside the last results, which a sweep whose servers all failed does not replace.
+    Here the weights are unreadable: the model's config.json passes the checks made before
+    any server starts, and each server fails while it loads."""
     out = tmp_path / "bench"
     out.mkdir()
     (out / "sweep_random.json").write_text("{}")
-    argv = ["bench", "sweep", "--model", str(tmp_path / "missing"), "--dataset", "random",
+    model = save_tiny_model(tmp_path / "broken")
+    (model / "model.safetensors").write_bytes(b"not safetensors")
+    argv = ["bench", "sweep", "--model", str(model), "--dataset", "random",
             "--modes", "baseline", "--request-rates", "1", "--num-prompts", "1",
             "--out", str(out), "--no-progress", "--server-timeout", "60"]
     assert main(argv) == 1
@@ -104,6 +108,20 @@ def test_server_args_serve_refuses_stop_the_sweep_before_it_starts(
             f"--server-args={server_args}", "--out", str(tmp_path / "bench"), "--no-progress"]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+    assert not (tmp_path / "bench").exists()
+
+
+def test_server_args_the_model_refuses_stop_the_sweep_before_it_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A value only the model's config.json can refuse (a --max-model-len beyond the model's,
+    the KV cache for it) is caught before any server starts, as a usage error."""
+    model = save_tiny_model(tmp_path / "tiny")
+    argv = ["bench", "sweep", "--model", str(model), "--dataset", "random", "--modes",
+            "baseline", "--server-args=--max-model-len 100000", "--out", str(tmp_path / "bench"),
+            "--no-progress"]
+    assert main(argv) == 2
+    assert ("--server-args '--no-enable-chunked-prefill --max-model-len 100000': "
+            "--max-model-len 100000 exceeds the model's") in capsys.readouterr().err
     assert not (tmp_path / "bench").exists()
 
 
