@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 import uvicorn
 from fastapi import Body, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
@@ -51,6 +52,11 @@ class AppOptions:
     max_request_bytes: int = 4 * 2**20
     api_key: str | None = None
     enable_docs: bool = False
+    # CORS (vLLM's --allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials)
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
 
 def create_app(ctx: ServerContext, metrics: ServerMetrics,
@@ -72,6 +78,12 @@ def create_app(ctx: ServerContext, metrics: ServerMetrics,
     if options.api_key:
         app.add_middleware(ApiKeyAuth, api_key=options.api_key)
     app.add_middleware(BodySizeLimit, max_bytes=options.max_request_bytes)
+    # outermost: preflights are answered before the key is asked for, and every answer,
+    # errors included, carries the headers a browser needs to read it
+    app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                       allow_methods=list(options.allowed_methods),
+                       allow_headers=list(options.allowed_headers),
+                       allow_credentials=options.allow_credentials)
     return app
 
 
@@ -158,8 +170,9 @@ def run_server(args: argparse.Namespace) -> int:
                         default_sampling=engine.default_sampling,
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                         root=config.model, max_logprobs=engine.max_logprobs())
-    app = create_app(ctx, metrics, AppOptions(args.max_request_bytes, args.api_key,
-                                              args.enable_docs))
+    app = create_app(ctx, metrics, AppOptions(
+        args.max_request_bytes, args.api_key, args.enable_docs, tuple(args.allowed_origins),
+        tuple(args.allowed_methods), tuple(args.allowed_headers), args.allow_credentials))
     server = _Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S, access_log=False),

@@ -44,6 +44,20 @@ def _chat_template(text: str) -> str:
     return text
 
 
+def _string_list(text: str) -> list[str]:
+    """argparse type, as vLLM's CORS flags: a JSON list of strings."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, e.g. "
+                                         f"'[\"http://localhost:3000\"]', got {text!r}")
+    return value
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server options")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -60,6 +74,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--api-key", default=os.environ.get("BRAID_API_KEY"),
                        help="require `Authorization: Bearer KEY` on /v1 and /tokenize routes "
                             "(default: $BRAID_API_KEY; none: open)")
+    # CORS, as vLLM's flags and defaults: browsers on any origin may call the API
+    group.add_argument("--allowed-origins", type=_string_list, default=["*"],
+                       help="origins browsers may call the API from, a JSON list (default "
+                            "[\"*\"]: any)")
+    group.add_argument("--allowed-methods", type=_string_list, default=["*"],
+                       help="HTTP methods allowed across origins, a JSON list (default any)")
+    group.add_argument("--allowed-headers", type=_string_list, default=["*"],
+                       help="request headers allowed across origins, a JSON list (default any)")
+    group.add_argument("--allow-credentials", action="store_true",
+                       help="let cross-origin requests carry credentials (cookies, auth)")
     group.add_argument("--enable-docs", action="store_true",
                        help="serve the OpenAPI schema and /docs (off by default)")
     group.add_argument("--chat-template", type=_chat_template, default=None,

@@ -252,6 +252,15 @@ def test_serve_names_a_bad_kv_cache_dtype(capsys) -> None:
             "got 'fp8'") in capsys.readouterr().err
 
 
+def test_serve_names_a_bad_cors_flag(capsys) -> None:
+    from braid.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--allowed-origins", "*", "--model", "/no/such/model"])
+    assert "argument --allowed-origins: expected a JSON list of strings" in \
+        capsys.readouterr().err
+
+
 def test_generate_names_the_sampling_seed_flag(capsys) -> None:
     """`generate --sampling-seed` (the request's seed; --seed is the engine's) is named as
     such when it is out of range."""

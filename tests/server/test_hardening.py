@@ -17,6 +17,7 @@ from tests.server.conftest import ENGINE_FLAGS, ServerProcess
 from tests.server.metrics_util import scrape, wait_until_in_engine
 
 KEY = "s3cret-key"
+UI = "http://ui.example:3000"  # the one origin the guarded server allows
 LIMIT_BYTES = 100_000
 
 
@@ -562,12 +563,47 @@ def guarded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     proc = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("guarded"), *ENGINE_FLAGS,
                          "--max-request-bytes", str(LIMIT_BYTES), "--api-key", KEY,
                          "--max-waiting-requests", "4", "--max-num-seqs", "2",
-                         "--enable-docs")
+                         "--enable-docs", "--allowed-origins", f'["{UI}"]')
     yield proc
     assert proc.stop() == 0, proc.log()
 
 
 AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+def preflight(server: ServerProcess, origin: str) -> httpx.Response:
+    """What a browser sends before a cross-origin POST with a JSON body and a key."""
+    return httpx.options(f"{server.url}/v1/chat/completions", headers={
+        "origin": origin, "access-control-request-method": "POST",
+        "access-control-request-headers": "authorization, content-type"})
+
+
+def test_cors_by_default_any_origin_as_in_vllm(server: ServerProcess) -> None:
+    r = preflight(server, "http://anywhere.example")
+    assert r.status_code == 200, r.text
+    assert r.headers["access-control-allow-origin"] == "*"
+    assert "POST" in r.headers["access-control-allow-methods"]
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    r = post(server, "/v1/completions", {"model": server.model, "prompt": "hi", "max_tokens": 2},
+             headers={"origin": "http://anywhere.example"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
+def test_cors_allowed_origins_with_an_api_key(guarded: ServerProcess) -> None:
+    """--allowed-origins: the listed origin's preflight passes without the key (a browser
+    sends none there) and even a 401 carries the header a browser needs to read it; other
+    origins get no CORS headers, and their preflight is refused."""
+    r = preflight(guarded, UI)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == UI
+    body = {"model": guarded.model, "prompt": "hi", "max_tokens": 2}
+    r = post(guarded, "/v1/completions", body, headers={"origin": UI})
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == UI
+    r = post(guarded, "/v1/completions", body, headers={"origin": UI, **AUTH})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == UI
+    assert preflight(guarded, "http://elsewhere.example").status_code == 400
+    r = post(guarded, "/v1/completions", body, headers={"origin": "http://elsewhere.example",
+                                                        **AUTH})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
 
 
 def test_api_key_guards_v1_and_token_routes(guarded: ServerProcess) -> None:
