@@ -95,5 +95,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept a request's own `chat_template` (refused by default, as in "
                             "vLLM)")
+    # vLLM needs these two for tool_choice "auto"; braid always parses tool calls, with the
+    # parser Qwen2.5 needs, so a vLLM command line runs unchanged
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="accepted for vLLM command lines: tool_choice \"auto\" is always on")
+    group.add_argument("--tool-call-parser", choices=["hermes"], default="hermes",
+                       help="how tool calls are read from the output: hermes (<tool_call> "
+                            "blocks, Qwen2.5's format; the one braid implements)")
     group.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])

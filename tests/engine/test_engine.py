@@ -252,13 +252,20 @@ def test_serve_names_a_bad_kv_cache_dtype(capsys) -> None:
             "got 'fp8'") in capsys.readouterr().err
 
 
-def test_serve_names_a_bad_cors_flag(capsys) -> None:
-    from braid.cli import main
+def test_serve_names_a_bad_cors_flag_or_tool_parser(capsys) -> None:
+    """vLLM's flags braid takes: a value they cannot take is refused naming the flag."""
+    from braid.cli import build_parser, main
 
     with pytest.raises(SystemExit):
         main(["serve", "--allowed-origins", "*", "--model", "/no/such/model"])
     assert "argument --allowed-origins: expected a JSON list of strings" in \
         capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--tool-call-parser", "mistral"])
+    assert "argument --tool-call-parser: invalid choice: 'mistral'" in capsys.readouterr().err
+    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice",
+                                      "--tool-call-parser", "hermes"])
+    assert args.enable_auto_tool_choice and args.tool_call_parser == "hermes"
 
 
 def test_generate_names_the_sampling_seed_flag(capsys) -> None:

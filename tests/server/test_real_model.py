@@ -27,9 +27,11 @@ def real_server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     # Fixed k: whether the goodput policy drafts depends on the CPU (with the quantized target
     # on an AVX2 machine it keeps k = 0); this test checks the figures drafting reports.
     spec = '{"method": "draft_model", "num_speculative_tokens": 5, "policy": "fixed"}'
+    # vLLM's tool flags too: the tool-call test runs as a vLLM command line would have it
     server = ServerProcess(DEFAULT_TARGET, tmp_path_factory.mktemp("real-server"),
                            "--max-model-len", "2048", "--kv-cache-gib", "0.5",
-                           "--speculative-config", spec, timeout_s=900)
+                           "--speculative-config", spec, "--enable-auto-tool-choice",
+                           "--tool-call-parser", "hermes", timeout_s=900)
     yield server
     assert server.stop() == 0, server.log()
 
