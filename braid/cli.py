@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(gen)
     gen.set_defaults(func=cmd_generate)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (see braid/server)")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model to serve, as `vllm serve MODEL` (same as --model)")
     add_server_args(serve)
     add_config_args(serve)
     serve.set_defaults(func=cmd_serve)

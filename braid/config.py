@@ -364,8 +364,13 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type = EngineConfig) -
 
 
 def config_from_args(args: argparse.Namespace, cls: type = EngineConfig) -> Any:
+    """The config the parsed flags give; `braid serve MODEL` (vLLM's positional model_tag)
+    wins over --model, as in vLLM."""
     names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in vars(args).items() if k in names})
+    values = {k: v for k, v in vars(args).items() if k in names}
+    if getattr(args, "model_tag", None) is not None and "model" in names:
+        values["model"] = args.model_tag
+    return cls(**values)
 
 
 def _scalar_type(f: Any) -> Any:

@@ -252,6 +252,20 @@ def test_serve_names_a_bad_kv_cache_dtype(capsys) -> None:
             "got 'fp8'") in capsys.readouterr().err
 
 
+def test_serve_takes_the_model_as_vllm_does(capsys) -> None:
+    """`braid serve MODEL` as `vllm serve MODEL`; the positional wins over --model."""
+    from braid.cli import build_parser, main
+    from braid.config import DEFAULT_TARGET, config_from_args
+
+    parser = build_parser()
+    assert config_from_args(parser.parse_args(["serve"])).model == DEFAULT_TARGET
+    assert config_from_args(parser.parse_args(["serve", "some/model", "--port", "1"])
+                            ).model == "some/model"
+    assert config_from_args(parser.parse_args(["serve", "--model", "a", "b"])).model == "b"
+    assert main(["serve", "/no/such/model", "--port", "0"]) == 2
+    assert "braid: error: model '/no/such/model' not found" in capsys.readouterr().err
+
+
 def test_serve_names_a_bad_cors_flag_or_tool_parser(capsys) -> None:
     """vLLM's flags braid takes: a value they cannot take is refused naming the flag."""
     from braid.cli import build_parser, main
