@@ -175,7 +175,8 @@ def run_server(args: argparse.Namespace) -> int:
         tuple(args.allowed_methods), tuple(args.allowed_headers), args.allow_credentials))
     server = _Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S, access_log=False),
+        timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S,
+        access_log=not args.disable_uvicorn_access_log),
         ctx.engine, args.shutdown_timeout)
     # After a graceful stop uvicorn re-raises the signal it caught; a no-op handler turns
     # that into a clean exit 0 instead of death by SIGTERM.

@@ -102,5 +102,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tool-call-parser", choices=["hermes"], default="hermes",
                        help="how tool calls are read from the output: hermes (<tool_call> "
                             "blocks, Qwen2.5's format; the one braid implements)")
+    group.add_argument("--disable-uvicorn-access-log", action="store_true",
+                       help="no line per HTTP request in the log (vLLM's; on by default)")
     group.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])

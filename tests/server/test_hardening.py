@@ -563,7 +563,8 @@ def guarded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     proc = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("guarded"), *ENGINE_FLAGS,
                          "--max-request-bytes", str(LIMIT_BYTES), "--api-key", KEY,
                          "--max-waiting-requests", "4", "--max-num-seqs", "2",
-                         "--enable-docs", "--allowed-origins", f'["{UI}"]')
+                         "--enable-docs", "--allowed-origins", f'["{UI}"]',
+                         "--disable-uvicorn-access-log")
     yield proc
     assert proc.stop() == 0, proc.log()
 
@@ -587,6 +588,17 @@ def test_cors_by_default_any_origin_as_in_vllm(server: ServerProcess) -> None:
     r = post(server, "/v1/completions", {"model": server.model, "prompt": "hi", "max_tokens": 2},
              headers={"origin": "http://anywhere.example"})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
+def test_access_log_as_vllm(server: ServerProcess, guarded: ServerProcess) -> None:
+    """A line per HTTP request, as vLLM's uvicorn writes it, unless
+    --disable-uvicorn-access-log."""
+    for proc in (server, guarded):
+        r = httpx.get(f"{proc.url}/version")
+        assert r.status_code == 200
+    time.sleep(0.5)  # the server writes its log line after the answer
+    assert '"GET /version HTTP/1.1" 200' in server.log_path.read_text(errors="replace")
+    assert "GET /version" not in guarded.log_path.read_text(errors="replace")
 
 
 def test_cors_allowed_origins_with_an_api_key(guarded: ServerProcess) -> None:
