@@ -16,6 +16,7 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype, --kv-cache-dtype, draft_dtype
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other --dtype names
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # --quantization and the draft's
 
 
@@ -174,8 +175,8 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
 @dataclass
 class EngineConfig:
     model: str = _opt(DEFAULT_TARGET, "default model name, GGUF file or Hugging Face folder")
-    dtype: str = _opt("auto", "weights/activations dtype: auto (float32 on CPU), float32, "
-                      "bfloat16, float16")
+    dtype: str = _opt("auto", "weights/activations dtype: auto (float32 on CPU), float32 "
+                      "(or vLLM's float), bfloat16, float16 (or half)")
     device: str = _opt("cpu", "torch device")
     quantization: str = _opt(
         "auto", "weights: auto (a GGUF's quantized blocks run as they are on the CPU "
@@ -227,9 +228,10 @@ class EngineConfig:
         self._check_positive("max_num_seqs", "block_size", "kv_cache_gib")
         self._check_positive_or_none("max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                                      "num_threads")
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in DTYPES:
-            raise ConfigError(
-                f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ConfigError(f"--dtype must be auto, float32 (float), bfloat16 or float16 "
+                              f"(half), got {self.dtype!r}")
         if self.kv_cache_dtype not in DTYPES:
             raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(DTYPES)}, got "
                               f"{self.kv_cache_dtype!r}")

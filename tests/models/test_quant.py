@@ -551,6 +551,14 @@ def test_bad_quantization_is_a_config_error() -> None:
                                                                   quantization="bogus"))
 
 
+def test_dtype_takes_vllm_s_names() -> None:
+    assert EngineConfig(model="tiny", dtype="half").dtype == "float16"
+    assert EngineConfig(model="tiny", dtype="float").torch_dtype == torch.float32
+    with pytest.raises(ConfigError, match="--dtype must be auto, float32 \\(float\\), "
+                       "bfloat16 or float16 \\(half\\), got 'double'"):
+        EngineConfig(model="tiny", dtype="double")
+
+
 def test_bad_kv_cache_dtype_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="--kv-cache-dtype must be one of auto, float32, "
                        "bfloat16, float16, got 'fp8'"):
