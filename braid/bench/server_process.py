@@ -10,6 +10,7 @@ import io
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -60,7 +61,12 @@ class ServerProcess:
                  timeout_s: float = START_TIMEOUT_S) -> None:
         self.model = str(model)
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        # with --ssl-certfile: https, that certificate trusted (a self-signed one is its CA)
+        flags = list(extra)
+        cert = flags[flags.index("--ssl-certfile") + 1] if "--ssl-certfile" in flags else None
+        self.verify: ssl.SSLContext | bool = \
+            True if cert is None else ssl.create_default_context(cafile=cert)
+        self.url = f"{'http' if cert is None else 'https'}://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server-{self.port}.log"
         cmd = [sys.executable, "-m", "braid.cli", "serve", "--model", self.model,
                "--port", str(self.port), "--log-stats-interval", "0", *extra]
@@ -76,7 +82,8 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=1.0,
+                             verify=self.verify).status_code == 200:
                     return
             except httpx.TransportError:
                 pass

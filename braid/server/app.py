@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import socket
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -154,6 +155,7 @@ def run_server(args: argparse.Namespace) -> int:
     from braid.engine.engine import LLMEngine
 
     config = config_from_args(args)
+    _check_tls(args)
     sock = _bind(args.host, args.port)  # before the load: a busy port fails in a second
     engine = LLMEngine(config)
     if engine.tokenizer is None:
@@ -176,7 +178,9 @@ def run_server(args: argparse.Namespace) -> int:
     server = _Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S,
-        access_log=not args.disable_uvicorn_access_log),
+        access_log=not args.disable_uvicorn_access_log, ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs),
         ctx.engine, args.shutdown_timeout)
     # After a graceful stop uvicorn re-raises the signal it caught; a no-op handler turns
     # that into a clean exit 0 instead of death by SIGTERM.
@@ -184,10 +188,31 @@ def run_server(args: argparse.Namespace) -> int:
     # uvicorn names the address only for sockets it binds itself
     host, port = sock.getsockname()[:2]
     logging.getLogger("uvicorn.error").info(
-        "Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
-        f"[{host}]" if ":" in host else host, port)
+        "Uvicorn running on %s://%s:%d (Press CTRL+C to quit)",
+        "https" if args.ssl_certfile else "http", f"[{host}]" if ":" in host else host, port)
     server.run(sockets=[sock])
     return 0 if server.started else 1
+
+
+def _check_tls(args: argparse.Namespace) -> None:
+    """The TLS flags as uvicorn will use them, before the load: a ConfigError naming the
+    flags where the files cannot be read or do not match."""
+    if not (args.ssl_keyfile or args.ssl_certfile or args.ssl_ca_certs):
+        return
+    if not (args.ssl_keyfile and args.ssl_certfile):
+        raise ConfigError("--ssl-keyfile and --ssl-certfile go together (--ssl-ca-certs needs "
+                          "them too)")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"--ssl-certfile {args.ssl_certfile} --ssl-keyfile "
+                          f"{args.ssl_keyfile}: {e.strerror or e}") from None
+    if args.ssl_ca_certs:
+        try:
+            context.load_verify_locations(args.ssl_ca_certs)
+        except (OSError, ssl.SSLError) as e:
+            raise ConfigError(f"--ssl-ca-certs {args.ssl_ca_certs}: {e.strerror or e}") from None
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -213,6 +238,7 @@ def _ignore(signum: int, frame: Any) -> None:
 
 
 SHUTDOWN_GRACE_S = 3.0  # after failing the stragglers, time for their last bytes to go out
+TLS_GOODBYE_S = 0.5  # how long a closed TLS connection may wait for the client's goodbye
 
 
 class _Server(uvicorn.Server):
@@ -226,10 +252,26 @@ class _Server(uvicorn.Server):
         self.deadline_s = deadline_s
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        timer = asyncio.get_running_loop().call_later(
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(
             self.deadline_s, self.engine.fail_all,
             ShuttingDown(f"server shutting down (--shutdown-timeout {self.deadline_s:g} s)"))
+        goodbyes = loop.create_task(self._end_tls_goodbyes()) if self.config.is_ssl else None
         try:
             await super().shutdown(sockets)
         finally:
             timer.cancel()
+            if goodbyes is not None:
+                goodbyes.cancel()
+
+    async def _end_tls_goodbyes(self) -> None:
+        """A TLS connection the shutdown closed waits for the client's close_notify (asyncio:
+        up to 30 s), which an idle keep-alive client never sends, and the shutdown waits for
+        the connection: once such a connection has nothing left to send, it is dropped."""
+        while True:
+            await asyncio.sleep(TLS_GOODBYE_S)
+            for connection in list(self.server_state.connections):
+                transport = getattr(connection, "transport", None)
+                if (transport is not None and transport.is_closing()
+                        and transport.get_write_buffer_size() == 0):
+                    transport.abort()

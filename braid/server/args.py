@@ -74,6 +74,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--api-key", default=os.environ.get("BRAID_API_KEY"),
                        help="require `Authorization: Bearer KEY` on /v1 and /tokenize routes "
                             "(default: $BRAID_API_KEY; none: open)")
+    # TLS, as vLLM's flags (uvicorn's): https with the key and certificate given
+    group.add_argument("--ssl-keyfile", default=None, help="TLS private key file (PEM)")
+    group.add_argument("--ssl-certfile", default=None, help="TLS certificate chain file (PEM)")
+    group.add_argument("--ssl-ca-certs", default=None,
+                       help="CA certificates file, to verify client certificates")
+    group.add_argument("--ssl-cert-reqs", type=int, choices=[0, 1, 2], default=0,
+                       help="client certificates: 0 not asked for, 1 optional, 2 required "
+                            "(Python's ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED)")
     # CORS, as vLLM's flags and defaults: browsers on any origin may call the API
     group.add_argument("--allowed-origins", type=_string_list, default=["*"],
                        help="origins browsers may call the API from, a JSON list (default "

@@ -16,6 +16,21 @@ ENGINE_FLAGS = ["--num-kv-blocks", "256", "--block-size", "4", "--max-model-len"
 ENGINE_OPTIONS = {"num_kv_blocks": 256, "block_size": 4, "max_model_len": 256}
 
 
+def tls_flags(folder: Path) -> list[str]:
+    """--ssl-keyfile / --ssl-certfile of a self-signed certificate for 127.0.0.1 made in
+    `folder` with the openssl command (the test is skipped without one)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make a test certificate")
+    key, cert = folder / "key.pem", folder / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    return ["--ssl-keyfile", str(key), "--ssl-certfile", str(cert)]
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))

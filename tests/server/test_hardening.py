@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import ENGINE_FLAGS, ServerProcess
+from tests.server.conftest import ENGINE_FLAGS, ServerProcess, tls_flags
 from tests.server.metrics_util import scrape, wait_until_in_engine
 
 KEY = "s3cret-key"
@@ -734,3 +734,42 @@ def test_shutdown_deadline_ends_streams_with_an_error_and_done(
     errors = [json.loads(e[-2][6:])["error"] for e in streams if '"error"' in e[-2]]
     assert errors and all(err["code"] == 503 for err in errors), [e[-2:] for e in streams]
     assert set(statuses) <= {200, 503} and 503 in statuses, statuses
+
+
+# ---- TLS ---------------------------------------------------------------------------------------
+
+
+def test_tls_serves_https_with_the_certificate_given(tiny_model_dir: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    """vLLM's --ssl-keyfile / --ssl-certfile: the openai client talks https to a server with a
+    self-signed certificate it trusts; plain http on that port gets no answer, nor does a
+    client that does not trust the certificate; files that cannot be used are refused at
+    start naming the flags, before any weight loads."""
+    import openai
+
+    from braid.cli import main
+
+    flags = tls_flags(tmp_path)
+    key, cert = flags[1], flags[3]
+    server = ServerProcess(tiny_model_dir, tmp_path, *ENGINE_FLAGS, *flags)
+    try:
+        assert server.url.startswith("https://")
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                               http_client=httpx.Client(verify=server.verify))
+        out = client.completions.create(model=server.model, prompt="hi", max_tokens=3)
+        assert out.usage is not None and out.usage.completion_tokens == 3
+        with pytest.raises(httpx.TransportError):
+            httpx.get(server.url.replace("https", "http") + "/health", timeout=5)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{server.url}/health", timeout=5)
+        assert "Uvicorn running on https://" in server.log_path.read_text()
+    finally:
+        assert server.stop() == 0, server.log()  # the client's idle connection still open
+    for bad, message in (
+            (["--ssl-keyfile", key], "--ssl-keyfile and --ssl-certfile go together"),
+            (["--ssl-keyfile", cert, "--ssl-certfile", cert],
+             f"--ssl-certfile {cert} --ssl-keyfile {cert}: "),
+            (["--ssl-keyfile", key, "--ssl-certfile", str(tmp_path / "none.pem")],
+             "No such file or directory")):
+        assert main(["serve", "--model", "/no/such/model", *bad]) == 2
+        assert message in capsys.readouterr().err

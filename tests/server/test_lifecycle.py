@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import ENGINE_FLAGS, ServerProcess
+from tests.server.conftest import ENGINE_FLAGS, ServerProcess, tls_flags
 from tests.server.metrics_util import wait_until_in_engine
 
 
@@ -42,26 +42,35 @@ def test_overload_returns_503_then_recovers(tiny_model_dir: Path,
         assert server.stop() == 0, server.log()
 
 
+@pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
 def test_sigterm_drains_in_flight_streams_and_exits_0(
-        tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+        tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, tls: bool) -> None:
+    """Over TLS too: the streams end whole, and an idle keep-alive connection does not hold
+    the exit (asyncio would wait up to 30 s for its TLS goodbye)."""
     # One running at a time: the later streams are still waiting in the engine when SIGTERM
     # comes, so the drain lasts long enough to see new connections refused.
-    server = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("sigterm"), *ENGINE_FLAGS,
-                           "--max-num-seqs", "1", "--shutdown-timeout", "60")
+    folder = tmp_path_factory.mktemp("sigterm")
+    server = ServerProcess(tiny_model_dir, folder, *ENGINE_FLAGS, "--max-num-seqs", "1",
+                           "--shutdown-timeout", "60", *(tls_flags(folder) if tls else []))
+    idle = httpx.Client(verify=server.verify)
+    assert idle.get(f"{server.url}/health").status_code == 200  # then kept open, idle
     streams = [_Stream(server) for _ in range(4)]
     try:
         for stream in streams:
             stream.thread.start()
         assert streams[0].started.wait(30), server.log()
         wait_until_in_engine(server.url, len(streams), server.log(), done=lambda: sum(
-            "data: [DONE]" in s.events for s in streams))
+            "data: [DONE]" in s.events for s in streams), verify=server.verify)
         server.terminate()
-        refused = _new_connections_refused(server.url, streams)
+        refused = _new_connections_refused(server, streams)
         for stream in streams:
             stream.thread.join(60)
+        drained = time.monotonic()
         assert server.proc.wait(60) == 0, server.log()
+        assert time.monotonic() - drained < 10, server.log()
     finally:
         server.stop()
+        idle.close()
     for stream in streams:
         assert not stream.thread.is_alive()
         assert stream.events[-1] == "data: [DONE]", stream.events[-3:]
@@ -84,19 +93,19 @@ class _Stream:
                 "ignore_eos": True, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}
         with httpx.stream("POST", f"{self.server.url}/v1/completions", json=body,
-                          timeout=60) as r:
+                          timeout=60, verify=self.server.verify) as r:
             for line in r.iter_lines():
                 if line:
                     self.events.append(line)
                     self.started.set()
 
 
-def _new_connections_refused(url: str, streams: list[_Stream]) -> bool:
+def _new_connections_refused(server: ServerProcess, streams: list[_Stream]) -> bool:
     """While in-flight streams drain, new connections must fail (bounded polling)."""
     deadline = time.monotonic() + 10
     while any(s.thread.is_alive() for s in streams) and time.monotonic() < deadline:
         try:
-            httpx.get(f"{url}/health", timeout=1)
+            httpx.get(f"{server.url}/health", timeout=1, verify=server.verify)
         except httpx.TransportError:
             return True
         time.sleep(0.02)
