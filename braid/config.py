@@ -367,11 +367,14 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type = EngineConfig) -
 
 def config_from_args(args: argparse.Namespace, cls: type = EngineConfig) -> Any:
     """The config the parsed flags give; `braid serve MODEL` (vLLM's positional model_tag)
-    wins over --model, as in vLLM."""
+    wins over --model, as in vLLM, and vLLM's --disable-log-stats sets
+    --log-stats-interval 0."""
     names = {f.name for f in fields(cls)}
     values = {k: v for k, v in vars(args).items() if k in names}
     if getattr(args, "model_tag", None) is not None and "model" in names:
         values["model"] = args.model_tag
+    if getattr(args, "disable_log_stats", False) and "log_stats_interval" in names:
+        values["log_stats_interval"] = 0.0  # vLLM's --disable-log-stats
     return cls(**values)
 
 

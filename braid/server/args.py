@@ -112,5 +112,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "blocks, Qwen2.5's format; the one braid implements)")
     group.add_argument("--disable-uvicorn-access-log", action="store_true",
                        help="no line per HTTP request in the log (vLLM's; on by default)")
-    group.add_argument("--log-level", default="info",
-                       choices=["critical", "error", "warning", "info", "debug"])
+    group.add_argument("--log-level", "--uvicorn-log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"],
+                       help="the server's log level (--uvicorn-log-level: vLLM's name)")
+    group.add_argument("--disable-log-stats", action="store_true",
+                       help="no periodic stats lines (vLLM's; as --log-stats-interval 0)")

@@ -252,8 +252,9 @@ def test_serve_names_a_bad_kv_cache_dtype(capsys) -> None:
             "got 'fp8'") in capsys.readouterr().err
 
 
-def test_serve_takes_the_model_as_vllm_does(capsys) -> None:
-    """`braid serve MODEL` as `vllm serve MODEL`; the positional wins over --model."""
+def test_serve_takes_vllm_s_command_line(capsys) -> None:
+    """`braid serve MODEL` as `vllm serve MODEL` (the positional wins over --model), and
+    vLLM's names --uvicorn-log-level and --disable-log-stats."""
     from braid.cli import build_parser, main
     from braid.config import DEFAULT_TARGET, config_from_args
 
@@ -262,6 +263,10 @@ def test_serve_takes_the_model_as_vllm_does(capsys) -> None:
     assert config_from_args(parser.parse_args(["serve", "some/model", "--port", "1"])
                             ).model == "some/model"
     assert config_from_args(parser.parse_args(["serve", "--model", "a", "b"])).model == "b"
+    vllm_names = parser.parse_args(["serve", "--uvicorn-log-level", "warning",
+                                    "--disable-log-stats"])
+    assert vllm_names.log_level == "warning"
+    assert config_from_args(vllm_names).log_stats_interval == 0
     assert main(["serve", "/no/such/model", "--port", "0"]) == 2
     assert "braid: error: model '/no/such/model' not found" in capsys.readouterr().err
 
