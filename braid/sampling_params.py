@@ -49,8 +49,9 @@ class SamplingParams:
     """How to pick the tokens of one request.
 
     `top_k` of 0 or -1 disables top-k. `logprobs=n` returns the sampled token's logprob and the
-    top-n logprobs per position (0: only the sampled token's); `prompt_logprobs=n` the same for
-    every prompt token after the first. `logit_bias` maps token ids to a bias added to their
+    top-n logprobs per position (0: only the sampled token's; -1: the whole vocabulary, as
+    vLLM, within --max-logprobs); `prompt_logprobs=n` the same for every prompt token after
+    the first. `logit_bias` maps token ids to a bias added to their
     logits before penalties and sampling (greedy included); `allowed_token_ids` (as vLLM's)
     restricts every output token to those ids; `bad_words` (as vLLM's) are never generated:
     a word's last token is refused where the output so far ends with the rest of it. After
@@ -139,9 +140,10 @@ class SamplingParams:
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1"),
             (self.min_tokens >= 0, "min_tokens must be >= 0"),
-            (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0"),
-            (self.prompt_logprobs is None or self.prompt_logprobs >= 0,
-             "prompt_logprobs must be >= 0"),
+            (self.logprobs is None or self.logprobs >= -1,
+             "logprobs must be >= 0, or -1 (the whole vocabulary)"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= -1,
+             "prompt_logprobs must be >= 0, or -1 (the whole vocabulary)"),
             (self.seed is None or -(2**63) <= self.seed < 2**64,
              "seed must be in [-2**63, 2**64 - 1]"),
             (self.truncate_prompt_tokens in (None, -1) or (self.truncate_prompt_tokens or 0) >= 1,

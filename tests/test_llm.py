@@ -210,6 +210,11 @@ def test_max_logprobs_caps_what_a_request_may_ask(tmp_path) -> None:
     out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=2, logprobs=vocab),
                        use_tqdm=False)[0].outputs[0]
     assert out.logprobs is not None and all(len(e) == vocab for e in out.logprobs)
+    whole = llm.generate("hello", SamplingParams(temperature=0, max_tokens=2, logprobs=-1,
+                                                 prompt_logprobs=-1), use_tqdm=False)[0]
+    assert whole.outputs[0].logprobs == out.logprobs  # -1: the whole vocabulary, as vLLM
+    assert whole.prompt_logprobs is not None
+    assert all(len(e) >= vocab for e in whole.prompt_logprobs[1:] if e is not None)
     with pytest.raises(RequestError, match=f"logprobs {vocab + 1} exceeds --max-logprobs "
                        f"\\({vocab}\\)"):  # -1: the vocabulary
         llm.generate("hello", SamplingParams(max_tokens=2, logprobs=vocab + 1), use_tqdm=False)

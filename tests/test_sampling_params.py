@@ -43,7 +43,8 @@ def test_greedy(kwargs: dict[str, float], greedy: bool) -> None:
         ("repetition_penalty", 0.0),
         ("max_tokens", 0),
         ("min_tokens", -1),
-        ("logprobs", -1),
+        ("logprobs", -2),  # -1: the whole vocabulary, as vLLM
+        ("prompt_logprobs", -2),
         ("stop", ["ok", ""]),
         ("stop_token_ids", [-5]),
     ],

@@ -211,6 +211,11 @@ class LLMEngine:
             tokenizer = self.tokenizer
             params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(
                 params.bad_words, lambda text: tokenizer.encode(text, add_special_tokens=False)))
+        if -1 in (params.logprobs, params.prompt_logprobs):  # vLLM's: the whole vocabulary
+            vocab = self.model_config.vocab_size
+            params = dataclasses.replace(
+                params, logprobs=vocab if params.logprobs == -1 else params.logprobs,
+                prompt_logprobs=vocab if params.prompt_logprobs == -1 else params.prompt_logprobs)
         text, ids = self._tokenize(prompt)
         keep = params.truncate_prompt_tokens  # vLLM's: the prompt's last k tokens
         if keep is not None:

@@ -171,7 +171,8 @@ def run_server(args: argparse.Namespace) -> int:
                         trust_request_chat_template=args.trust_request_chat_template,
                         default_sampling=engine.default_sampling,
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                        root=config.model, max_logprobs=engine.max_logprobs())
+                        root=config.model, max_logprobs=engine.max_logprobs(),
+                        vocab_size=engine.model_config.vocab_size)
     app = create_app(ctx, metrics, AppOptions(
         args.max_request_bytes, args.api_key, args.enable_docs, tuple(args.allowed_origins),
         tuple(args.allowed_methods), tuple(args.allowed_headers), args.allow_credentials))

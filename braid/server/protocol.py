@@ -124,7 +124,7 @@ class SamplingRequest(Options):
     request_id: Text | None = None
     priority: int = 0  # with --scheduling-policy priority: lower runs first
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:<id>"
-    prompt_logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs
+    prompt_logprobs: int | None = Field(None, ge=-1)  # at most --max-logprobs; -1: all
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     # Known fields refused until implemented (see `unsupported_field`).
@@ -189,7 +189,7 @@ class CompletionRequest(SamplingRequest):
     prompt: Text | list[int] | list[Text] | list[list[int]]
     add_special_tokens: bool = True
     max_tokens: int | None = 16
-    logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs
+    logprobs: int | None = Field(None, ge=-1)  # at most --max-logprobs; -1: all
     echo: bool = False
     suffix: Text | None = None  # fill in the middle, with a code model's FIM tokens
     tools: list[Any] | None = None
@@ -260,7 +260,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs
+    top_logprobs: int | None = Field(None, ge=-1)  # at most --max-logprobs; -1: all
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: Text | None = None

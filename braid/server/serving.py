@@ -46,6 +46,7 @@ class ServerContext:
     return_tokens_as_token_ids: bool = False  # every response's logprobs tokens as ids
     root: str | None = None  # the --model the served names stand for
     max_logprobs: int = 20  # --max-logprobs (the engine checks it too, naming its own fields)
+    vocab_size: int = 0  # what a logprobs field's -1 stands for (vLLM's: the whole vocabulary)
     # sampling for the fields a request leaves unset (the model's generation_config.json)
     default_sampling: dict[str, Any] = field(default_factory=dict)
 
@@ -103,6 +104,13 @@ _SHARED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "sto
                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                   "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                   "include_stop_str_in_output", "allowed_token_ids", "bad_words")
+
+
+def whole_vocabulary(ctx: ServerContext, body: SamplingRequest, *names: str) -> None:
+    """Logprobs fields of -1 become the vocabulary's size, as vLLM reads them."""
+    for name in names:
+        if getattr(body, name) == -1:
+            setattr(body, name, ctx.vocab_size)
 
 
 def request_params(body: SamplingRequest, max_tokens: int | None, logprobs: int | None,

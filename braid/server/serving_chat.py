@@ -45,6 +45,7 @@ from braid.server.serving import (
     sse,
     sse_chunk,
     submit,
+    whole_vocabulary,
 )
 from braid.server.tools import ChoiceTools, template_messages, tool_constraint, tool_mode
 from braid.tokenizer import (
@@ -60,7 +61,8 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
                                  raw: Request) -> Response:
     model = check_model(ctx, body.model)
     check_template_fields(body, ctx.trust_request_chat_template)  # may set tools
-    if body.top_logprobs is not None and not body.logprobs:
+    whole_vocabulary(ctx, body, "top_logprobs", "prompt_logprobs")
+    if (body.top_logprobs or 0) > 0 and not body.logprobs:  # vLLM lets 0 go without
         raise bad_request("top_logprobs: set logprobs to true to get top_logprobs",
                           "top_logprobs")
     if (body.top_logprobs or 0) > ctx.max_logprobs:  # the engine would name "logprobs"

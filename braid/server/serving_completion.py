@@ -40,6 +40,7 @@ from braid.server.serving import (
     sse,
     sse_chunk,
     submit,
+    whole_vocabulary,
 )
 from braid.tokenizer import PromptTooLong, Tokenizer
 
@@ -47,6 +48,7 @@ from braid.tokenizer import PromptTooLong, Tokenizer
 async def create_completion(ctx: ServerContext, body: CompletionRequest,
                             raw: Request) -> Response:
     model = check_model(ctx, body.model)
+    whole_vocabulary(ctx, body, "logprobs", "prompt_logprobs")
     # echo with logprobs returns the prompt's logprobs too
     echo_logprobs = body.logprobs if body.echo and body.prompt_logprobs is None else None
     # echo with max_tokens 0 scores the prompt and generates nothing, as in vLLM: the engine

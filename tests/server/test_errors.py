@@ -43,6 +43,10 @@ CASES = {
     "top_logprobs beyond the limit": (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     "prompt_logprobs beyond the limit": (completion(prompt_logprobs=10**6), "prompt_logprobs"),
     "chat prompt_logprobs beyond the limit": (chat(prompt_logprobs=21), "prompt_logprobs"),
+    # -1, vLLM's whole vocabulary, is beyond the default limit
+    "top_logprobs -1 beyond the limit": (chat(logprobs=True, top_logprobs=-1), "top_logprobs"),
+    "logprobs -1 beyond the limit": (completion(logprobs=-1), "logprobs"),
+    "logprobs below -1": (completion(logprobs=-2), "logprobs"),
 }
 
 

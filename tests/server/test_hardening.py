@@ -517,8 +517,11 @@ def test_inf_and_nan_are_400(server: ServerProcess, field: str, value: str) -> N
 
 
 def test_top_logprobs_needs_logprobs(server: ServerProcess) -> None:
+    """As vLLM: top_logprobs above 0 needs logprobs true; 0 goes without."""
     assert_400(chat(server, top_logprobs=2), "top_logprobs")
-    assert_400(chat(server, top_logprobs=0, logprobs=False), "top_logprobs")
+    assert_400(chat(server, top_logprobs=2, logprobs=False), "top_logprobs")
+    r = chat(server, top_logprobs=0, logprobs=False)
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
     r = chat(server, top_logprobs=2, logprobs=True)
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
