@@ -64,13 +64,53 @@ def kv_cache_blocks(cfg: EngineConfig, model_config: ModelConfig, dtype: torch.d
     return num
 
 
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def memory_limit(cgroup_root: Path = CGROUP_ROOT) -> tuple[int, str]:
+    """(bytes, what they are) this process may use: the machine's physical memory, or the
+    container's memory limit where a cgroup (v2 memory.max, v1 memory.limit_in_bytes) sets
+    a lower one, as in a container whose limit is below the host's memory."""
+    best = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's")
+    for name in ("memory.max", "memory/memory.limit_in_bytes"):
+        try:
+            text = (cgroup_root / name).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < best[0]:
+            best = (int(text), "this container's (cgroup limit)")
+    return best
+
+
 def _refuse_beyond_memory(nbytes: int, what: str) -> None:
-    """A ConfigError where `nbytes` exceed the machine's physical memory; its message is
-    `what` (formatted with the GiB) and "fit this machine's ... of memory"."""
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """A ConfigError where `nbytes` exceed the memory this process may use (`memory_limit`);
+    its message is `what` (formatted with the GiB) and "fit this machine's ... of memory"."""
+    memory, whose = memory_limit()
     if nbytes > memory:
-        raise ConfigError(f"{what.format(nbytes / 2**30)} fit this machine's "
+        raise ConfigError(f"{what.format(nbytes / 2**30)} fit {whose} "
                           f"{memory / 2**30:.1f} GiB of memory")
+
+
+def warn_beyond_available(kv_bytes: int, flag: str, available: int | None) -> bool:
+    """Log a warning (and return True) where KV caches not yet touched exceed the memory
+    available now: the machine has room for them, but other processes hold it."""
+    if available is None or kv_bytes <= available:
+        return False
+    logger.warning("%s: the KV caches take %.1f GiB, and only %.1f GiB of memory is available "
+                   "now (other processes hold the rest): a full cache would swap or be killed",
+                   flag, kv_bytes / 2**30, available / 2**30)
+    return True
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo (bytes), None where there is none."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def sampling_defaults(config: EngineConfig, folder: Path | None) -> dict[str, Any]:
@@ -174,6 +214,10 @@ class LLMEngine:
                     else "--num-kv-blocks")
             _refuse_beyond_memory(total, f"{flag}: the weights and KV caches (the draft's "
                                   "included) take {:.1f} GiB, which does not")
+            # the weights are resident by now, the caches not yet
+            warn_beyond_available(sum(r.kv_cache.numel() * r.kv_cache.element_size()
+                                      for r in runners if r is not None), flag,
+                                  available_memory())
 
     def _eos_token_ids(self, model: Qwen2ForCausalLM) -> frozenset[int]:
         if self.tokenizer is not None:

@@ -252,6 +252,33 @@ def test_serve_names_a_bad_kv_cache_dtype(capsys) -> None:
             "got 'fp8'") in capsys.readouterr().err
 
 
+def test_memory_limit_is_the_container_s_where_lower(tmp_path, caplog) -> None:
+    """A cgroup's memory limit below the machine's memory is the one KV caches are checked
+    against (v2 memory.max, v1 memory.limit_in_bytes; "max" or a huge v1 value: none); KV
+    caches beyond the memory available now are a warning."""
+    from braid.engine.engine import (
+        available_memory,
+        memory_limit,
+        warn_beyond_available,
+    )
+
+    physical, whose = memory_limit(tmp_path)
+    assert whose == "this machine's" and physical > 2**30
+    (tmp_path / "memory.max").write_text("max\n")
+    assert memory_limit(tmp_path) == (physical, "this machine's")
+    (tmp_path / "memory.max").write_text(f"{2**30}\n")
+    assert memory_limit(tmp_path) == (2**30, "this container's (cgroup limit)")
+    (tmp_path / "memory.max").unlink()
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert memory_limit(tmp_path) == (physical, "this machine's")
+    available = available_memory()
+    assert available is not None and 0 < available <= physical
+    assert not warn_beyond_available(2**30, "--kv-cache-gib", 2 * 2**30)
+    assert warn_beyond_available(3 * 2**30, "--kv-cache-gib", 2 * 2**30)
+    assert "--kv-cache-gib: the KV caches take 3.0 GiB, and only 2.0 GiB" in caplog.text
+
+
 def test_serve_takes_vllm_s_command_line(capsys) -> None:
     """`braid serve MODEL` as `vllm serve MODEL` (the positional wins over --model), and
     vLLM's names --uvicorn-log-level and --disable-log-stats."""
