@@ -10,6 +10,7 @@ Responses carry one extra field, `braid`: per-response speculation figures and p
 
 from __future__ import annotations
 
+import secrets
 import time
 import types
 from typing import Annotated, Any, Literal, get_args
@@ -416,6 +417,22 @@ class ChatCompletionStreamResponse(_Response):
     choices: list[ChatStreamChoice]
 
 
+class ModelPermission(BaseModel):
+    """vLLM's (OpenAI's former) permission entry of a model card: what clients may do."""
+    id: str = Field(default_factory=lambda: f"modelperm-{secrets.token_hex(16)}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -424,6 +441,7 @@ class ModelCard(BaseModel):
     root: str | None = None  # the model it serves (--model), as vLLM's card says
     parent: str | None = None
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):

@@ -39,6 +39,9 @@ def test_health_and_models(server: ServerProcess, client: openai.OpenAI) -> None
     assert [m.id for m in models] == [server.model]
     card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
     assert (card["root"], card["parent"], card["max_model_len"]) == (server.model, None, 256)
+    [permission] = card["permission"]  # vLLM's card entry
+    assert permission["object"] == "model_permission" and permission["allow_sampling"]
+    assert permission["id"].startswith("modelperm-")
 
 
 def test_completion_matches_offline(server: ServerProcess, client: openai.OpenAI,
