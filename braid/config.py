@@ -222,6 +222,10 @@ class EngineConfig:
         "auto", "default sampling as vLLM takes it: auto (the model folder's "
         "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, for "
         "what a request leaves unset), vllm (none), or a folder holding one")
+    override_generation_config: dict[str, Any] | None = _opt(
+        None, "default sampling set by hand, as vLLM's, e.g. '{\"temperature\": 0.5}': "
+        "merged over --generation-config's (temperature, top_p, top_k, min_p, "
+        "repetition_penalty)", json=True)
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -257,6 +261,9 @@ class EngineConfig:
         if isinstance(self.speculative_config, str):
             self.speculative_config = _json_arg("--speculative-config", ConfigError)(
                 self.speculative_config)
+        if isinstance(self.override_generation_config, str):
+            self.override_generation_config = _json_arg(
+                "--override-generation-config", ConfigError)(self.override_generation_config)
         for f in fields(self):
             value, kind = getattr(self, f.name), str(f.type)
             if not f.init or (value is None and "None" in kind):

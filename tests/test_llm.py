@@ -258,6 +258,17 @@ def test_generation_config_sampling_defaults_as_in_vllm(tmp_path) -> None:
         LLM(str(folder), generation_config=str(other), **engine)
     with pytest.raises(ConfigError, match="--generation-config nowhere: expected auto, vllm"):
         LLM(str(folder), generation_config="nowhere", **engine)
+    # --override-generation-config: merged over the file's, alone with vllm (JSON text too)
+    over = LLM(str(folder), override_generation_config={"temperature": 0.2, "min_p": 0.1},
+               **engine).get_default_sampling_params()
+    assert (over.temperature, over.top_k, over.min_p) == (0.2, 1, 0.1)
+    only = LLM(str(folder), generation_config="vllm",
+               override_generation_config='{"top_p": 0.5}', **engine)
+    assert only.get_default_sampling_params() == SamplingParams(top_p=0.5)
+    for bad, message in (({"max_tokens": 5}, "max_tokens is not one of temperature"),
+                         ({"top_p": 2}, "top_p must be in"), ("{", "invalid JSON")):
+        with pytest.raises(ConfigError, match=f"--override-generation-config: {message}"):
+            LLM(str(folder), override_generation_config=bad, **engine)
 
 
 def test_bad_words_are_never_generated_with_or_without_speculation(tmp_path) -> None:

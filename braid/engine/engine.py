@@ -26,6 +26,7 @@ from braid.models.qwen2 import Qwen2ForCausalLM
 from braid.outputs import RequestOutput
 from braid.sample.step import StepSample, StepSampler, score_prompts
 from braid.sampling_params import (
+    GENERATION_DEFAULTS,
     SamplingParams,
     bad_words_token_ids,
     generation_defaults,
@@ -115,7 +116,25 @@ def available_memory() -> int | None:
 
 def sampling_defaults(config: EngineConfig, folder: Path | None) -> dict[str, Any]:
     """--generation-config's default sampling: auto, the model `folder`'s (None: a model
-    given in memory has none); vllm, none; else the folder it names."""
+    given in memory has none); vllm, none; else the folder it names; then
+    --override-generation-config's values over them."""
+    defaults = _generation_config(config, folder)
+    override = config.override_generation_config
+    if override:
+        unknown = sorted(set(override) - set(GENERATION_DEFAULTS.values()))
+        if unknown:
+            raise ConfigError(f"--override-generation-config: {', '.join(unknown)} is not one "
+                              f"of {', '.join(GENERATION_DEFAULTS.values())}")
+        try:
+            SamplingParams(**override)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"--override-generation-config: {e}") from None
+        defaults = {**defaults, **override}
+        logger.info("default sampling: %s, for what a request leaves unset", defaults)
+    return defaults
+
+
+def _generation_config(config: EngineConfig, folder: Path | None) -> dict[str, Any]:
     choice = config.generation_config
     if choice == "vllm":
         return {}
@@ -174,7 +193,7 @@ class LLMEngine:
             self.default_sampling = sampling_defaults(config, folder)
             model, tokenizer = load_model(config.model, config.torch_dtype, config.device,
                                           config.quantization)
-        elif config.generation_config not in ("auto", "vllm"):
+        else:
             self.default_sampling = sampling_defaults(config, None)
         config.finalize(model.config.max_position_embeddings)
         self.config = config
