@@ -172,7 +172,8 @@ def run_server(args: argparse.Namespace) -> int:
                         default_sampling=engine.default_sampling,
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                         root=config.model, max_logprobs=engine.max_logprobs(),
-                        vocab_size=engine.model_config.vocab_size)
+                        vocab_size=engine.model_config.vocab_size,
+                        response_role=args.response_role)
     app = create_app(ctx, metrics, AppOptions(
         args.max_request_bytes, args.api_key, args.enable_docs, tuple(args.allowed_origins),
         tuple(args.allowed_methods), tuple(args.allowed_headers), args.allow_credentials))

@@ -103,6 +103,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept a request's own `chat_template` (refused by default, as in "
                             "vLLM)")
+    group.add_argument("--response-role", default="assistant",
+                       help="the role chat replies carry after a generation prompt (vLLM's)")
     # vLLM needs these two for tool_choice "auto"; braid always parses tool calls, with the
     # parser Qwen2.5 needs, so a vLLM command line runs unchanged
     group.add_argument("--enable-auto-tool-choice", action="store_true",

@@ -47,6 +47,7 @@ class ServerContext:
     root: str | None = None  # the --model the served names stand for
     max_logprobs: int = 20  # --max-logprobs (the engine checks it too, naming its own fields)
     vocab_size: int = 0  # what a logprobs field's -1 stands for (vLLM's: the whole vocabulary)
+    response_role: str = "assistant"  # --response-role
     # sampling for the fields a request leaves unset (the model's generation_config.json)
     default_sampling: dict[str, Any] = field(default_factory=dict)
 

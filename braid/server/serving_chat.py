@@ -167,6 +167,12 @@ def _echoed(body: ChatCompletionRequest) -> str:
     return str(last.as_template_dict()["content"])
 
 
+def response_role(ctx: ServerContext, body: ChatCompletionRequest) -> str:
+    """The reply's role, as vLLM names it: --response-role after a generation prompt, else
+    the role of the message the reply continues."""
+    return ctx.response_role if body.add_generation_prompt else body.messages[-1].role
+
+
 def _response(ctx: ServerContext, job: Job, body: ChatCompletionRequest, model: str,
               finals: list[RequestOutput], tools: dict[int, ChoiceTools]
               ) -> ChatCompletionResponse:
@@ -174,12 +180,14 @@ def _response(ctx: ServerContext, job: Job, body: ChatCompletionRequest, model: 
     echoed = _echoed(body)
     for choice, out in zip(job.choices, finals, strict=True):
         c = out.outputs[0]
-        message, reason = ChatResponseMessage(content=echoed + c.text), c.finish_reason
+        role = response_role(ctx, body)
+        message, reason = ChatResponseMessage(role=role, content=echoed + c.text), \
+            c.finish_reason
         if (t := tools.get(choice.index)) is not None:
             content, calls = t.whole(c.text)
             message, reason = ChatResponseMessage(
-                content=echoed + (content or "") if echoed else content, tool_calls=calls), \
-                t.finish_reason(reason)
+                role=role, content=echoed + (content or "") if echoed else content,
+                tool_calls=calls), t.finish_reason(reason)
         choices.append(ChatChoice(
             index=choice.index, message=message,
             logprobs=_logprobs(ctx, body, Delta(c.text, c.token_ids, c.logprobs)),
@@ -222,6 +230,7 @@ def _stream(ctx: ServerContext, job: Job, body: ChatCompletionRequest, model: st
                                                  usage=usage(job.prompts, job.choices),
                                                  braid=braid_info(finals)))]
 
-    head = [sse_chunk(chunk(c.index, DeltaMessage(role="assistant", content=_echoed(body))),
-                      body, job) for c in job.choices]
+    role = response_role(ctx, body)
+    head = [sse_chunk(chunk(c.index, DeltaMessage(role=role, content=_echoed(body))), body, job)
+            for c in job.choices]
     return event_stream(ctx, job, head, render, tail)

@@ -567,7 +567,7 @@ def guarded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                          "--max-request-bytes", str(LIMIT_BYTES), "--api-key", KEY,
                          "--max-waiting-requests", "4", "--max-num-seqs", "2",
                          "--enable-docs", "--allowed-origins", f'["{UI}"]',
-                         "--disable-uvicorn-access-log")
+                         "--disable-uvicorn-access-log", "--response-role", "bot")
     yield proc
     assert proc.stop() == 0, proc.log()
 
@@ -591,6 +591,27 @@ def test_cors_by_default_any_origin_as_in_vllm(server: ServerProcess) -> None:
     r = post(server, "/v1/completions", {"model": server.model, "prompt": "hi", "max_tokens": 2},
              headers={"origin": "http://anywhere.example"})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
+def test_response_role_as_vllm(guarded: ServerProcess) -> None:
+    """--response-role names the reply after a generation prompt, streamed or not; a reply
+    that continues the last message takes that message's role."""
+    messages = [{"role": "user", "content": "hi"}]
+    for stream in (False, True):
+        r = post(guarded, "/v1/chat/completions", {
+            "model": guarded.model, "messages": messages, "max_tokens": 2, "stream": stream},
+            headers=AUTH)
+        assert r.status_code == 200, r.text
+        if stream:
+            first = json.loads(r.text.splitlines()[0].removeprefix("data: "))
+            assert first["choices"][0]["delta"]["role"] == "bot"
+        else:
+            assert r.json()["choices"][0]["message"]["role"] == "bot"
+    r = post(guarded, "/v1/chat/completions", {
+        "model": guarded.model, "max_tokens": 2, "add_generation_prompt": False,
+        "continue_final_message": True,
+        "messages": [*messages, {"role": "assistant", "content": "Sure,"}]}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
 
 
 def test_access_log_as_vllm(server: ServerProcess, guarded: ServerProcess) -> None:
