@@ -431,13 +431,16 @@ def comma_list(kind: Any) -> Any:
 
 
 def _json_arg(flag: str, error: type[Exception] = argparse.ArgumentTypeError) -> Any:
+    # argparse names the flag itself ("argument --x: ..."); other callers' errors name it here
+    prefix = "" if error is argparse.ArgumentTypeError else f"{flag}: "
+
     def parse(text: str) -> Any:
         try:
             value = json.loads(text)
         except json.JSONDecodeError as e:
-            raise error(f"{flag}: invalid JSON ({e.msg})") from None
+            raise error(f"{prefix}invalid JSON ({e.msg})") from None
         if not isinstance(value, dict):
-            raise error(f"{flag}: expected a JSON object")
+            raise error(f"{prefix}expected a JSON object")
         return value
 
     return parse

@@ -181,8 +181,8 @@ def run_server(args: argparse.Namespace) -> int:
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S,
         access_log=not args.disable_uvicorn_access_log, ssl_keyfile=args.ssl_keyfile,
-        ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
-        ssl_cert_reqs=args.ssl_cert_reqs),
+        ssl_certfile=args.ssl_certfile, ssl_keyfile_password=args.ssl_keyfile_password,
+        ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs),
         ctx.engine, args.shutdown_timeout)
     # After a graceful stop uvicorn re-raises the signal it caught; a no-op handler turns
     # that into a clean exit 0 instead of death by SIGTERM.
@@ -204,9 +204,21 @@ def _check_tls(args: argparse.Namespace) -> None:
     if not (args.ssl_keyfile and args.ssl_certfile):
         raise ConfigError("--ssl-keyfile and --ssl-certfile go together (--ssl-ca-certs needs "
                           "them too)")
+    if args.ssl_cert_reqs and not args.ssl_ca_certs:
+        raise ConfigError(f"--ssl-cert-reqs {args.ssl_cert_reqs} needs --ssl-ca-certs (the "
+                          "CAs that sign the client certificates): without it no client "
+                          "certificate can be verified")
+
+    def password() -> str:  # never a prompt here: uvicorn would prompt a second time
+        if args.ssl_keyfile_password is None:
+            raise ConfigError(f"--ssl-keyfile {args.ssl_keyfile} is encrypted: give its "
+                              "passphrase with --ssl-keyfile-password or "
+                              "$BRAID_SSL_KEYFILE_PASSWORD")
+        return str(args.ssl_keyfile_password)
+
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
-        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile, password)
     except (OSError, ssl.SSLError) as e:
         raise ConfigError(f"--ssl-certfile {args.ssl_certfile} --ssl-keyfile "
                           f"{args.ssl_keyfile}: {e.strerror or e}") from None
@@ -215,6 +227,9 @@ def _check_tls(args: argparse.Namespace) -> None:
             context.load_verify_locations(args.ssl_ca_certs)
         except (OSError, ssl.SSLError) as e:
             raise ConfigError(f"--ssl-ca-certs {args.ssl_ca_certs}: {e.strerror or e}") from None
+        if not args.ssl_cert_reqs:
+            logger.warning("--ssl-ca-certs without --ssl-cert-reqs 1 or 2: client "
+                           "certificates are not asked for")
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -54,7 +54,7 @@ def _string_list(text: str) -> list[str]:
         value = None
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings, e.g. "
-                                         f"'[\"http://localhost:3000\"]', got {text!r}")
+                                         f"'[\"a\", \"b\"]', got {text!r}")
     return value
 
 
@@ -77,6 +77,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     # TLS, as vLLM's flags (uvicorn's): https with the key and certificate given
     group.add_argument("--ssl-keyfile", default=None, help="TLS private key file (PEM)")
     group.add_argument("--ssl-certfile", default=None, help="TLS certificate chain file (PEM)")
+    group.add_argument("--ssl-keyfile-password",
+                       default=os.environ.get("BRAID_SSL_KEYFILE_PASSWORD"),
+                       help="passphrase of an encrypted --ssl-keyfile (default: "
+                            "$BRAID_SSL_KEYFILE_PASSWORD)")
     group.add_argument("--ssl-ca-certs", default=None,
                        help="CA certificates file, to verify client certificates")
     group.add_argument("--ssl-cert-reqs", type=int, choices=[0, 1, 2], default=0,
@@ -115,7 +119,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--disable-uvicorn-access-log", action="store_true",
                        help="no line per HTTP request in the log (vLLM's; on by default)")
     group.add_argument("--log-level", "--uvicorn-log-level", default="info",
-                       choices=["critical", "error", "warning", "info", "debug"],
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="the server's log level (--uvicorn-log-level: vLLM's name)")
     group.add_argument("--disable-log-stats", action="store_true",
                        help="no periodic stats lines (vLLM's; as --log-stats-interval 0)")

@@ -794,6 +794,39 @@ def test_tls_serves_https_with_the_certificate_given(tiny_model_dir: Path, tmp_p
             (["--ssl-keyfile", cert, "--ssl-certfile", cert],
              f"--ssl-certfile {cert} --ssl-keyfile {cert}: "),
             (["--ssl-keyfile", key, "--ssl-certfile", str(tmp_path / "none.pem")],
-             "No such file or directory")):
+             "No such file or directory"),
+            ([*flags, "--ssl-cert-reqs", "2"], "--ssl-cert-reqs 2 needs --ssl-ca-certs")):
         assert main(["serve", "--model", "/no/such/model", *bad]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_tls_with_an_encrypted_key(tiny_model_dir: Path, tmp_path: Path,
+                                   capsys: pytest.CaptureFixture) -> None:
+    """An encrypted --ssl-keyfile needs --ssl-keyfile-password: without it the start is
+    refused naming the flag (no passphrase prompt, which uvicorn would repeat); with it the
+    server serves https."""
+    import subprocess
+
+    from braid.cli import main
+
+    tls_flags(tmp_path)  # skips the test without an openssl command
+    key, cert = tmp_path / "enc.key", tmp_path / "enc.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-days", "1",
+                    "-passout", "pass:s3cret", "-keyout", str(key), "-out", str(cert),
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    assert "ENCRYPTED" in key.read_text()
+    tls = ["--ssl-keyfile", str(key), "--ssl-certfile", str(cert)]
+    assert main(["serve", "--model", "/no/such/model", *tls]) == 2
+    assert f"--ssl-keyfile {key} is encrypted: give its passphrase with --ssl-keyfile-password" \
+        in capsys.readouterr().err
+    assert main(["serve", "--model", "/no/such/model", *tls, "--ssl-keyfile-password", "no"]) == 2
+    assert f"--ssl-certfile {cert} --ssl-keyfile {key}: " in capsys.readouterr().err
+    server = ServerProcess(tiny_model_dir, tmp_path, *ENGINE_FLAGS, *tls,
+                           "--ssl-keyfile-password", "s3cret")
+    try:
+        r = httpx.post(f"{server.url}/v1/completions", verify=server.verify, timeout=30,
+                       json={"model": server.model, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    finally:
+        assert server.stop() == 0, server.log()
