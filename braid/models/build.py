@@ -40,6 +40,10 @@ def load_model(
     cfg = load_config(folder)
     quant_type, weights = _weights(path, cfg, quantization, device)
     if quant_type is not None:
+        if dtype != torch.float32:
+            logger.info("%s: its quantized weights run with float32 activations (the kernels "
+                        "take and give float32); %s applies to float weights "
+                        "(--quantization none)", name_or_path, dtype)
         dtype = torch.float32  # the kernels take and give float32 activations
     with torch.device("meta"):
         model = Qwen2ForCausalLM(cfg, quant_type).to(dtype)

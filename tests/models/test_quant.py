@@ -528,15 +528,21 @@ def test_a_draft_requantized_to_int4_stays_lossless(
     assert e.stats.spec_stats.num_drafts > 0 and e.stats.spec_stats.acceptance_rate > 0.2
 
 
-def test_kv_cache_gib_holds_for_a_quantized_model_at_any_dtype(gguf_path: Path) -> None:
-    """Quantized weights take float32 activations and KV whatever --dtype says; the cache is
-    sized in the KV's own dtype, so it takes --kv-cache-gib, not twice that at bfloat16."""
+def test_kv_cache_gib_holds_for_a_quantized_model_at_any_dtype(
+        gguf_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Quantized weights take float32 activations and KV whatever --dtype says (the load
+    says so); the cache is sized in the KV's own dtype, so it takes --kv-cache-gib, not twice
+    that at bfloat16."""
     gib = 0.01
     for dtype in ("float32", "bfloat16"):
-        e = engine(model=str(gguf_path), dtype=dtype, num_kv_blocks=None, kv_cache_gib=gib)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="braid"):
+            e = engine(model=str(gguf_path), dtype=dtype, num_kv_blocks=None, kv_cache_gib=gib)
         kv = e.runner.kv_cache
         assert kv.dtype == torch.float32
         assert gib * 2**30 * 0.9 < kv.numel() * kv.element_size() <= gib * 2**30
+        said = "its quantized weights run with float32 activations" in caplog.text
+        assert said == (dtype == "bfloat16")
 
 
 # ---- configuration and fallback ----------------------------------------------------------------
