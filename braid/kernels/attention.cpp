@@ -386,8 +386,7 @@ torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tenso
   const auto row_len = row_len_in.to(torch::kInt64).contiguous();
   const auto kv_type = k_cache.scalar_type();
   TORCH_CHECK(q.dtype() == torch::kFloat32 && v_cache.scalar_type() == kv_type &&
-                  (kv_type == torch::kFloat32 || kv_type == torch::kHalf ||
-                   kv_type == torch::kBFloat16),
+                  is_kv_type(kv_type),
               "paged_attention_rows needs a float32 q and float32, float16 or bfloat16 caches "
               "of one type");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -405,15 +404,12 @@ torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tenso
   auto out = torch::empty({t, h, d}, torch::kFloat32);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const auto run = [&](auto tag) {
+  dispatch_kv_type(kv_type, [&](auto tag) {
     using KV = decltype(tag);
     attend_rows<KV>(qp, static_cast<const KV*>(k_cache.data_ptr()),
                     static_cast<const KV*>(v_cache.data_ptr()), table, seq, len, t, h, d, kvh,
                     kv_max, (float)scale, op);
-  };
-  if (kv_type == torch::kHalf) run(at::Half());
-  else if (kv_type == torch::kBFloat16) run(at::BFloat16());
-  else run(float());
+  });
   return out;
 }
 

@@ -240,9 +240,7 @@ torch::Tensor rope_qkv_to_cache(const torch::Tensor& qkv_in, const torch::Tensor
   const auto slots = slot_mapping.to(torch::kInt64).contiguous();
   const auto kv_type = k_cache.scalar_type();
   TORCH_CHECK(qkv.dtype() == torch::kFloat32 && v_cache.scalar_type() == kv_type &&
-                  (kv_type == torch::kFloat32 || kv_type == torch::kHalf ||
-                   kv_type == torch::kBFloat16) &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
+                  is_kv_type(kv_type) && k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
                   k_cache.sizes() == v_cache.sizes(),
               "rope_qkv_to_cache wants float32 qkv and contiguous [slots, KVH, D] caches of one "
               "type: float32, float16 or bfloat16");
@@ -256,15 +254,12 @@ torch::Tensor rope_qkv_to_cache(const torch::Tensor& qkv_in, const torch::Tensor
   for (int64_t i = 0; i < t; ++i)
     TORCH_CHECK(sl[i] >= 0 && sl[i] < k_cache.size(0), "cache slot out of range");
   auto q = torch::empty({t, heads, d}, torch::kFloat32);
-  const auto run = [&](auto tag) {
+  dispatch_kv_type(kv_type, [&](auto tag) {
     using KV = decltype(tag);
     rope_qkv_rows<KV>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), sl,
                       t, heads, kvh, d, q.data_ptr<float>(), static_cast<KV*>(k_cache.data_ptr()),
                       static_cast<KV*>(v_cache.data_ptr()));
-  };
-  if (kv_type == torch::kHalf) run(at::Half());
-  else if (kv_type == torch::kBFloat16) run(at::BFloat16());
-  else run(float());
+  });
   return q;
 }
 

@@ -13,6 +13,19 @@ void qgemm_into(const torch::Tensor& xq, const torch::Tensor& w, int64_t type, i
 bool use_avx2();
 bool use_avx512();
 
+// KV caches hold float32, float16 or bfloat16 (--kv-cache-dtype).
+inline bool is_kv_type(c10::ScalarType type) {
+  return type == torch::kFloat32 || type == torch::kHalf || type == torch::kBFloat16;
+}
+
+// fn(value) with a value of the C++ type a KV cache of `type` holds (one of is_kv_type's).
+template <typename Fn>
+void dispatch_kv_type(c10::ScalarType type, Fn&& fn) {
+  if (type == torch::kHalf) fn(at::Half());
+  else if (type == torch::kBFloat16) fn(at::BFloat16());
+  else fn(float());
+}
+
 // norm.cpp
 torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w_in, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor& residual, const torch::Tensor& x_in,
