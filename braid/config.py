@@ -258,12 +258,9 @@ class EngineConfig:
     def _check_types(self) -> None:
         """Each field holds what its annotation says (LLM(...) passes values unparsed);
         the speculative config may also come as its JSON text, as on the command line."""
-        if isinstance(self.speculative_config, str):
-            self.speculative_config = _json_arg("--speculative-config", ConfigError)(
-                self.speculative_config)
-        if isinstance(self.override_generation_config, str):
-            self.override_generation_config = _json_arg(
-                "--override-generation-config", ConfigError)(self.override_generation_config)
+        for f in fields(self):
+            if f.metadata.get("json") and isinstance(getattr(self, f.name), str):
+                setattr(self, f.name, _json_arg(_flag(f.name), ConfigError)(getattr(self, f.name)))
         for f in fields(self):
             value, kind = getattr(self, f.name), str(f.type)
             if not f.init or (value is None and "None" in kind):

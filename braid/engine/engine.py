@@ -184,8 +184,8 @@ class LLMEngine:
         draft_model: Qwen2ForCausalLM | None = None,
     ) -> None:
         torch.set_num_threads(config.threads)
-        # what requests leave unset, from the model's generation_config.json (as vLLM)
-        self.default_sampling: dict[str, Any] = {}
+        # what requests leave unset: generation_config.json's and --override-generation-config
+        self.default_sampling: dict[str, Any]
         if model is None:
             from braid.models.build import load_model
 
@@ -200,15 +200,15 @@ class LLMEngine:
         self.model_config = model.config
         self.tokenizer = tokenizer
         self.device = torch.device(config.device)
-        num_blocks = kv_cache_blocks(config, model.config, config.kv_dtype(model.dtype))
+        kv_dtype = config.kv_dtype(model.dtype)
+        num_blocks = kv_cache_blocks(config, model.config, kv_dtype)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         assert config.max_num_batched_tokens is not None
         self.scheduler = Scheduler(
             self.blocks, config.max_num_batched_tokens, config.max_num_seqs,
             config.enable_chunked_prefill, priority=config.scheduling_policy == "priority",
         )
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.device,
-                                  config.kv_dtype(model.dtype))
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.device, kv_dtype)
         self.outputs = OutputProcessor(tokenizer, self._eos_token_ids(model),
                                        config.max_model_len or 0)
         self.sampler = StepSampler(self.device, self.outputs.eos_token_ids, config.spec_config)
@@ -224,19 +224,17 @@ class LLMEngine:
         """The weights and KV caches of the target and the draft against the machine's
         memory. The KV caches are mapped, not yet touched: one too large would fail under
         load, not here, so it is refused now."""
-        runners = [self.runner, getattr(getattr(self.speculator, "proposer", None), "runner",
-                                        None)]
-        total = sum(r.model.weight_bytes() + r.kv_cache.numel() * r.kv_cache.element_size()
-                    for r in runners if r is not None)
+        runners = [r for r in (self.runner, getattr(getattr(self.speculator, "proposer", None),
+                                                    "runner", None)) if r is not None]
+        kv = sum(r.kv_cache.numel() * r.kv_cache.element_size() for r in runners)
         if self.device.type == "cpu":
             flag = ("--kv-cache-gib" if self.config.num_kv_blocks is None
                     else "--num-kv-blocks")
-            _refuse_beyond_memory(total, f"{flag}: the weights and KV caches (the draft's "
-                                  "included) take {:.1f} GiB, which does not")
+            _refuse_beyond_memory(kv + sum(r.model.weight_bytes() for r in runners),
+                                  f"{flag}: the weights and KV caches (the draft's included) "
+                                  "take {:.1f} GiB, which does not")
             # the weights are resident by now, the caches not yet
-            warn_beyond_available(sum(r.kv_cache.numel() * r.kv_cache.element_size()
-                                      for r in runners if r is not None), flag,
-                                  available_memory())
+            warn_beyond_available(kv, flag, available_memory())
 
     def _eos_token_ids(self, model: Qwen2ForCausalLM) -> frozenset[int]:
         if self.tokenizer is not None:
