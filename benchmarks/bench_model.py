@@ -32,12 +32,12 @@ import time
 
 import torch
 
+from braid.bench.args import comma_choices
 from braid.config import (
     DEFAULT_TARGET,
     DTYPES,
     QUANTIZATIONS,
     EngineConfig,
-    comma_list,
     positive_float,
     positive_int,
 )
@@ -188,16 +188,16 @@ def main() -> None:
     parser.add_argument("--vs-llamacpp", metavar="BIN_DIR",
                         help="a llama.cpp bin folder: alternate llama-bench and braid decode")
     parser.add_argument("--pairs", type=positive_int, default=4, help="with --vs-llamacpp")
-    parser.add_argument("--kv-cache-dtypes", type=comma_list(str), default=None,
+    parser.add_argument("--kv-cache-dtypes", default=None,
                         help=f"compare batched decode steps over these KV cache types "
                         f"({', '.join(DTYPES)})")
     parser.add_argument("--kv-requests", type=positive_int, default=16)
     parser.add_argument("--kv-context", type=positive_int, default=700)
     parser.add_argument("--rounds", type=positive_int, default=2, help="with --kv-cache-dtypes")
     args = parser.parse_args()
-    for dtype in args.kv_cache_dtypes or []:
-        if dtype not in DTYPES:
-            parser.error(f"--kv-cache-dtypes: {dtype!r} is not one of {', '.join(DTYPES)}")
+    if args.kv_cache_dtypes is not None:
+        args.kv_cache_dtypes = comma_choices(parser, "--kv-cache-dtypes", args.kv_cache_dtypes,
+                                             DTYPES)
 
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)

@@ -27,8 +27,9 @@ def run_script(name: str, *argv: str, monkeypatch: pytest.MonkeyPatch) -> int:
     ("bench_kernels.py", ["--rows", ","], "argument --rows: give at least one value"),
     ("bench_model.py", ["--quantization", "int3"], "argument --quantization: invalid choice"),
     ("bench_model.py", ["--pairs", "0"], "argument --pairs: must be >= 1, got 0"),
-    ("bench_model.py", ["--kv-cache-dtypes", "float32,fp8"], "--kv-cache-dtypes: 'fp8' is not "
-                                                             "one of auto, float32"),
+    ("bench_model.py", ["--kv-cache-dtypes", "float32,fp8"], "--kv-cache-dtypes: unknown fp8 "
+                                                             "(known: auto, float32, bfloat16, "
+                                                             "float16)"),
     ("bench_prefix.py", ["--rates", "0.1,-1"], "argument --rates: -1: must be a number > 0"),
     ("bench_prefix.py", ["--workloads", "multiturn,foo"], "--workloads: unknown foo"),
     ("bench_prefix.py", ["--modes", " , "], "--modes: name at least one of cache"),
