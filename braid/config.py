@@ -220,12 +220,13 @@ class EngineConfig:
     log_stats_interval: float = _opt(10.0, "seconds between one-line stats logs (0: off)")
     generation_config: str = _opt(
         "auto", "default sampling as vLLM takes it: auto (the model folder's "
-        "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, for "
-        "what a request leaves unset), vllm (none), or a folder holding one")
+        "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens, for what a request leaves unset), vllm (none), or a folder holding one")
     override_generation_config: dict[str, Any] | None = _opt(
         None, "default sampling set by hand, as vLLM's, e.g. '{\"temperature\": 0.5}': "
         "merged over --generation-config's (temperature, top_p, top_k, min_p, "
-        "repetition_penalty)", json=True)
+        "repetition_penalty, max_new_tokens: the default max_tokens, and on the server every "
+        "request's limit)", json=True)
 
     def __post_init__(self) -> None:
         self._check_types()

@@ -195,7 +195,8 @@ def bad_words_token_ids(words: Sequence[str], encode: Callable[[str], list[int]]
 
 # The generation_config.json fields vLLM takes as default sampling (HF name -> ours).
 GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                       "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
+                       "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                       "max_new_tokens": "max_tokens"}
 
 
 def generation_defaults(folder: Path) -> dict[str, Any]:
@@ -214,8 +215,13 @@ def generation_defaults(folder: Path) -> dict[str, Any]:
     try:
         SamplingParams(**defaults)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise ValueError(f"{path}: {hf_names(str(e))}") from None
     return defaults
+
+
+def hf_names(message: str) -> str:
+    """A SamplingParams error about generation-config values, in their HF names."""
+    return message.replace("max_tokens", "max_new_tokens")
 
 
 def is_int(value: object) -> bool:

@@ -265,7 +265,17 @@ def test_generation_config_sampling_defaults_as_in_vllm(tmp_path) -> None:
     only = LLM(str(folder), generation_config="vllm",
                override_generation_config='{"top_p": 0.5}', **engine)
     assert only.get_default_sampling_params() == SamplingParams(top_p=0.5)
+    # max_new_tokens (the HF name, as vLLM's) is the default max_tokens, from the file too
+    longer = LLM(str(folder), override_generation_config={"max_new_tokens": 40}, **engine)
+    assert longer.get_default_sampling_params().max_tokens == 40
+    assert len(longer.generate("hello", SamplingParams(temperature=0, ignore_eos=True,
+                                                       max_tokens=50), use_tqdm=False)[0]
+               .outputs[0].token_ids) == 50  # offline it is no limit, as in vLLM
+    (other / "generation_config.json").write_text(json.dumps({"max_new_tokens": 7}))
+    assert LLM(str(folder), generation_config=str(other), **engine
+               ).get_default_sampling_params() == SamplingParams(max_tokens=7)
     for bad, message in (({"max_tokens": 5}, "max_tokens is not one of temperature"),
+                         ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
                          ({"top_p": 2}, "top_p must be in"), ("{", "invalid JSON")):
         with pytest.raises(ConfigError, match=f"--override-generation-config: {message}"):
             LLM(str(folder), override_generation_config=bad, **engine)

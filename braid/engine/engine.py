@@ -30,6 +30,7 @@ from braid.sampling_params import (
     SamplingParams,
     bad_words_token_ids,
     generation_defaults,
+    hf_names,
     is_int,
 )
 from braid.spec_decode.build import check_draft, make_speculator
@@ -119,16 +120,17 @@ def sampling_defaults(config: EngineConfig, folder: Path | None) -> dict[str, An
     given in memory has none); vllm, none; else the folder it names; then
     --override-generation-config's values over them."""
     defaults = _generation_config(config, folder)
-    override = config.override_generation_config
-    if override:
-        unknown = sorted(set(override) - set(GENERATION_DEFAULTS.values()))
+    if config.override_generation_config:
+        unknown = sorted(set(config.override_generation_config) - set(GENERATION_DEFAULTS))
         if unknown:
             raise ConfigError(f"--override-generation-config: {', '.join(unknown)} is not one "
-                              f"of {', '.join(GENERATION_DEFAULTS.values())}")
+                              f"of {', '.join(GENERATION_DEFAULTS)}")
+        override = {GENERATION_DEFAULTS[name]: value
+                    for name, value in config.override_generation_config.items()}
         try:
             SamplingParams(**override)
         except (TypeError, ValueError) as e:
-            raise ConfigError(f"--override-generation-config: {e}") from None
+            raise ConfigError(f"--override-generation-config: {hf_names(str(e))}") from None
         defaults = {**defaults, **override}
         logger.info("default sampling: %s, for what a request leaves unset", defaults)
     return defaults
@@ -195,6 +197,9 @@ class LLMEngine:
                                           config.quantization)
         else:
             self.default_sampling = sampling_defaults(config, None)
+        # --override-generation-config's max_new_tokens caps the server's requests (vLLM's)
+        self.max_tokens_cap: int | None = (config.override_generation_config or {}).get(
+            "max_new_tokens")
         config.finalize(model.config.max_position_embeddings)
         self.config = config
         self.model_config = model.config

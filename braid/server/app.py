@@ -173,7 +173,8 @@ def run_server(args: argparse.Namespace) -> int:
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                         root=config.model, max_logprobs=engine.max_logprobs(),
                         vocab_size=engine.model_config.vocab_size,
-                        response_role=args.response_role)
+                        response_role=args.response_role,
+                        max_tokens_cap=engine.max_tokens_cap)
     app = create_app(ctx, metrics, AppOptions(
         args.max_request_bytes, args.api_key, args.enable_docs, tuple(args.allowed_origins),
         tuple(args.allowed_methods), tuple(args.allowed_headers), args.allow_credentials))

@@ -50,6 +50,9 @@ class ServerContext:
     response_role: str = "assistant"  # --response-role
     # sampling for the fields a request leaves unset (the model's generation_config.json)
     default_sampling: dict[str, Any] = field(default_factory=dict)
+    # --override-generation-config's max_new_tokens: as in vLLM, every request's max_tokens
+    # is at most it (and it is the default where a request leaves max_tokens unset)
+    max_tokens_cap: int | None = None
 
 
 class EngineFailure(Exception):
@@ -132,7 +135,11 @@ def request_params(body: SamplingRequest, max_tokens: int | None, logprobs: int 
     except ValueError as e:
         raise bad_request(str(e), "logit_bias") from None
     shared = {name: getattr(body, name) for name in _SHARED_FIELDS}
-    shared.update({name: value for name, value in (defaults or {}).items()
+    defaults = dict(defaults or {})
+    fallback = defaults.pop("max_tokens", None)  # a generation config's max_new_tokens
+    if max_tokens is None:
+        max_tokens = fallback
+    shared.update({name: value for name, value in defaults.items()
                    if name not in body.model_fields_set})
     if prompt_logprobs is None:
         prompt_logprobs = body.prompt_logprobs
@@ -162,6 +169,13 @@ def structured(body: SamplingRequest) -> StructuredOutputsParams | None:
     except ValueError as e:
         raise bad_request(f"{where}: {e}", where) from None
     return params
+
+
+def capped(ctx: ServerContext, max_tokens: int | None) -> int | None:
+    """A request's max_tokens within --override-generation-config's max_new_tokens."""
+    if max_tokens is None or ctx.max_tokens_cap is None:
+        return max_tokens
+    return min(max_tokens, ctx.max_tokens_cap)
 
 
 def check_room(ctx: ServerContext, prompts: list[list[int]], max_tokens: int | None,

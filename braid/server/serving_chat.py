@@ -34,6 +34,7 @@ from braid.server.responses import (
 from braid.server.serving import (
     Job,
     ServerContext,
+    capped,
     check_model,
     check_room,
     event_stream,
@@ -70,7 +71,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
                           f"({ctx.max_logprobs})", "top_logprobs")
     # OpenAI's newer name wins where both are set; errors name the field the client used
     use_new_name = body.max_completion_tokens is not None
-    asked = body.max_completion_tokens if use_new_name else body.max_tokens
+    asked = capped(ctx, body.max_completion_tokens if use_new_name else body.max_tokens)
     asked_field = "max_completion_tokens" if use_new_name else "max_tokens"
     try:
         mode, constraint = tool_mode(body), tool_constraint(body)

@@ -29,6 +29,7 @@ from braid.server.responses import (
 from braid.server.serving import (
     Job,
     ServerContext,
+    capped,
     check_model,
     check_room,
     event_stream,
@@ -54,7 +55,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest,
     # echo with max_tokens 0 scores the prompt and generates nothing, as in vLLM: the engine
     # generates one token, which the response leaves out
     score_only = body.echo and body.max_tokens == 0
-    max_tokens = 1 if score_only else body.max_tokens
+    max_tokens = 1 if score_only else capped(ctx, body.max_tokens)
     params = request_params(body, max_tokens, body.logprobs, prompt_logprobs=echo_logprobs,
                             defaults=ctx.default_sampling)
     keep = kept_prompt_tokens(ctx, body.truncate_prompt_tokens)

@@ -202,9 +202,16 @@ def test_generation_config_fills_what_a_request_leaves_unset(tmp_path: Path) -> 
     from tests.tiny import save_tiny_model
 
     folder = save_tiny_model(tmp_path / "model")
-    (folder / "generation_config.json").write_text(json.dumps({"top_k": 1, "temperature": 0.9}))
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"top_k": 1, "temperature": 0.9, "max_new_tokens": 5}))
     server = ServerProcess(folder, tmp_path, *ENGINE_FLAGS)
     try:
+        # max_new_tokens: the max_tokens of a request that leaves it unset (or null)
+        for r in (chat(server, ignore_eos=True, max_tokens=None),
+                  completion(server, ignore_eos=True, max_tokens=None)):
+            assert r.json()["usage"]["completion_tokens"] == 5, r.text
+        assert chat(server, ignore_eos=True, max_tokens=9).json()["usage"][
+            "completion_tokens"] == 9
         greedy = completion(server, temperature=0, max_tokens=8).json()["choices"][0]["text"]
         for fields in ({"seed": 1}, {"seed": 2, "top_k": None}, {"seed": 3, "temperature": 1.5}):
             r = completion(server, max_tokens=8, **fields)
@@ -219,6 +226,30 @@ def test_generation_config_fills_what_a_request_leaves_unset(tmp_path: Path) -> 
     finally:
         assert server.stop() == 0, server.log()
     assert "default sampling from" in server.log_path.read_text()
+
+
+def test_override_max_new_tokens_limits_every_request(tmp_path: Path) -> None:
+    """vLLM's --override-generation-config max_new_tokens: the default max_tokens and every
+    request's limit (a larger max_tokens, even one past the context, runs to it), streams
+    too."""
+    from tests.tiny import save_tiny_model
+
+    server = ServerProcess(save_tiny_model(tmp_path / "model"), tmp_path, *ENGINE_FLAGS,
+                           "--override-generation-config", '{"max_new_tokens": 3}')
+    try:
+        for r in (chat(server, max_tokens=None), chat(server, max_completion_tokens=50),
+                  completion(server, max_tokens=None), completion(server, max_tokens=10_000)):
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 3, r.text
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+        assert completion(server, max_tokens=2).json()["usage"]["completion_tokens"] == 2
+        r = completion(server, max_tokens=50, stream=True,
+                       stream_options={"include_usage": True})
+        usage = [json.loads(line[6:]) for line in r.text.splitlines()
+                 if line.startswith("data: {")][-1]["usage"]
+        assert usage["completion_tokens"] == 3
+    finally:
+        assert server.stop() == 0, server.log()
 
 
 def test_truncate_prompt_tokens_keeps_the_prompt_s_end(server: ServerProcess) -> None:
