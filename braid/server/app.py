@@ -58,6 +58,7 @@ class AppOptions:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    root_path: str = ""  # --root-path
 
 
 def create_app(ctx: ServerContext, metrics: ServerMetrics,
@@ -72,7 +73,7 @@ def create_app(ctx: ServerContext, metrics: ServerMetrics,
     on = options.enable_docs
     app = FastAPI(title="braid", version=__version__, lifespan=lifespan,
                   docs_url="/docs" if on else None, redoc_url="/redoc" if on else None,
-                  openapi_url="/openapi.json" if on else None)
+                  openapi_url="/openapi.json" if on else None, root_path=options.root_path)
     install_error_handlers(app)
     _add_routes(app, ctx, metrics)
     _add_token_routes(app, ctx)
@@ -177,7 +178,8 @@ def run_server(args: argparse.Namespace) -> int:
                         max_tokens_cap=engine.max_tokens_cap)
     app = create_app(ctx, metrics, AppOptions(
         args.max_request_bytes, args.api_key, args.enable_docs, tuple(args.allowed_origins),
-        tuple(args.allowed_methods), tuple(args.allowed_headers), args.allow_credentials))
+        tuple(args.allowed_methods), tuple(args.allowed_headers), args.allow_credentials,
+        args.root_path))
     server = _Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S,

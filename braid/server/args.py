@@ -44,6 +44,13 @@ def _chat_template(text: str) -> str:
     return text
 
 
+def _root_path(text: str) -> str:
+    """argparse type: a URL path prefix ("" or "/a/b"; a trailing slash is dropped)."""
+    if text and not text.startswith("/"):
+        raise argparse.ArgumentTypeError(f"must start with /, got {text!r}")
+    return text.rstrip("/")
+
+
 def _string_list(text: str) -> list[str]:
     """argparse type, as vLLM's CORS flags: a JSON list of strings."""
     import json
@@ -96,6 +103,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="request headers allowed across origins, a JSON list (default any)")
     group.add_argument("--allow-credentials", action="store_true",
                        help="let cross-origin requests carry credentials (cookies, auth)")
+    group.add_argument("--root-path", type=_root_path, default="",
+                       help="the path prefix a path-based proxy serves braid under, e.g. "
+                            "/llm (vLLM's: FastAPI's root_path); routes answer with it and "
+                            "without it")
     group.add_argument("--enable-docs", action="store_true",
                        help="serve the OpenAPI schema and /docs (off by default)")
     group.add_argument("--chat-template", type=_chat_template, default=None,

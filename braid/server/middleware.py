@@ -46,6 +46,16 @@ class BodySizeLimit:
         await self.app(scope, limited, send)
 
 
+def route_path(scope: Scope) -> str:
+    """The path the routes see: without --root-path where the request carries it (as
+    Starlette's routing strips it), so the prefix cannot walk around a check."""
+    path: str = scope["path"]
+    root = scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):]
+    return path
+
+
 class ApiKeyAuth:
     """`Authorization: Bearer KEY` on the protected routes (compared in constant time)."""
 
@@ -54,7 +64,7 @@ class ApiKeyAuth:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
+        if scope["type"] == "http" and route_path(scope).startswith(PROTECTED_PREFIXES):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 error = APIError(401, "invalid or missing API key (send Authorization: "

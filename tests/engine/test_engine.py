@@ -298,7 +298,7 @@ def test_serve_takes_vllm_s_command_line(capsys) -> None:
     assert "braid: error: model '/no/such/model' not found" in capsys.readouterr().err
 
 
-def test_serve_names_a_bad_cors_flag_or_tool_parser(capsys) -> None:
+def test_serve_names_a_bad_cors_flag_root_path_or_tool_parser(capsys) -> None:
     """vLLM's flags braid takes: a value they cannot take is refused naming the flag."""
     from braid.cli import build_parser, main
 
@@ -306,6 +306,10 @@ def test_serve_names_a_bad_cors_flag_or_tool_parser(capsys) -> None:
         main(["serve", "--allowed-origins", "*", "--model", "/no/such/model"])
     assert "argument --allowed-origins: expected a JSON list of strings" in \
         capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--root-path", "llm"])
+    assert "argument --root-path: must start with /, got 'llm'" in capsys.readouterr().err
+    assert build_parser().parse_args(["serve", "--root-path", "/a/b/"]).root_path == "/a/b"
     with pytest.raises(SystemExit):
         main(["serve", "--tool-call-parser", "mistral"])
     assert "argument --tool-call-parser: invalid choice: 'mistral'" in capsys.readouterr().err

@@ -588,7 +588,7 @@ def test_docs_are_off_by_default(server: ServerProcess) -> None:
         assert httpx.get(f"{server.url}{path}").status_code == 404
 
 
-# ---- a guarded server: small body limit, API key, waiting limit 4 ---------------------------
+# ---- a guarded server: small body limit, API key, waiting limit 4, under /llm -------------
 
 
 @pytest.fixture(scope="module")
@@ -598,7 +598,8 @@ def guarded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                          "--max-request-bytes", str(LIMIT_BYTES), "--api-key", KEY,
                          "--max-waiting-requests", "4", "--max-num-seqs", "2",
                          "--enable-docs", "--allowed-origins", f'["{UI}"]',
-                         "--disable-uvicorn-access-log", "--response-role", "bot")
+                         "--disable-uvicorn-access-log", "--response-role", "bot",
+                         "--root-path", "/llm/")
     yield proc
     assert proc.stop() == 0, proc.log()
 
@@ -674,17 +675,24 @@ def test_cors_allowed_origins_with_an_api_key(guarded: ServerProcess) -> None:
 
 
 def test_api_key_guards_v1_and_token_routes(guarded: ServerProcess) -> None:
+    """With and without --root-path's prefix (as a path-based proxy forwards it, or strips
+    it): the same routes, the same key; a prefix cannot walk around the check."""
     body = {"model": guarded.model, "prompt": "hi", "max_tokens": 2}
-    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY}):
-        r = post(guarded, "/v1/completions", body, headers=headers)
-        assert r.status_code == 401, r.text
-        assert r.json()["error"]["type"] == "authentication_error"
-        assert httpx.get(f"{guarded.url}/v1/models", headers=headers).status_code == 401
-        assert post(guarded, "/tokenize", {"prompt": "x"}, headers=headers).status_code == 401
-    assert post(guarded, "/v1/completions", body, headers=AUTH).status_code == 200
-    assert httpx.get(f"{guarded.url}/v1/models", headers=AUTH).status_code == 200
-    for path in ("/health", "/metrics", "/version", "/docs", "/openapi.json"):
-        assert httpx.get(f"{guarded.url}{path}").status_code == 200, path
+    for root in ("", "/llm"):
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY}):
+            r = post(guarded, f"{root}/v1/completions", body, headers=headers)
+            assert r.status_code == 401, r.text
+            assert r.json()["error"]["type"] == "authentication_error"
+            assert httpx.get(f"{guarded.url}{root}/v1/models",
+                             headers=headers).status_code == 401
+            assert post(guarded, f"{root}/tokenize", {"prompt": "x"},
+                        headers=headers).status_code == 401
+        assert post(guarded, f"{root}/v1/completions", body, headers=AUTH).status_code == 200
+        assert httpx.get(f"{guarded.url}{root}/v1/models", headers=AUTH).status_code == 200
+        for path in ("/health", "/metrics", "/version", "/docs", "/openapi.json"):
+            assert httpx.get(f"{guarded.url}{root}{path}").status_code == 200, path
+    assert httpx.get(f"{guarded.url}/llmx/v1/models", headers=AUTH).status_code == 404
+    assert httpx.get(f"{guarded.url}/openapi.json").json()["servers"] == [{"url": "/llm"}]
 
 
 def test_body_over_the_limit_is_413(guarded: ServerProcess) -> None:
