@@ -117,6 +117,28 @@ def _add_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> Non
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
+    # SageMaker's routes, as vLLM serves them: /ping is /health, /invocations a chat
+    # completion where the body has messages and a completion where it has a prompt
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
+    @app.post("/invocations")
+    async def invocations(fields: Annotated[dict[str, Any], Body()], raw: Request) -> Response:
+        form: type[ChatCompletionRequest] | type[CompletionRequest]
+        if "messages" in fields:
+            form = ChatCompletionRequest
+        elif "prompt" in fields:
+            form = CompletionRequest
+        else:
+            raise bad_request("body: expected a chat completion request (with messages) or a "
+                              "completion request (with prompt)", "body")
+        try:
+            body = form.model_validate(fields)
+        except ValidationError as e:
+            raise validation_error(e) from None
+        if isinstance(body, ChatCompletionRequest):
+            return await create_chat_completion(ctx, body, raw)
+        return await create_completion(ctx, body, raw)
+
 
 def _add_token_routes(app: FastAPI, ctx: ServerContext) -> None:
     """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize."""

@@ -10,7 +10,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from braid.server.errors import APIError
 
 # Routes that need the API key (when one is set); /health, /metrics and /version stay open.
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/invocations")
 
 
 class BodySizeLimit:

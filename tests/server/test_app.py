@@ -44,6 +44,36 @@ def test_health_and_models(server: ServerProcess, client: openai.OpenAI) -> None
     assert permission["id"].startswith("modelperm-")
 
 
+def test_sagemaker_ping_and_invocations_as_vllm(server: ServerProcess, client: openai.OpenAI
+                                                ) -> None:
+    """/ping is /health (GET and POST); /invocations answers a chat request (messages) or a
+    completion request (prompt) as their own routes do, streams too; errors name the field."""
+    for method in ("GET", "POST"):
+        r = httpx.request(method, f"{server.url}/ping")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+    fields = {"model": server.model, "max_tokens": 6, "temperature": 0}
+    chat = {**fields, "messages": [{"role": "user", "content": "hi"}]}
+    got = httpx.post(f"{server.url}/invocations", json=chat, timeout=60).json()
+    reply = client.chat.completions.create(**chat).choices[0].message.content  # type: ignore[call-overload]
+    assert got["object"] == "chat.completion"
+    assert got["choices"][0]["message"]["content"] == reply
+    got = httpx.post(f"{server.url}/invocations", json={**fields, "prompt": "abc"},
+                     timeout=60).json()
+    want = client.completions.create(**fields, prompt="abc")
+    assert got["object"] == "text_completion" and got["choices"][0]["text"] == want.choices[0].text
+    with httpx.stream("POST", f"{server.url}/invocations", json={**chat, "stream": True},
+                      timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                   for line in lines[:-1])
+    assert text == reply
+    for body, param in (({"model": server.model}, "body"), ({**chat, "messages": 5}, "messages"),
+                        ({**fields, "prompt": "abc", "bogus": 1}, "bogus")):
+        r = httpx.post(f"{server.url}/invocations", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_completion_matches_offline(server: ServerProcess, client: openai.OpenAI,
                                     offline: LLM) -> None:
     res = client.completions.create(model=server.model, prompt="Hello, braid", max_tokens=12,

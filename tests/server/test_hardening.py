@@ -687,9 +687,11 @@ def test_api_key_guards_v1_and_token_routes(guarded: ServerProcess) -> None:
                              headers=headers).status_code == 401
             assert post(guarded, f"{root}/tokenize", {"prompt": "x"},
                         headers=headers).status_code == 401
+            assert post(guarded, f"{root}/invocations", body, headers=headers).status_code == 401
         assert post(guarded, f"{root}/v1/completions", body, headers=AUTH).status_code == 200
+        assert post(guarded, f"{root}/invocations", body, headers=AUTH).status_code == 200
         assert httpx.get(f"{guarded.url}{root}/v1/models", headers=AUTH).status_code == 200
-        for path in ("/health", "/metrics", "/version", "/docs", "/openapi.json"):
+        for path in ("/health", "/ping", "/metrics", "/version", "/docs", "/openapi.json"):
             assert httpx.get(f"{guarded.url}{root}{path}").status_code == 200, path
     assert httpx.get(f"{guarded.url}/llmx/v1/models", headers=AUTH).status_code == 404
     assert httpx.get(f"{guarded.url}/openapi.json").json()["servers"] == [{"url": "/llm"}]
