@@ -197,7 +197,8 @@ def run_server(args: argparse.Namespace) -> int:
                         root=config.model, max_logprobs=engine.max_logprobs(),
                         vocab_size=engine.model_config.vocab_size,
                         response_role=args.response_role,
-                        max_tokens_cap=engine.max_tokens_cap)
+                        max_tokens_cap=engine.max_tokens_cap,
+                        force_include_usage=args.enable_force_include_usage)
     app = create_app(ctx, metrics, AppOptions(
         args.max_request_bytes, args.api_key, args.enable_docs, tuple(args.allowed_origins),
         tuple(args.allowed_methods), tuple(args.allowed_headers), args.allow_credentials,

@@ -127,6 +127,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tool-call-parser", choices=["hermes"], default="hermes",
                        help="how tool calls are read from the output: hermes (<tool_call> "
                             "blocks, Qwen2.5's format; the one braid implements)")
+    group.add_argument("--enable-force-include-usage", action="store_true",
+                       help="every stream carries usage, in each chunk and a last one, "
+                            "whatever its stream_options (vLLM's)")
     group.add_argument("--disable-uvicorn-access-log", action="store_true",
                        help="no line per HTTP request in the log (vLLM's; on by default)")
     group.add_argument("--log-level", "--uvicorn-log-level", default="info",

@@ -25,7 +25,7 @@ from braid.outputs import RequestOutput
 from braid.sampling_params import SamplingParams, StructuredOutputsParams, choice_seed
 from braid.server.engine_loop import AsyncEngine, OutputQueue, RequestFailed, ShuttingDown
 from braid.server.errors import APIError, bad_request, field_of
-from braid.server.protocol import SamplingRequest
+from braid.server.protocol import SamplingRequest, StreamOptions
 from braid.server.responses import ChoiceState, Delta, usage
 from braid.structured.grammar import grammar_for
 from braid.tokenizer import Tokenizer
@@ -53,6 +53,7 @@ class ServerContext:
     # --override-generation-config's max_new_tokens: as in vLLM, every request's max_tokens
     # is at most it (and it is the default where a request leaves max_tokens unset)
     max_tokens_cap: int | None = None
+    force_include_usage: bool = False  # --enable-force-include-usage
 
 
 class EngineFailure(Exception):
@@ -108,6 +109,13 @@ _SHARED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "sto
                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                   "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                   "include_stop_str_in_output", "allowed_token_ids", "bad_words")
+
+
+def force_usage(ctx: ServerContext, body: SamplingRequest) -> None:
+    """--enable-force-include-usage, as vLLM's: a stream carries usage in every chunk and a
+    last usage chunk, whatever its stream_options say."""
+    if ctx.force_include_usage and body.stream:
+        body.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=True)
 
 
 def whole_vocabulary(ctx: ServerContext, body: SamplingRequest, *names: str) -> None:

@@ -38,6 +38,7 @@ from braid.server.serving import (
     check_model,
     check_room,
     event_stream,
+    force_usage,
     kept_prompt_tokens,
     make_job,
     request_id,
@@ -61,6 +62,7 @@ from braid.tokenizer import (
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest,
                                  raw: Request) -> Response:
     model = check_model(ctx, body.model)
+    force_usage(ctx, body)
     check_template_fields(body, ctx.trust_request_chat_template)  # may set tools
     whole_vocabulary(ctx, body, "top_logprobs", "prompt_logprobs")
     if (body.top_logprobs or 0) > 0 and not body.logprobs:  # vLLM lets 0 go without

@@ -33,6 +33,7 @@ from braid.server.serving import (
     check_model,
     check_room,
     event_stream,
+    force_usage,
     kept_prompt_tokens,
     make_job,
     request_id,
@@ -49,6 +50,7 @@ from braid.tokenizer import PromptTooLong, Tokenizer
 async def create_completion(ctx: ServerContext, body: CompletionRequest,
                             raw: Request) -> Response:
     model = check_model(ctx, body.model)
+    force_usage(ctx, body)
     whole_vocabulary(ctx, body, "logprobs", "prompt_logprobs")
     # echo with logprobs returns the prompt's logprobs too
     echo_logprobs = body.logprobs if body.echo and body.prompt_logprobs is None else None

@@ -599,7 +599,7 @@ def guarded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                          "--max-waiting-requests", "4", "--max-num-seqs", "2",
                          "--enable-docs", "--allowed-origins", f'["{UI}"]',
                          "--disable-uvicorn-access-log", "--response-role", "bot",
-                         "--root-path", "/llm/")
+                         "--root-path", "/llm/", "--enable-force-include-usage")
     yield proc
     assert proc.stop() == 0, proc.log()
 
@@ -672,6 +672,23 @@ def test_cors_allowed_origins_with_an_api_key(guarded: ServerProcess) -> None:
     r = post(guarded, "/v1/completions", body, headers={"origin": "http://elsewhere.example",
                                                         **AUTH})
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+@pytest.mark.parametrize("options", [None, {"include_usage": False}])
+def test_force_include_usage_as_vllm(guarded: ServerProcess, options: dict | None) -> None:
+    """--enable-force-include-usage: usage in every chunk and a last usage chunk, whatever
+    stream_options say; a response without a stream has its usage as always."""
+    body = {"model": guarded.model, "prompt": "hi", "max_tokens": 3, "stream": True,
+            "ignore_eos": True, **({"stream_options": options} if options else {})}
+    r = post(guarded, "/v1/completions", body, headers=AUTH)
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    assert all(c["usage"] for c in chunks), chunks
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    body.pop("stream")
+    body.pop("stream_options", None)
+    assert post(guarded, "/v1/completions", body, headers=AUTH).json()["usage"][
+        "completion_tokens"] == 3
 
 
 def test_api_key_guards_v1_and_token_routes(guarded: ServerProcess) -> None:
