@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
@@ -282,12 +283,15 @@ def _ignore(signum: int, frame: Any) -> None:
 
 SHUTDOWN_GRACE_S = 3.0  # after failing the stragglers, time for their last bytes to go out
 TLS_GOODBYE_S = 0.5  # how long a closed TLS connection may wait for the client's goodbye
+FORCE_QUIT_S = 1.0  # how long a force quit lets the failed requests send their last words
 
 
 class _Server(uvicorn.Server):
     """uvicorn's graceful shutdown, plus a deadline: requests still in flight after
     `--shutdown-timeout` are failed by the engine loop (streams end with an error event and
-    [DONE], other requests get 503) instead of being cut mid-response."""
+    [DONE], other requests get 503) instead of being cut mid-response. A force quit (Ctrl+C
+    during the drain) fails them the same way at once and gives them a moment to say so,
+    where uvicorn alone cancels them mid-response with a traceback each."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, deadline_s: float) -> None:
         super().__init__(config)
@@ -302,10 +306,27 @@ class _Server(uvicorn.Server):
         goodbyes = loop.create_task(self._end_tls_goodbyes()) if self.config.is_ssl else None
         try:
             await super().shutdown(sockets)
+            if self.force_exit:
+                await self._last_words()
         finally:
             timer.cancel()
             if goodbyes is not None:
                 goodbyes.cancel()
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        if self.force_exit:
+            self.engine.fail_all(ShuttingDown("server force quit"))
+
+    async def _last_words(self) -> None:
+        """The requests failed by a force quit finish their responses, then the engine stops
+        (each up to FORCE_QUIT_S); what is left is cancelled by uvicorn."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + FORCE_QUIT_S
+        while self.server_state.tasks and loop.time() < end:
+            await asyncio.sleep(0.05)
+        with contextlib.suppress(TimeoutError):  # uvicorn skips the lifespan's end
+            await asyncio.wait_for(self.lifespan.shutdown(), FORCE_QUIT_S)
 
     async def _end_tls_goodbyes(self) -> None:
         """A TLS connection the shutdown closed waits for the client's close_notify (asyncio:

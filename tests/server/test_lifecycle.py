@@ -4,6 +4,7 @@ server: both need a server in a particular state."""
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -77,6 +78,40 @@ def test_sigterm_drains_in_flight_streams_and_exits_0(
         usage = json.loads(stream.events[-2].removeprefix("data: "))["usage"]
         assert usage["completion_tokens"] == 200
     assert refused, "a new connection was accepted while draining"
+
+
+def test_force_quit_ends_every_request_with_an_error_and_no_traceback(
+        tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Ctrl+C during the drain (SIGTERM, then SIGINT): the requests still in flight end at
+    once, streams with an error event and [DONE], others with a 503, where uvicorn alone cut
+    them mid-response and logged a CancelledError traceback each."""
+    server = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("force"), *ENGINE_FLAGS,
+                           "--max-num-seqs", "1", "--shutdown-timeout", "60")
+    streams = [_Stream(server) for _ in range(4)]
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            for stream in streams:
+                stream.thread.start()
+            plain = [pool.submit(_long_completion, server.url, server.model, 200)
+                     for _ in range(2)]
+            wait_until_in_engine(server.url, len(streams) + len(plain), server.log(),
+                                 done=lambda: sum("data: [DONE]" in s.events for s in streams))
+            server.terminate()
+            time.sleep(0.2)
+            server.proc.send_signal(signal.SIGINT)
+            assert server.proc.wait(10) is not None, server.log()
+            for stream in streams:
+                stream.thread.join(10)
+            answers = [f.result(10) for f in plain]
+        finally:
+            server.stop()
+    cut = [s for s in streams if "force quit" in s.events[-2]]
+    assert cut, [s.events[-2:] for s in streams]
+    for stream in streams:
+        assert stream.events[-1] == "data: [DONE]", stream.events[-3:]
+    assert all(r.status_code in (200, 503) for r in answers), [r.text for r in answers]
+    assert any(r.status_code == 503 and "force quit" in r.text for r in answers)
+    assert "Traceback" not in server.log_path.read_text(errors="replace"), server.log()
 
 
 class _Stream:
