@@ -2,7 +2,9 @@
 
 Every request field is honoured or refused: unknown fields get 400 naming them, and the
 known ones braid does not implement (`best_of` > 1, `tools` on completions, vLLM's
-removed `guided_*` fields) get 400 from `unsupported_field`. `user` is accepted and unused.
+removed `guided_*` fields) get 400 from `unsupported_field`. `user`, and chat's `metadata`,
+`store`, `service_tier`, `prompt_cache_key`, `safety_identifier` and `reasoning_effort`, are
+accepted and unused (they change no output).
 Structured output comes as OpenAI's `response_format` or vLLM's `structured_outputs`.
 Text that cannot be UTF-8 (a lone surrogate such as "\ud800") is refused where it enters.
 Responses carry one extra field, `braid`: per-response speculation figures and preemptions.
@@ -272,6 +274,14 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's bookkeeping and routing hints, accepted and unused: none changes the output
+    # (braid stores no completion, and its prefix cache needs no key)
+    metadata: dict[str, Text] | None = None
+    store: bool | None = None
+    service_tier: Text | None = None
+    prompt_cache_key: Text | None = None
+    safety_identifier: Text | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None  # no reasoning
 
 
 # ---- responses ----------------------------------------------------------------------------

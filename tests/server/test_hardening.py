@@ -168,9 +168,20 @@ def test_stream_options_as_in_vllm(server: ServerProcess) -> None:
 
 
 def test_accepted_no_ops(server: ServerProcess) -> None:
+    """Fields that change no output are accepted, so OpenAI clients that send them work; the
+    output is what the request gives without them. A value of the wrong type is still 400."""
     r = completion(server, user="u1", best_of=1, response_format={"type": "text"},
                    tool_choice="none")
     assert r.status_code == 200, r.text
+    hints = {"user": "u1", "metadata": {"run": "7"}, "store": False, "service_tier": "auto",
+             "prompt_cache_key": "k", "safety_identifier": "s", "reasoning_effort": "low"}
+    r = chat(server, max_tokens=8, **hints)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"] == chat(server, max_tokens=8).json()[
+        "choices"][0]["message"]
+    assert_400(chat(server, store="yes please"), "store")
+    assert_400(chat(server, reasoning_effort="extreme"), "reasoning_effort")
+    assert_400(completion(server, metadata={"run": "7"}), "metadata")  # chat's, not completions'
 
 
 def test_logit_bias_steers_greedy_output(server: ServerProcess) -> None:
