@@ -180,6 +180,9 @@ def run_server(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     _check_tls(args)
+    if args.enable_log_requests and args.disable_log_requests:
+        raise ConfigError("--enable-log-requests and --disable-log-requests contradict each "
+                          "other; give one")
     sock = _bind(args.host, args.port)  # before the load: a busy port fails in a second
     engine = LLMEngine(config)
     if engine.tokenizer is None:
@@ -190,7 +193,8 @@ def run_server(args: argparse.Namespace) -> int:
     engine.structured.warm_up()  # the grammar engine's tokenizer view, before any request
     names = args.served_model_name or [config.model]
     metrics = ServerMetrics(names[0])
-    ctx = ServerContext(AsyncEngine(engine, metrics), engine.tokenizer, names,
+    ctx = ServerContext(AsyncEngine(engine, metrics, args.enable_log_requests),
+                        engine.tokenizer, names,
                         config.max_model_len, args.max_waiting_requests,
                         trust_request_chat_template=args.trust_request_chat_template,
                         default_sampling=engine.default_sampling,
@@ -199,7 +203,8 @@ def run_server(args: argparse.Namespace) -> int:
                         vocab_size=engine.model_config.vocab_size,
                         response_role=args.response_role,
                         max_tokens_cap=engine.max_tokens_cap,
-                        force_include_usage=args.enable_force_include_usage)
+                        force_include_usage=args.enable_force_include_usage,
+                        log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
     app = create_app(ctx, metrics, AppOptions(
         args.max_request_bytes, args.api_key, args.enable_docs, tuple(args.allowed_origins),
         tuple(args.allowed_methods), tuple(args.allowed_headers), args.allow_credentials,

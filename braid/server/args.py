@@ -130,6 +130,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-force-include-usage", action="store_true",
                        help="every stream carries usage, in each chunk and a last one, "
                             "whatever its stream_options (vLLM's)")
+    group.add_argument("--enable-log-requests", action="store_true",
+                       help="log each request as it arrives (its prompt and sampling "
+                            "parameters) and as it ends (vLLM's)")
+    group.add_argument("--disable-log-requests", action="store_true",
+                       help="accepted for vLLM command lines: requests are not logged unless "
+                            "--enable-log-requests")
+    group.add_argument("--max-log-len", type=positive_int, default=None,
+                       help="with --enable-log-requests, the prompt characters and token ids "
+                            "a line shows (default all)")
     group.add_argument("--disable-uvicorn-access-log", action="store_true",
                        help="no line per HTTP request in the log (vLLM's; on by default)")
     group.add_argument("--log-level", "--uvicorn-log-level", default="info",

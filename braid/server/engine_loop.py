@@ -105,9 +105,11 @@ class EngineSnapshot:
 
 
 class AsyncEngine:
-    def __init__(self, engine: EngineLike, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine: EngineLike, metrics: ServerMetrics | None = None,
+                 log_requests: bool = False) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.log_requests = log_requests  # --enable-log-requests: a line as each one ends
         self.snapshot = EngineSnapshot()
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._queues: dict[str, OutputQueue] = {}  # engine thread only
@@ -241,6 +243,8 @@ class AsyncEngine:
         except Exception:
             logger.exception("aborting request %s failed", request_id)
             return
+        if out is not None and self.log_requests:
+            _log_finished(out, "aborted")
         if self.metrics is not None:
             self.metrics.forget(request_id)
             if out is not None:
@@ -270,6 +274,8 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         batch = []
         for out in outputs:
+            if out.finished and self.log_requests:
+                _log_finished(out, "finished")
             target = (self._queues.pop(out.request_id, None) if out.finished
                       else self._queues.get(out.request_id))
             if target is not None:
@@ -311,3 +317,14 @@ def _settle_all(settled: list[tuple[asyncio.Future[None], BaseException | None]]
 def _put_all(batch: list[tuple[OutputQueue, Delivery]]) -> None:
     for target, item in batch:
         target.put_nowait(item)
+
+
+def _log_finished(out: RequestOutput, how: str) -> None:
+    """--enable-log-requests' line as a request leaves the engine."""
+    c = out.outputs[0]
+    m = out.metrics
+    seconds = (m.finish_time or time.monotonic()) - m.arrival_time
+    logger.info("%s request %s: %s, %d prompt + %d generated tokens in %.2f s%s",
+                how.capitalize(), out.request_id, c.finish_reason, len(out.prompt_token_ids),
+                len(c.token_ids), seconds,
+                f", speculation {m.spec_stats}" if m.spec_stats else "")

@@ -54,6 +54,8 @@ class ServerContext:
     # is at most it (and it is the default where a request leaves max_tokens unset)
     max_tokens_cap: int | None = None
     force_include_usage: bool = False  # --enable-force-include-usage
+    log_requests: bool = False  # --enable-log-requests: a line as each request arrives
+    max_log_len: int | None = None  # --max-log-len: prompt characters and ids such a line shows
 
 
 class EngineFailure(Exception):
@@ -257,6 +259,21 @@ async def submit(ctx: ServerContext, job: Job, prompt_field: str = "prompt",
     if errors:
         abort_unfinished(ctx, job)
         raise _admission_error(errors[0], prompt_field)
+    if ctx.log_requests:
+        _log_received(ctx, job)
+
+
+def _log_received(ctx: ServerContext, job: Job) -> None:
+    """--enable-log-requests' line per engine request, as vLLM's: its prompt (text and ids,
+    each cut at --max-log-len) and sampling parameters."""
+    cut = ctx.max_log_len
+    for c, params in zip(job.choices, job.params, strict=True):
+        ids = job.prompts[c.prompt_index]
+        text = ctx.tokenizer.decode(ids[:cut] if cut is not None else ids,
+                                    skip_special_tokens=False)
+        logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
+                    c.request_id, text[:cut] if cut is not None else text, params,
+                    ids[:cut] if cut is not None else ids)
 
 
 def _admission_error(error: BaseException, prompt_field: str) -> BaseException:

@@ -306,6 +306,9 @@ def test_serve_names_a_bad_cors_flag_root_path_or_tool_parser(capsys) -> None:
         main(["serve", "--allowed-origins", "*", "--model", "/no/such/model"])
     assert "argument --allowed-origins: expected a JSON list of strings" in \
         capsys.readouterr().err
+    assert main(["serve", "--enable-log-requests", "--disable-log-requests", "--port", "0"]) == 2
+    assert "--enable-log-requests and --disable-log-requests contradict" in \
+        capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--root-path", "llm"])
     assert "argument --root-path: must start with /, got 'llm'" in capsys.readouterr().err

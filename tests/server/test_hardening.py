@@ -610,7 +610,8 @@ def guarded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                          "--max-waiting-requests", "4", "--max-num-seqs", "2",
                          "--enable-docs", "--allowed-origins", f'["{UI}"]',
                          "--disable-uvicorn-access-log", "--response-role", "bot",
-                         "--root-path", "/llm/", "--enable-force-include-usage")
+                         "--root-path", "/llm/", "--enable-force-include-usage",
+                         "--enable-log-requests", "--max-log-len", "12")
     yield proc
     assert proc.stop() == 0, proc.log()
 
@@ -700,6 +701,28 @@ def test_force_include_usage_as_vllm(guarded: ServerProcess, options: dict | Non
     body.pop("stream_options", None)
     assert post(guarded, "/v1/completions", body, headers=AUTH).json()["usage"][
         "completion_tokens"] == 3
+
+
+def test_log_requests_as_vllm(guarded: ServerProcess) -> None:
+    """--enable-log-requests: a line per engine request as it arrives (prompt text and ids
+    cut at --max-log-len, sampling parameters) and as it ends, aborted ones too."""
+    body = {"model": guarded.model, "prompt": "abcdefghijklmnopqrstuvwxyz", "max_tokens": 3,
+            "n": 2, "ignore_eos": True}
+    rid = post(guarded, "/v1/completions", body, headers=AUTH).json()["id"]
+    with httpx.stream("POST", f"{guarded.url}/v1/completions", headers=AUTH, timeout=60,
+                      json={**body, "n": 1, "max_tokens": 200, "stream": True}) as r:
+        cut = json.loads(next(line for line in r.iter_lines() if line.startswith("data:"))[6:])
+    log = guarded.log_path.read_text(errors="replace")
+    for j in (0, 1):
+        assert (f"Received request {rid}-{j}: prompt: 'abcdefghijkl', params: SamplingParams("
+                f"n=1, ") in log, log[-3000:]
+        assert f"Finished request {rid}-{j}: length, 26 prompt + 3 generated tokens" in log
+    assert "prompt_token_ids: [97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108]" in log
+    deadline = time.monotonic() + 10
+    while f"Aborted request {cut['id']}-0: abort" not in log and time.monotonic() < deadline:
+        time.sleep(0.1)
+        log = guarded.log_path.read_text(errors="replace")
+    assert f"Aborted request {cut['id']}-0: abort" in log
 
 
 def test_api_key_guards_v1_and_token_routes(guarded: ServerProcess) -> None:
