@@ -130,6 +130,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-force-include-usage", action="store_true",
                        help="every stream carries usage, in each chunk and a last one, "
                             "whatever its stream_options (vLLM's)")
+    # vLLM flags that change nothing here, accepted so vLLM command lines run unchanged
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted for vLLM command lines: braid runs its own model code, "
+                            "never a checkpoint's")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="accepted for vLLM command lines: braid captures no graphs")
     group.add_argument("--enable-log-requests", action="store_true",
                        help="log each request as it arrives (its prompt and sampling "
                             "parameters) and as it ends (vLLM's)")

@@ -317,7 +317,8 @@ def test_serve_names_a_bad_cors_flag_root_path_or_tool_parser(capsys) -> None:
         main(["serve", "--tool-call-parser", "mistral"])
     assert "argument --tool-call-parser: invalid choice: 'mistral'" in capsys.readouterr().err
     args = build_parser().parse_args(["serve", "--enable-auto-tool-choice",
-                                      "--tool-call-parser", "hermes"])
+                                      "--tool-call-parser", "hermes", "--trust-remote-code",
+                                      "--enforce-eager", "--disable-log-requests"])
     assert args.enable_auto_tool_choice and args.tool_call_parser == "hermes"
 
 
