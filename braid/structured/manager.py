@@ -9,19 +9,62 @@ tokenizer's llguidance view is built once, on the first structured request or by
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cached_property
 
 import llguidance
+import tokenizers
 
 from braid.engine.stats import GrammarStats
 from braid.sampling_params import StructuredOutputsParams
 from braid.structured.grammar import GrammarState, grammar_for
-from braid.tokenizer import Tokenizer
+from braid.tokenizer import Tokenizer, bytes_to_unicode
 
 _MAX_CACHED = 128  # compiled grammars kept, least recently used dropped first
+
+
+def grammar_tokenizer(backend: tokenizers.Tokenizer, vocab_size: int, eos: int
+                      ) -> llguidance.LLTokenizer:
+    """The tokenizer as llguidance sees it. Read from its JSON, llguidance takes every added
+    token spelled <...> for a special one (never text) yet tokenizes text with a tokenizer
+    that finds added tokens inside text: a grammar asking for the text "<tool_call>" (Qwen's
+    tool calls: an added token, not a special one) or "<|im_end|>" was handed that token,
+    refused it, and the request ended in an error. For byte-level BPE, braid gives it each
+    token's bytes, the special tokens that really are special, and a tokenization that spells
+    their text out, as the model's own special tokens never stand for text."""
+    if '"ByteLevel"' not in json.dumps(json.loads(backend.to_str()).get("decoder")):
+        return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteLevelView(backend, eos)),
+                                  n_vocab=vocab_size, eos_token=eos)
+
+
+class _ByteLevelView:
+    """What llguidance.TokenizerWrapper reads: token bytes, special ids, and text -> ids."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, eos: int) -> None:
+        self.eos_token_id = eos
+        self.bos_token_id = None
+        added = backend.get_added_tokens_decoder()
+        self.special_token_ids = [i for i, token in added.items() if token.special]
+        unspell = {c: b for b, c in bytes_to_unicode().items()}
+
+        def spelled(i: int) -> bytes:
+            if i in added:
+                return added[i].content.encode("utf-8")
+            name = backend.id_to_token(i) or ""
+            if all(c in unspell for c in name):
+                return bytes(unspell[c] for c in name)
+            return name.encode("utf-8")
+
+        self.tokens = [spelled(i) for i in range(backend.get_vocab_size(with_added_tokens=True))]
+        self._text = tokenizers.Tokenizer.from_str(backend.to_str())
+        self._text.encode_special_tokens = True  # "<|im_end|>" in text is text
+
+    def __call__(self, text: str) -> list[int]:  # str only: llguidance passes bytes if taken
+        return self._text.encode(text, add_special_tokens=False).ids
 
 
 class StructuredOutputManager:
@@ -40,9 +83,8 @@ class StructuredOutputManager:
     @cached_property
     def _ll_tokenizer(self) -> llguidance.LLTokenizer:
         eos = self._tokenizer.eos_token_id
-        return llguidance.LLTokenizer(self._tokenizer.backend.to_str(), n_vocab=self._vocab_size,
-                                      eos_token=eos if eos is not None else min(
-                                          self._eos_token_ids, default=0))
+        return grammar_tokenizer(self._tokenizer.backend, self._vocab_size,
+                                 eos if eos is not None else min(self._eos_token_ids, default=0))
 
     def warm_up(self) -> Future[llguidance.LLTokenizer]:
         """Build the tokenizer's llguidance view in the background now."""

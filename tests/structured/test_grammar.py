@@ -128,3 +128,33 @@ def test_allowed_tokens_unpacks_llguidance_bitmasks(ll_tokenizer) -> None:
     assert torch.equal(allowed_tokens(bitmask, VOCAB), logits > float("-inf"))
     assert allowed_tokens(bitmask, VOCAB)[0].nonzero().flatten().tolist() == sorted(
         ids("abcdefghijklmnopqrstuvwxyz_"))
+
+
+@pytest.mark.parametrize("text", ["<tool_call>{}</tool_call>", "hi<|im_end|>"])
+def test_added_tokens_text_is_text_in_grammars(text: str) -> None:
+    """A grammar asking for the text of an added token: of one that is not special (Qwen's
+    <tool_call>) the model may write the token or spell it out, of a special one (<|im_end|>)
+    only spell it out; the grammar completes either way. Before, the tokenizer's view handed
+    llguidance the token for such text, it refused it, and the request ended in an error."""
+    import re
+
+    from tokenizers import AddedToken
+
+    from braid.structured.manager import grammar_tokenizer
+
+    backend = byte_tokenizer()
+    backend.add_tokens([AddedToken("<tool_call>", special=False),
+                        AddedToken("</tool_call>", special=False)])  # ids 259, 260
+    view = grammar_tokenizer(backend, VOCAB, EOS)
+    for pick in (max, min):  # max: the added token where it is allowed, min: bytes
+        grammar = grammar_for(StructuredOutputsParams(regex=re.escape(text)))
+        g = GrammarState(llguidance.LLMatcher(view, grammar), {EOS, 258}, GrammarStats())
+        out: list[int] = []
+        reason = None
+        while reason is None and len(out) < 40:
+            out.append(pick(mask(g, []).nonzero().squeeze(1).tolist()))
+            reason = g.advance(out[-1])
+        assert reason == "stop", (pick, out, view.decode_str(out))
+        assert view.decode_str(out) == text
+        assert 258 not in out  # <|im_end|> the token is never its text
+    assert view.tokenize_str("<tool_call>x<|im_end|>")[0] == 259
