@@ -49,7 +49,13 @@ from braid.server.serving import (
     submit,
     whole_vocabulary,
 )
-from braid.server.tools import ChoiceTools, template_messages, tool_constraint, tool_mode
+from braid.server.tools import (
+    ChoiceTools,
+    ToolSchemaError,
+    template_messages,
+    tool_constraint,
+    tool_mode,
+)
 from braid.tokenizer import (
     TEMPLATE_VARIABLES,
     ContinuationError,
@@ -77,6 +83,8 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     asked_field = "max_completion_tokens" if use_new_name else "max_tokens"
     try:
         mode, constraint = tool_mode(body), tool_constraint(body)
+    except ToolSchemaError as e:
+        raise bad_request(str(e), "tools") from None
     except ValueError as e:
         raise bad_request(f"tool_choice: {e}", "tool_choice") from None
     params = request_params(

@@ -31,6 +31,7 @@ from braid.server.protocol import (
     TokenizeChatRequest,
     ToolCall,
 )
+from braid.structured.grammar import grammar_for
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -53,27 +54,65 @@ def tool_mode(body: ChatCompletionRequest) -> str | None:
 
 
 def tool_constraint(body: ChatCompletionRequest) -> StructuredOutputsParams | None:
-    """The grammar that makes "required" and named tool choices valid calls."""
+    """The grammar that makes "required" and named tool choices valid calls. ToolSchemaError
+    naming the tool whose parameters are not a JSON schema the grammar engine takes."""
     mode = tool_mode(body)
     tools = body.tools or []
     if mode == "named":
         assert not isinstance(body.tool_choice, str) and body.tool_choice is not None
-        fn = next(t.function for t in tools if t.function.name == body.tool_choice.function.name)
-        return StructuredOutputsParams(json=_parameters(fn.parameters))
+        i = next(i for i, t in enumerate(tools)
+                 if t.function.name == body.tool_choice.function.name)
+        return StructuredOutputsParams(json=_parameters(tools, i))
     if mode != "required":
         return None
     calls = [{"type": "object", "properties": {
         "name": {"type": "string", "enum": [t.function.name]},
-        "parameters": _parameters(t.function.parameters)},
-        "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+        # within the array's schema: its own references ("#/$defs/...") rebased to it
+        "parameters": _rebased(_parameters(tools, i),
+                               f"#/items/anyOf/{i}/properties/parameters")},
+        "required": ["name", "parameters"], "additionalProperties": False}
+        for i, t in enumerate(tools)]
     array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if body.parallel_tool_calls is False:
         array["maxItems"] = 1
     return StructuredOutputsParams(json=array)
 
 
-def _parameters(schema: dict[str, Any] | None) -> dict[str, Any]:
-    return schema if schema else {"type": "object", "properties": {}}
+class ToolSchemaError(ValueError):
+    """A tool's parameters that the grammar engine cannot take (a 400 naming `tools`)."""
+
+
+def _parameters(tools: list[Any], i: int) -> dict[str, Any]:
+    """Tool i's parameters schema (an empty object where it has none), checked alone."""
+    schema = tools[i].function.parameters or {"type": "object", "properties": {}}
+    try:
+        grammar_for(StructuredOutputsParams(json=schema))
+    except ValueError as e:
+        raise ToolSchemaError(f"tools.{i}.function.parameters: not a JSON schema the grammar "
+                              f"takes: {str(e).removeprefix('json is not valid: ')}") from None
+    return schema
+
+
+# keywords whose values are data, not schemas: a "$ref" inside them is not a reference
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with its local references ("#" and "#/...") pointing into it where it sits
+    at JSON pointer `base` of a larger schema."""
+    if isinstance(schema, list):
+        return [_rebased(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rebased(value, base)
+    return out
 
 
 def template_messages(body: ChatCompletionRequest | TokenizeChatRequest) -> list[dict[str, Any]]:

@@ -33,8 +33,8 @@ MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 def chat(server: ServerProcess, stream: bool, **kwargs: Any) -> tuple[Any, list[dict], str]:
     """(content, tool calls as dicts, finish reason), from one response or a whole stream."""
     c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-    kwargs = dict(model=server.model, messages=MESSAGES, tools=TOOLS, max_tokens=150,
-                  temperature=0, **kwargs)
+    kwargs = {"model": server.model, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 150,
+              "temperature": 0, **kwargs}
     if not stream:
         res = c.chat.completions.create(**kwargs)
         m = res.choices[0].message
@@ -86,6 +86,29 @@ def test_required_tool_choice_gives_valid_calls(server: ServerProcess, stream: b
     check_calls(one)
 
 
+# references within a tool's own schema, as pydantic writes them ($defs) and older
+# generators do (definitions), and one to its root (a recursive tree)
+UNITS = {"type": "object", "$defs": {"Unit": {"enum": ["c", "f"]}},
+         "definitions": {"City": {"enum": ["Paris", "Oslo"]}},
+         "properties": {"unit": {"$ref": "#/$defs/Unit"}, "city": {"$ref": "#/definitions/City"},
+                        "also": {"type": "array", "maxItems": 1, "items": {"$ref": "#"}}},
+         "required": ["unit", "city"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_and_named_tools_with_references(server: ServerProcess, stream: bool) -> None:
+    """A tool's own "#/$defs/..." references hold inside the array of calls "required" asks
+    for (they were "Pointer does not exist" 400s), and for a named call."""
+    tools = [*TOOLS, {"type": "function", "function": {"name": "convert", "parameters": UNITS}}]
+    for choice in ("required", {"type": "function", "function": {"name": "convert"}}):
+        _, calls, _ = chat(server, stream, tools=tools, tool_choice=choice,
+                           parallel_tool_calls=False)
+        assert len(calls) == 1, calls
+        name = calls[0]["function"]["name"]
+        jsonschema.validate(json.loads(calls[0]["function"]["arguments"]),
+                            {**SCHEMAS, "convert": UNITS}[name])
+
+
 def test_stream_and_whole_agree(server: ServerProcess) -> None:
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         kwargs: dict[str, Any] = {"tool_choice": choice, "parallel_tool_calls": False}
@@ -101,6 +124,11 @@ def test_stream_and_whole_agree(server: ServerProcess) -> None:
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice"),
+    ({"tools": [*TOOLS, {"type": "function", "function": {"name": "bad", "parameters": {
+        "type": "bogus"}}}], "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad", "parameters": {
+        "$ref": "#/$defs/Nowhere"}}}], "tool_choice": {"type": "function", "function": {
+            "name": "bad"}}}, "tools"),
 ])
 def test_bad_tool_requests_are_400_naming_the_field(server: ServerProcess, body: dict,
                                                     field: str) -> None:
@@ -108,6 +136,9 @@ def test_bad_tool_requests_are_400_naming_the_field(server: ServerProcess, body:
                      json={"model": server.model, "messages": MESSAGES, **body})
     assert res.status_code == 400, res.text
     assert res.json()["error"]["param"] == field, res.json()
+    if field == "tools" and "tool_choice" in body:  # the tool's schema, by its place
+        assert res.json()["error"]["message"].startswith(
+            f"tools.{len(body['tools']) - 1}.function.parameters: not a JSON schema"), res.text
     res = httpx.post(f"{server.url}/v1/completions", timeout=30,
                      json={"model": server.model, "prompt": "hi", "tools": TOOLS})
     assert res.status_code == 400 and res.json()["error"]["param"] == "tools"
