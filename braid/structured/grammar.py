@@ -12,6 +12,7 @@ transformers); and it checks and rolls back drafts (`validate_tokens`, `rollback
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
@@ -53,6 +54,12 @@ def _grammar(kind: str, text: str | bool, whitespace: str | None) -> str:
         if kind in ("json", "json_object"):
             schema = text if isinstance(text, str) else '{"type": "object"}'
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        elif kind == "choice":
+            # one regex, a single lexeme: llguidance's own choice grammar makes each choice a
+            # rule alternative, and its parser stops a request mid-output past 2000 of them
+            assert isinstance(text, str)
+            choices = "|".join(map(re.escape, json.loads(text)))
+            grammar = llguidance.grammar_from("regex", f"(?:{choices})")
         else:
             assert isinstance(text, str) and kind in ("regex", "choice", "grammar")
             grammar = llguidance.grammar_from(kind, text)  # type: ignore[arg-type]

@@ -85,6 +85,17 @@ def test_drafts_are_valid_up_to_the_first_refused_token(ll_tokenizer) -> None:
     assert mask(g, [*ids("no"), 258]).all()
 
 
+def test_thousands_of_choices_and_regex_characters_in_them(ll_tokenizer) -> None:
+    """A choice is taken literally, whatever regex characters it holds, and any number of
+    them works (llguidance's own choice grammar stopped requests past 2000)."""
+    choices = [f"opt {i} (a|b)*.$" for i in range(5000)]
+    g = state(ll_tokenizer, choice=choices)
+    text = ids(choices[4321])
+    assert g.num_valid(text) == len(text)
+    assert g.num_valid(ids("opt 4321 a")) == len("opt 4321 ")
+    assert [g.advance(t) for t in text][-1] == "stop"
+
+
 def test_the_grammar_stops_the_request_when_complete(ll_tokenizer) -> None:
     g = state(ll_tokenizer, regex="ab|abc")
     assert [g.advance(t) for t in ids("ab")] == [None, None]
