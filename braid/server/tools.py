@@ -199,31 +199,40 @@ class HermesParser:
         if not self._in_call or (m := _CALL_HEAD.match(self._buffer)) is None:
             return None
         text = self._buffer[m.end():]
-        text = text[:len(text) - _partial_tag(text, CALL_CLOSE)].rstrip()
-        return m.group(1), text[:-1].rstrip() if text.endswith("}") else text
+        return m.group(1), _written(text[:len(text) - _partial_tag(text, CALL_CLOSE)])
 
     @staticmethod
     def _parse(block: str) -> ToolCall | None:
         try:
             value = json.loads(block)
         except json.JSONDecodeError:
-            return None
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-            return None
-        arguments = value.get("arguments", value.get("parameters", {}))
-        return new_call(value["name"], _arguments_text(block, arguments))
+            value = None
+        if isinstance(value, dict) and isinstance(value.get("name"), str):
+            arguments = value.get("arguments", value.get("parameters", {}))
+            return new_call(value["name"], _arguments_text(block, arguments))
+        # Qwen's head, then arguments that are not JSON (a small model's slip, or cut by
+        # max_tokens): a call with the arguments as written, as its stream has sent them
+        # (OpenAI's arguments "may not be valid JSON"; the client validates them)
+        if (m := _CALL_HEAD.match(block)) is not None:
+            return new_call(m.group(1), _written(block[m.end():]))
+        return None
 
 
 # A call's head as Qwen writes it; its arguments then stream as the model writes them.
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*')
 
 
+def _written(text: str) -> str:
+    """The arguments text after a call's head, without the call object's closing brace."""
+    text = text.rstrip()
+    return text[:-1].rstrip() if text.endswith("}") else text
+
+
 def _arguments_text(block: str, arguments: Any) -> str:
     """The arguments as the model wrote them when the block has the usual head (so a stream
     of its text and the finished call agree), else as JSON."""
     if (m := _CALL_HEAD.match(block)) is not None:
-        text = block[m.end():].rstrip()
-        text = text[:-1].rstrip() if text.endswith("}") else text
+        text = _written(block[m.end():])
         try:
             if json.loads(text) == arguments:
                 return text

@@ -238,3 +238,31 @@ def test_streamed_calls_arrive_name_first_then_growing_arguments(piece: int) -> 
     assert [c["id"] for c in calls.values()] == [c.id for c in stream.calls]
     if piece == 1:
         assert pieces > 10  # arguments arrived as they were written
+
+
+SLIP = ('I will check. <tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n'
+        '</tool_call>')
+CUT = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+
+
+@pytest.mark.parametrize("text, arguments", [(SLIP, '{"city": Paris}'), (CUT, '{"city": "Pa'),
+                                             (TEXT, '{"city": "Oslo", "days": 2}')])
+@pytest.mark.parametrize("piece", [1, 5])
+def test_stream_and_whole_agree_on_arguments_that_are_not_json(text: str, arguments: str,
+                                                               piece: int) -> None:
+    """Arguments a small model got wrong, or that max_tokens cut: a call with the arguments
+    as written (OpenAI's may be invalid JSON), streamed or whole. The stream used to send
+    the call's head and arguments and then the whole block again as content, while the
+    whole response had no call."""
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TOOLS)
+    content, calls = ChoiceTools("auto", body).whole(text)
+    stream, streamed, args = ChoiceTools("auto", body), "", {}
+    for i in range(0, len(text), piece):
+        part, deltas = stream.delta(text[i:i + piece], i + piece >= len(text))
+        streamed += part
+        for d in deltas:
+            args[d.index] = args.get(d.index, "") + (d.function.arguments or "")
+    assert calls[0].function.name == "get_weather"
+    assert calls[0].function.arguments == args[0] == arguments
+    assert [c.function.arguments for c in calls] == list(args.values())
+    assert content == streamed.strip() and "<" not in streamed
