@@ -349,9 +349,13 @@ def sse(body: BaseModel) -> str:
 
 def sse_chunk(chunk: BaseModel, body: SamplingRequest, job: Job) -> str:
     """A streamed chunk as an event, with the usage so far where the request asked for it in
-    every chunk (stream_options.continuous_usage_stats)."""
+    every chunk (stream_options.continuous_usage_stats): as vLLM, the chunk's own choice's
+    (its prompt and its tokens so far)."""
     if body.continuous_usage:
-        chunk.usage = usage(job.prompts, job.choices)  # type: ignore[attr-defined]
+        indexes = {c.index for c in chunk.choices}  # type: ignore[attr-defined]
+        mine = [c for c in job.choices if c.index in indexes] or job.choices
+        chunk.usage = usage(  # type: ignore[attr-defined]
+            [job.prompts[i] for i in sorted({c.prompt_index for c in mine})], mine)
     return sse(chunk)
 
 

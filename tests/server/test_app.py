@@ -190,10 +190,10 @@ def test_chat_stream_with_usage(server: ServerProcess, client: openai.OpenAI,
 @pytest.mark.parametrize("route", ["chat", "completions"])
 def test_continuous_usage_stats(server: ServerProcess, client: openai.OpenAI,
                                 route: str) -> None:
-    """stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far;
-    only beside include_usage."""
-    def chunks(options: dict) -> list:  # type: ignore[type-arg]
-        args = dict(model=server.model, max_tokens=12, temperature=0, stream=True,
+    """stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far,
+    of its own choice where n > 1; only beside include_usage."""
+    def chunks(options: dict, n: int = 1) -> list:  # type: ignore[type-arg]
+        args = dict(model=server.model, max_tokens=12, temperature=0, stream=True, n=n,
                     stream_options=options, extra_body={"ignore_eos": True})
         if route == "chat":
             return list(client.chat.completions.create(
@@ -207,6 +207,12 @@ def test_continuous_usage_stats(server: ServerProcess, client: openai.OpenAI,
     assert len({c.usage.prompt_tokens for c in every}) == 1
     plain = chunks({"include_usage": False, "continuous_usage_stats": True})
     assert all(c.usage is None for c in plain)
+    two = chunks({"include_usage": True, "continuous_usage_stats": True}, n=2)
+    for j in (0, 1):
+        done = [c.usage.completion_tokens for c in two if c.choices and c.choices[0].index == j]
+        assert done == sorted(done) and done[-1] == 12, done
+    assert two[-1].choices == [] and two[-1].usage.completion_tokens == 24
+    assert {c.usage.prompt_tokens for c in two} == {every[0].usage.prompt_tokens}
 
 
 def test_stream_sends_only_new_text_and_done(server: ServerProcess) -> None:
