@@ -37,18 +37,23 @@ def grammar_tokenizer(backend: tokenizers.Tokenizer, vocab_size: int, eos: int
     their text out, as the model's own special tokens never stand for text."""
     if '"ByteLevel"' not in json.dumps(json.loads(backend.to_str()).get("decoder")):
         return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteLevelView(backend, eos)),
-                                  n_vocab=vocab_size, eos_token=eos)
+    return llguidance.LLTokenizer(
+        llguidance.TokenizerWrapper(_ByteLevelView(backend, vocab_size, eos)),
+        n_vocab=vocab_size, eos_token=eos)
 
 
 class _ByteLevelView:
-    """What llguidance.TokenizerWrapper reads: token bytes, special ids, and text -> ids."""
+    """What llguidance.TokenizerWrapper reads: token bytes, special ids, and text -> ids. Ids
+    past the tokenizer's vocabulary (a model's embedding rows beyond it) are special tokens
+    of their own, never text."""
 
-    def __init__(self, backend: tokenizers.Tokenizer, eos: int) -> None:
+    def __init__(self, backend: tokenizers.Tokenizer, vocab_size: int, eos: int) -> None:
         self.eos_token_id = eos
         self.bos_token_id = None
         added = backend.get_added_tokens_decoder()
+        known = backend.get_vocab_size(with_added_tokens=True)
         self.special_token_ids = [i for i, token in added.items() if token.special]
+        self.special_token_ids += range(known, vocab_size)
         unspell = {c: b for b, c in bytes_to_unicode().items()}
 
         def spelled(i: int) -> bytes:
@@ -59,7 +64,8 @@ class _ByteLevelView:
                 return bytes(unspell[c] for c in name)
             return name.encode("utf-8")
 
-        self.tokens = [spelled(i) for i in range(backend.get_vocab_size(with_added_tokens=True))]
+        self.tokens = [spelled(i) for i in range(known)]
+        self.tokens += [f"<[{i}]>".encode() for i in range(known, vocab_size)]
         self._text = tokenizers.Tokenizer.from_str(backend.to_str())
         self._text.encode_special_tokens = True  # "<|im_end|>" in text is text
 
