@@ -284,11 +284,12 @@ def _may_be_bare(text: str) -> bool:
 
 
 def required_calls(text: str) -> list[ToolCall]:
-    """The calls of a "required" output (a JSON array of {name, parameters})."""
+    """The calls of a "required" output (a JSON array of {name, parameters}); none where
+    max_tokens or a stop string cut it short."""
     try:
         items = json.loads(text)
     except json.JSONDecodeError:
-        return []  # cut short by max_tokens
+        return []
     return [new_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
             for c in items]
 
@@ -314,9 +315,9 @@ class ChoiceTools:
             assert self._name is not None
             self.calls = [new_call(self._name, text)]
             return None, self.calls
-        if self.mode == "required":
+        if self.mode == "required":  # cut before the array closed: the text is content
             self.calls = required_calls(text)
-            return None, self.calls
+            return (None if self.calls else text or None), self.calls
         bare = bare_calls(text, self._names, self._parser.limit)
         if bare:
             self.calls = bare
@@ -341,8 +342,9 @@ class ChoiceTools:
             self._text.append(text)
             if not finished:
                 return "", []
-            self.calls = required_calls("".join(self._text))
-            return "", [as_delta(i, c) for i, c in enumerate(self.calls)]
+            text = "".join(self._text)
+            self.calls = required_calls(text)
+            return "" if self.calls else text, [as_delta(i, c) for i, c in enumerate(self.calls)]
         if self._held is not None:  # the output may be a bare call: hold it until known
             self._held += text
             if _may_be_bare(self._held) and not finished:

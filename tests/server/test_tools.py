@@ -86,6 +86,15 @@ def test_required_tool_choice_gives_valid_calls(server: ServerProcess, stream: b
     check_calls(one)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_call_cut_short_comes_back_as_text(server: ServerProcess, stream: bool) -> None:
+    """max_tokens ends a "required" output before its array closes: no call, finish "length",
+    and what the model wrote is the content (it used to vanish: no call and no content)."""
+    content, calls, finish = chat(server, stream, tool_choice="required", max_tokens=6)
+    assert calls == [] and finish == "length"
+    assert content and content.startswith("["), content
+
+
 # references within a tool's own schema, as pydantic writes them ($defs) and older
 # generators do (definitions), and one to its root (a recursive tree)
 UNITS = {"type": "object", "$defs": {"Unit": {"enum": ["c", "f"]}},
