@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
@@ -87,6 +88,13 @@ def _path(loc: Sequence[object]) -> list[str]:
     return [p for p in parts[:-1] if "[" not in p and not p[:1].isupper()] + parts[-1:]
 
 
+def _routes(app: FastAPI) -> dict[str, str]:
+    """The app's API routes: path -> its methods ("GET|POST"), for errors that say what
+    there is."""
+    return {r.path: "|".join(sorted((r.methods or set()) - {"HEAD"})) for r in app.routes
+            if isinstance(r, APIRoute)}
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -98,7 +106,15 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail),
+        message = str(exc.detail)
+        routes = _routes(app)
+        if exc.status_code == 404 and message == "Not Found":
+            message = (f"Not Found: braid serves no {request.method} {request.url.path} (it "
+                       f"serves {', '.join(f'{m} {p}' for p, m in routes.items())})")
+        elif exc.status_code == 405 and request.url.path in routes:
+            message = (f"Method Not Allowed: {request.url.path} takes "
+                       f"{routes[request.url.path]}, not {request.method}")
+        return APIError(exc.status_code, message,
                         "body" if exc.status_code == 413 else None).response()
 
     @app.exception_handler(Exception)

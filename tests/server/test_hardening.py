@@ -599,6 +599,19 @@ def test_docs_are_off_by_default(server: ServerProcess) -> None:
         assert httpx.get(f"{server.url}{path}").status_code == 404
 
 
+def test_unknown_route_or_method_says_what_is_served(server: ServerProcess) -> None:
+    """An OpenAI route braid does not serve (embeddings) is a 404 that lists what it serves;
+    a wrong method a 405 naming the right one."""
+    r = post(server, "/v1/embeddings", {"input": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    message = r.json()["error"]["message"]
+    assert "no POST /v1/embeddings" in message and "POST /v1/chat/completions" in message
+    r = httpx.get(f"{server.url}/v1/completions")
+    assert r.status_code == 405
+    assert r.json()["error"]["message"] == ("Method Not Allowed: /v1/completions takes POST, "
+                                            "not GET")
+
+
 # ---- a guarded server: small body limit, API key, waiting limit 4, under /llm -------------
 
 
