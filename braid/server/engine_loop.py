@@ -102,6 +102,7 @@ class EngineSnapshot:
     num_waiting: int = 0
     kv_usage: float = 0.0
     num_used_blocks: int = 0
+    num_adds: int = 0  # requests the engine thread has added (or refused) so far
 
 
 class AsyncEngine:
@@ -113,7 +114,8 @@ class AsyncEngine:
         self.snapshot = EngineSnapshot()
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._queues: dict[str, OutputQueue] = {}  # engine thread only
-        self._num_pending_adds = 0  # event loop only
+        self._num_sent = 0  # requests sent to the engine thread so far (event loop only)
+        self._num_applied = 0  # of those, added or refused so far (engine thread only)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -136,8 +138,12 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests waiting in the engine plus those sent but not yet added."""
-        return self.snapshot.num_waiting + self._num_pending_adds
+        """Requests waiting in the engine plus those sent but not yet added. The snapshot
+        counts both, so a request is never counted twice: it used to count as sent until
+        its handler resumed, after the snapshot already had it waiting (a burst within the
+        limit got 503s reporting more requests than there were)."""
+        s = self.snapshot
+        return s.num_waiting + self._num_sent - s.num_adds
 
     def add_all(self, requests: list[tuple[str, list[int], SamplingParams]], out: OutputQueue,
                 arrival_time: float | None = None, priority: int = 0
@@ -155,7 +161,7 @@ class AsyncEngine:
             admitted: asyncio.Future[None] = self._loop.create_future()
             self._inbox.put(_Add(request_id, prompt, params, arrival, out, admitted, priority))
             futures.append(admitted)
-        self._num_pending_adds += len(requests)
+        self._num_sent += len(requests)
         return self._await_admission([r[0] for r in requests], futures)
 
     async def _await_admission(self, request_ids: list[str],
@@ -167,8 +173,6 @@ class AsyncEngine:
             for request_id in request_ids:
                 self.abort(request_id)  # applied after the adds: the inbox is FIFO
             raise
-        finally:
-            self._num_pending_adds -= len(request_ids)
         return [r if isinstance(r, BaseException) else None for r in results]
 
     def fail_all(self, error: BaseException) -> None:
@@ -214,6 +218,7 @@ class AsyncEngine:
         for command in commands:
             if isinstance(command, _Add):
                 settled.append((command.admitted, self._add(command)))
+                self._num_applied += 1
             elif isinstance(command, _Abort):
                 self._abort(command.request_id)
             elif isinstance(command, _FailAll):
@@ -292,7 +297,8 @@ class AsyncEngine:
         engine = self.engine
         self.snapshot = EngineSnapshot(
             num_running=engine.num_running, num_waiting=engine.num_waiting,
-            kv_usage=engine.kv_usage, num_used_blocks=engine.num_used_blocks)
+            kv_usage=engine.kv_usage, num_used_blocks=engine.num_used_blocks,
+            num_adds=self._num_applied)
         if self.metrics is not None:
             s = self.snapshot
             self.metrics.set_load(s.num_running, s.num_waiting, s.kv_usage)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 from braid.engine.stats import EngineStats
 from braid.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -130,3 +132,51 @@ def test_abort_stops_delivery_and_frees_the_request() -> None:
             await asyncio.to_thread(engine.stop)
 
     assert asyncio.run(main()) == (0, False)
+
+
+class QueueingEngine(FakeEngine):
+    """Requests wait until `release` is set (its steps emit nothing until then)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def step(self) -> list[RequestOutput]:
+        if not self.release.wait(0.01):
+            return []
+        return super().step()
+
+    @property
+    def num_waiting(self) -> int:
+        return 0 if self.release.is_set() else len(self.requests)
+
+
+def test_a_request_counts_once_as_waiting_from_send_to_admission() -> None:
+    """num_waiting (the server's waiting limit reads it) counts a request once whether it
+    is still on its way to the engine thread, added there while its handler has not resumed
+    yet, or admitted. It used to count twice in the middle state, so a burst within the limit
+    got 503s."""
+    async def main() -> list[int]:
+        fake = QueueingEngine()
+        engine = AsyncEngine(fake)
+        engine.start()
+        out: OutputQueue = asyncio.Queue()
+        try:
+            admission = engine.add_all([("a", [1], SamplingParams()),
+                                        ("b", [2], SamplingParams())], out)
+            seen = [engine.num_waiting]  # sent, not added yet (or just added)
+            deadline = time.monotonic() + 10
+            while engine.snapshot.num_waiting < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)  # blocking: the loop cannot settle the admission yet
+            seen.append(engine.num_waiting)  # added, its handler not resumed
+            assert await admission == [None, None]
+            seen.append(engine.num_waiting)  # admitted
+            fake.release.set()
+            await _final(out)
+            await asyncio.sleep(0.1)
+            seen.append(engine.num_waiting)
+            return seen
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    assert asyncio.run(main()) == [2, 2, 2, 0]

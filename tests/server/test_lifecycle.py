@@ -43,6 +43,24 @@ def test_overload_returns_503_then_recovers(tiny_model_dir: Path,
         assert server.stop() == 0, server.log()
 
 
+def test_a_burst_within_the_waiting_limit_is_always_admitted(
+        tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """As many requests at once as may wait, again and again: never a 503. A request used to
+    count twice for a moment (sent, and already waiting in the engine's figures), so such a
+    burst got 503s that reported more requests waiting than there were."""
+    server = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("burst"), *ENGINE_FLAGS,
+                           "--max-num-seqs", "2", "--max-waiting-requests", "6")
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            for _ in range(5):
+                codes = [r.status_code for r in pool.map(
+                    lambda _: _long_completion(server.url, server.model, 3), range(6))]
+                assert codes == [200] * 6, codes
+                time.sleep(0.3)
+    finally:
+        assert server.stop() == 0, server.log()
+
+
 @pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
 def test_sigterm_drains_in_flight_streams_and_exits_0(
         tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, tls: bool) -> None:
