@@ -91,9 +91,10 @@ class BlockManager:
         have = len(self._tables.get(request_id, ()))
         return max(0, cdiv(num_tokens, self.block_size) - have)
 
-    def can_allocate(self, request_id: str, num_tokens: int, cached: Sequence[int] = ()) -> bool:
+    def can_allocate(self, request_id: str, num_tokens: int, cached: Sequence[int] = (),
+                     reserve: int = 0) -> bool:
         """Whether ``allocate`` would succeed."""
-        return self._cost(request_id, num_tokens, cached) <= len(self._free)
+        return self._cost(request_id, num_tokens, cached) + reserve <= len(self._free)
 
     def _cost(self, request_id: str, num_tokens: int, cached: Sequence[int]) -> int:
         """Free blocks an allocation takes: new ones, and shared ones no table holds yet."""
@@ -101,14 +102,15 @@ class BlockManager:
         fresh = max(0, cdiv(num_tokens, self.block_size) - have)
         return fresh + sum(1 for b in cached if self._ref[b] == 0)
 
-    def allocate(self, request_id: str, num_tokens: int, cached: Sequence[int] = ()) -> bool:
+    def allocate(self, request_id: str, num_tokens: int, cached: Sequence[int] = (),
+                 reserve: int = 0) -> bool:
         """Grow the table to cover ``num_tokens`` slots, starting with the shared blocks
         ``cached`` (from `find_cached`; only for a request that holds no blocks yet), then
-        fresh ones; all-or-nothing. Returns False and changes nothing when too few blocks
-        are free. Never shrinks."""
+        fresh ones; all-or-nothing. Returns False and changes nothing when fewer than
+        `reserve` blocks would stay free. Never shrinks."""
         if cached and self._tables.get(request_id):
             raise ValueError("cached blocks can only start a table")
-        if self._cost(request_id, num_tokens, cached) > len(self._free):
+        if self._cost(request_id, num_tokens, cached) + reserve > len(self._free):
             return False
         table = self._tables.setdefault(request_id, [])
         for block in cached:

@@ -217,8 +217,15 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.max_num_seqs:
             return False
         req = self._next_waiting()
-        return req is not None and self.blocks.can_allocate(req.request_id, req.num_tokens,
-                                                            self._cached_prefix(req))
+        return req is not None and self.blocks.can_allocate(
+            req.request_id, req.num_tokens, self._cached_prefix(req), self._headroom())
+
+    def _headroom(self) -> int:
+        """Blocks an admission leaves free: one for each running request, whose decodes
+        take a block every block_size tokens. Admitted into the last free blocks, a request
+        was the next preemption's victim before it decoded a token; under memory pressure
+        requests re-prefilled again and again (15 preemptions for a 40-token reply)."""
+        return len(self.running)
 
     def _next_waiting(self) -> Request | None:
         """The first waiting request that can run (FCFS, or by priority), passing over those
@@ -237,8 +244,9 @@ class Scheduler:
         return self.blocks.find_cached(req.request_id, req.token_ids, req.num_tokens - 1)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting requests FCFS while seats, budget and KV blocks allow; a cached
-        prefix costs neither budget nor new blocks."""
+        """Admit waiting requests FCFS while seats, budget and KV blocks allow (blocks for
+        the whole prompt, and `_headroom` more); a cached prefix costs neither budget nor
+        new blocks."""
         while budget > 0 and len(self.running) < self.max_num_seqs:
             req = self._next_waiting()
             if req is None:
@@ -249,7 +257,10 @@ class Scheduler:
             if not self.enable_chunked_prefill and n > budget:
                 break
             n = min(n, budget)
-            if not self.blocks.allocate(req.request_id, num_cached + n, cached):
+            # blocks for all of it, not just this chunk: a request admitted with its first
+            # chunk's blocks alone could find none for the next and preempt itself mid-prefill
+            if not self.blocks.allocate(req.request_id, req.num_tokens, cached,
+                                        self._headroom()):
                 break
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING

@@ -243,9 +243,9 @@ def test_a_preempted_request_refinds_its_blocks() -> None:
     """Prompts that share nothing, a pool too small for all: a preempted request is
     re-admitted past the blocks it computed before (they were not evicted yet)."""
     many = {f"u{i}": random_ids(60, seed=300 + i) for i in range(4)}
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = finish(make_engine(enable_prefix_caching=False), many, params)
-    engine = make_engine(num_kv_blocks=64, max_num_batched_tokens=32)
+    engine = make_engine(num_kv_blocks=40, max_model_len=104, max_num_batched_tokens=32)
     got = finish(engine, many, params)
     assert {rid: t for rid, (t, _) in got.items()} == {rid: t for rid, (t, _) in want.items()}
     assert engine.stats.num_preemptions > 0

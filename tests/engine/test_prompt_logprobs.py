@@ -79,7 +79,8 @@ def assert_ranked(entry: dict[int, Logprob], token: int, row: torch.Tensor) -> N
 ENGINES = {
     "one chunk": lambda: make_engine(max_num_batched_tokens=256),
     "chunks of 16": lambda: make_engine(max_num_batched_tokens=16),
-    "preempted": lambda: make_engine(num_kv_blocks=64, max_num_batched_tokens=32),
+    "preempted": lambda: make_engine(num_kv_blocks=40, max_model_len=160,
+                                     max_num_batched_tokens=32),
     "ngram speculation": lambda: spec_engine("ngram", 3, max_num_batched_tokens=32),
     "draft speculation": lambda: spec_engine("draft_model", 3, max_num_batched_tokens=32),
 }
