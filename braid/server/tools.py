@@ -251,23 +251,37 @@ def _partial_tag(text: str, tag: str) -> int:
 
 def bare_calls(text: str, names: set[str], limit: int | None) -> list[ToolCall]:
     """Calls written without `<tool_call>` tags, as small models often do (Qwen2.5-Coder-1.5B
-    answers with a ```json block): the whole output, fences aside, is one call or a list of
-    calls, each {"name": a tool's name, "arguments": an object}. vLLM's llama3_json parser
+    answers with a ```json block): the whole output, fences aside, is one call, a list of
+    calls or calls one after another, each {"name": a tool's name, "arguments": an
+    object}. vLLM's llama3_json parser
     reads such output; anything else stays text."""
     body = text.strip()
     if body.startswith("```"):
         body = body.removeprefix("```json").removeprefix("```").removesuffix("```").strip()
-    try:
-        value = json.loads(body)
-    except json.JSONDecodeError:
-        return []
-    items = value if isinstance(value, list) else [value]
+    items = _json_values(body)
+    if len(items) == 1 and isinstance(items[0], list):
+        items = items[0]
     if not items or not all(isinstance(c, dict) and c.get("name") in names
                             and isinstance(c.get("arguments", {}), dict) for c in items):
         return []
     calls = [new_call(c["name"], json.dumps(c.get("arguments", {}), ensure_ascii=False))
              for c in items]
     return calls[:limit]
+
+
+def _json_values(text: str) -> list[Any]:
+    """The JSON values `text` is made of, one after another with whitespace between (a
+    model writing two calls as two objects); [] where it is anything else."""
+    decoder, values, i = json.JSONDecoder(), [], 0
+    while i < len(text):
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return []
+        values.append(value)
+        while i < len(text) and text[i].isspace():
+            i += 1
+    return values
 
 
 def _argument_delta(index: int, arguments: str, sent: str) -> list[DeltaToolCall]:

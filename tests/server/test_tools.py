@@ -203,6 +203,9 @@ BARE = '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris", "
 @pytest.mark.parametrize("text, is_call", [
     (BARE, True), ('{"name": "get_time", "arguments": {"zone": "CET"}}', True),
     ('[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {}}]', True),
+    ('```json\n{"name": "get_time", "arguments": {"zone": "CET"}}\n{"name": "get_weather", '
+     '"arguments": {"city": "Oslo", "days": 1}}\n```', True),
+    ('{"name": "get_time", "arguments": {}} and then', False),
     ('{"name": "unknown_tool", "arguments": {}}', False),
     ('{"city": "Paris"}', False), ("Sure: " + BARE, False), ("It is sunny.", False),
 ])
