@@ -19,7 +19,7 @@ from fastapi import Body, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from braid import __version__
 from braid.config import ConfigError, config_from_args
@@ -124,21 +124,23 @@ def _add_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> Non
 
     @app.post("/invocations")
     async def invocations(fields: Annotated[dict[str, Any], Body()], raw: Request) -> Response:
-        form: type[ChatCompletionRequest] | type[CompletionRequest]
-        if "messages" in fields:
-            form = ChatCompletionRequest
-        elif "prompt" in fields:
-            form = CompletionRequest
-        else:
+        if "messages" not in fields and "prompt" not in fields:
             raise bad_request("body: expected a chat completion request (with messages) or a "
                               "completion request (with prompt)", "body")
-        try:
-            body = form.model_validate(fields)
-        except ValidationError as e:
-            raise validation_error(e) from None
+        body = _by_messages(fields, ChatCompletionRequest, CompletionRequest)
         if isinstance(body, ChatCompletionRequest):
             return await create_chat_completion(ctx, body, raw)
         return await create_completion(ctx, body, raw)
+
+
+def _by_messages(fields: dict[str, Any], chat: type[BaseModel], other: type[BaseModel]
+                 ) -> Any:
+    """`fields` validated as the chat form where they have messages, else as `other` (a
+    union body would name the model class in its errors); a 400 naming the field."""
+    try:
+        return (chat if "messages" in fields else other).model_validate(fields)
+    except ValidationError as e:
+        raise validation_error(e) from None
 
 
 def _add_token_routes(app: FastAPI, ctx: ServerContext) -> None:
@@ -146,12 +148,7 @@ def _add_token_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/tokenize")
     async def tokenize(fields: Annotated[dict[str, Any], Body()]) -> TokenizeResponse:
-        # messages pick the chat form (a union body would name the model class in errors)
-        form = TokenizeChatRequest if "messages" in fields else TokenizeCompletionRequest
-        try:
-            body = form.model_validate(fields)
-        except ValidationError as e:
-            raise validation_error(e) from None
+        body = _by_messages(fields, TokenizeChatRequest, TokenizeCompletionRequest)
         check_model(ctx, body.model)
         if isinstance(body, TokenizeChatRequest):
             check_template_fields(body, ctx.trust_request_chat_template)

@@ -107,11 +107,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         message = str(exc.detail)
-        routes = _routes(app)
         if exc.status_code == 404 and message == "Not Found":
             message = (f"Not Found: braid serves no {request.method} {request.url.path} (it "
-                       f"serves {', '.join(f'{m} {p}' for p, m in routes.items())})")
-        elif exc.status_code == 405 and request.url.path in routes:
+                       f"serves {', '.join(f'{m} {p}' for p, m in _routes(app).items())})")
+        elif exc.status_code == 405 and request.url.path in (routes := _routes(app)):
             message = (f"Method Not Allowed: {request.url.path} takes "
                        f"{routes[request.url.path]}, not {request.method}")
         return APIError(exc.status_code, message,

@@ -269,11 +269,9 @@ def _log_received(ctx: ServerContext, job: Job) -> None:
     cut = ctx.max_log_len
     for c, params in zip(job.choices, job.params, strict=True):
         ids = job.prompts[c.prompt_index]
-        text = ctx.tokenizer.decode(ids[:cut] if cut is not None else ids,
-                                    skip_special_tokens=False)
+        text = ctx.tokenizer.decode(ids[:cut], skip_special_tokens=False)  # [:None]: all
         logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
-                    c.request_id, text[:cut] if cut is not None else text, params,
-                    ids[:cut] if cut is not None else ids)
+                    c.request_id, text[:cut], params, ids[:cut])
 
 
 def _admission_error(error: BaseException, prompt_field: str) -> BaseException:
