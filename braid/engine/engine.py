@@ -217,7 +217,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(tokenizer, self._eos_token_ids(model),
                                        config.max_model_len or 0)
         self.sampler = StepSampler(self.device, self.outputs.eos_token_ids, config.spec_config)
-        self.speculator = make_speculator(config, self.runner, self.scheduler, draft_model)
+        self.speculator = make_speculator(config, self.runner, self.scheduler, draft_model,
+                                          self.outputs.eos_token_ids)
         self._check_memory()
         self.stats = EngineStats(num_kv_blocks=num_blocks)
         self.structured = None if tokenizer is None else StructuredOutputManager(

@@ -346,12 +346,15 @@ class Scheduler:
                 # Cutting is exact for deterministic drafts (n-gram, greedy: verification
                 # draws from p where the cut draft stood). Sampled drafts are drawn under the
                 # same grammar (the draft model's rows are masked too), so none is cut but
-                # after an EOS (where nothing can matter): cutting one would select on the
-                # draft's own sample and bias rejection sampling.
+                # after an EOS (where nothing can matter), or where the draft's constraints
+                # left it no token and it took its end token for certain (q one-hot there:
+                # p refuses it too, so verification would draw from p). Cutting any other
+                # would select on the draft's own sample and bias rejection sampling.
                 n = grammar.num_valid(draft)
                 after_eos = n > 0 and grammar.is_eos(draft[n - 1])
-                assert q is None or n == len(draft) or after_eos, "a sampled draft broke " \
-                    "its grammar"
+                certain = q is not None and n < len(draft) and bool(q[n, draft[n]] == 1.0)
+                assert q is None or n == len(draft) or after_eos or certain, \
+                    "a sampled draft broke its grammar"
                 draft, rejected = draft[:n], len(draft) - n
             req.set_drafts(draft, q, rejected)
 

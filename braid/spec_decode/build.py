@@ -15,8 +15,10 @@ from braid.spec_decode.speculator import Speculator
 
 
 def make_speculator(cfg: EngineConfig, target: ModelRunner, scheduler: Scheduler,
-                    draft: Qwen2ForCausalLM | None = None) -> Speculator | None:
-    """None without `speculative_config`."""
+                    draft: Qwen2ForCausalLM | None = None,
+                    eos_token_ids: frozenset[int] = frozenset()) -> Speculator | None:
+    """None without `speculative_config`. `eos_token_ids` are the target's (the draft's
+    sampling rows suppress and fall back to them as the target's do)."""
     spec = cfg.spec_config
     if spec is None:
         return None
@@ -27,7 +29,7 @@ def make_speculator(cfg: EngineConfig, target: ModelRunner, scheduler: Scheduler
         draft = draft or _load_draft(cfg)
         check_draft(cfg, target.model.config, draft.config)
         proposer = DraftModelProposer(draft, scheduler.blocks, cfg.block_size, target.device,
-                                      spec, cfg.kv_dtype(draft.dtype))
+                                      spec, cfg.kv_dtype(draft.dtype), eos_token_ids)
     assert cfg.max_model_len is not None
     speculator = Speculator(spec, proposer, cfg.max_model_len,
                             None if cfg.target_itl_ms is None else cfg.target_itl_ms / 1e3)

@@ -47,6 +47,7 @@ class DraftModelProposer(Proposer):
     def __init__(
         self, model: Qwen2ForCausalLM, blocks: BlockManager, block_size: int, device: torch.device,
         spec: SpecConfig | None = None, kv_dtype: torch.dtype | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.runner = ModelRunner(model, blocks.num_blocks, block_size, device, kv_dtype)
         self.runner.logit_ids = None if spec is None else spec.draft_vocab_size
@@ -54,6 +55,9 @@ class DraftModelProposer(Proposer):
         self.coarse_head = (spec is None or spec.draft_coarse_head) and model.add_coarse_head()
         self.blocks = blocks
         self.spec = spec  # how each request's drafts are drawn and verified (None: greedy)
+        # the target's: min_tokens suppresses them, and a row its constraints leave no token
+        # takes the first, in draft rows as in the target's
+        self.eos_token_ids = eos_token_ids
         self.computed: dict[str, int] = {}  # draft KV is valid for positions < computed
         self.last: dict[str, _Proposal] = {}
 
@@ -173,8 +177,9 @@ class DraftModelProposer(Proposer):
             # the target's sampling rows at these positions: keyed in the target's stream for
             # coupled draws, in the draft's own for independent ones
             meta = rows_metadata([(requests[i], drafted[i]) for i in sampled], logits.shape[-1],
-                                 logits.device, stream=[SAMPLE if draws[i] == "coupled" else DRAFT
-                                                        for i in sampled])
+                                 logits.device, self.eos_token_ids,
+                                 stream=[SAMPLE if draws[i] == "coupled" else DRAFT
+                                         for i in sampled])
             picked, q = sample_rows(logits[sampled], meta)
             assert q is not None  # every sampled row is a random one
             tokens[sampled] = picked

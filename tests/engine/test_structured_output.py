@@ -188,6 +188,31 @@ def test_sampled_choices_keep_the_targets_distribution_under_rejection_sampling(
     assert tv < 0.1, (plain, spec)
 
 
+@pytest.mark.parametrize("sampling", ["coupled", "independent"])
+def test_a_draft_row_its_constraints_leave_no_token_ends_the_draft_not_the_engine(
+        sampling: str) -> None:
+    """Sampled drafts verified by rejection sampling, where the draft's constraints leave a
+    row no token: a draft vocabulary that stops below the EOS a complete choice allows, and
+    allowed_token_ids that contradict the grammar half-way. The draft takes its end token
+    there for certain (as the target does where its own row is empty), the grammar cuts it,
+    and every request finishes as without speculation (an assertion took the engine down)."""
+    eos = min(TOKENIZER.eos_token_ids)
+    contradiction = SamplingParams(temperature=1.0, max_tokens=10, allowed_token_ids=[97],
+                                   structured_outputs=StructuredOutputsParams(regex="ax"))
+    choice = SamplingParams(temperature=1.0, max_tokens=10,
+                            structured_outputs=StructuredOutputsParams(choice=CHOICES))
+    for draft_vocab_size in (None, eos):
+        engine = draft(4, tokenizer=TOKENIZER, draft_sampling=sampling,
+                       verification="rejection", draft_vocab_size=draft_vocab_size)
+        for i in range(8):
+            engine.add_request(str(i), PROMPTS[i % len(PROMPTS)], [choice, contradiction][i % 2])
+        out = {int(o.request_id): o.outputs[0] for o in engine.run_until_done() if o.finished}
+        assert len(out) == 8 and engine.stats.spec_stats.num_drafts > 0
+        assert all(o.finish_reason == "stop" for o in out.values())
+        assert {o.text for i, o in out.items() if i % 2 == 0} <= set(CHOICES)
+        assert all(o.token_ids == [97, eos] for i, o in out.items() if i % 2)
+
+
 def test_compiling_a_grammar_holds_no_other_request_back() -> None:
     """While a grammar compiles (its worker held here), other requests run; the structured
     one waits in its place and runs once its grammar is ready."""
