@@ -318,30 +318,44 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def _apply_top_k_top_p(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """top-k then top-p on the rows sorted in descending order. When every random row has a
-    top-k, only the `max_top_k` highest logits are kept and sorted (topk instead of a sort)."""
-    width = logits.shape[1]
-    if meta.max_top_k < width:
-        values, order = logits.topk(meta.max_top_k, dim=-1)  # [B, K] descending
+    top-k, only the `max_top_k` highest logits are kept and sorted (topk instead of a sort),
+    unless a row's ties with its k-th logit reach past them (the next value equals it): top-k
+    keeps every tie, so a row keeps the same tokens whatever K the rest of the batch makes."""
+    width, k = logits.shape[1], meta.max_top_k
+    if k < width:
+        values, order = logits.topk(k + 1, dim=-1)  # [B, K + 1] descending
+        if meta.top_k is None or not bool((values[:, k:] == _kth(values, meta.top_k)).any()):
+            values, order = values[:, :k], order[:, :k]
+        else:
+            values, order = logits.sort(dim=-1, descending=True)  # [B, V]
     else:
         values, order = logits.sort(dim=-1, descending=True)  # [B, V]
     values = _mask_sorted(values, meta.top_k, meta.top_p)
     return torch.full_like(logits, _NEG_INF).scatter_(1, order, values)
 
 
+def _kth(values: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Each row's k-th largest value [B, 1] of its descending `values` [B, K]."""
+    return values.gather(1, (top_k.clamp(max=values.shape[1]) - 1).unsqueeze(1))
+
+
 def _mask_sorted(
     values: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
-    """Masks descending `values` [B, K] in place. top-k keeps ties with the k-th logit that
-    lie inside the K columns; top-p keeps the smallest prefix whose mass reaches p (drops a
-    token once the mass above it is >= p), so the top token always survives."""
+    """Masks descending `values` [B, K] in place. top-k keeps every tie with the k-th logit;
+    top-p keeps the smallest prefix whose mass reaches p (drops a token once the mass of the
+    tokens above it is >= p), so the top token always survives, and every tie with the last
+    token it keeps. Both read a row's leading columns only, summed in order (cumsum), so a
+    row's result does not depend on K."""
     if top_k is not None:
-        kth_index = (top_k.clamp(max=values.shape[1]) - 1).unsqueeze(1)  # [B, 1]
-        values.masked_fill_(values < values.gather(1, kth_index), _NEG_INF)
+        values.masked_fill_(values < _kth(values, top_k), _NEG_INF)
     if top_p is not None:
-        probs = values.softmax(dim=-1)  # [B, K]
-        mass_above = probs.cumsum(dim=-1) - probs  # [B, K]
+        weights = (values - values[:, :1]).exp()  # [B, K], 0 where dropped
+        cumulative = weights.cumsum(dim=-1)
+        mass_above = (cumulative - weights) / cumulative[:, -1:]
+        kept = (mass_above < top_p.unsqueeze(1)).sum(dim=-1)  # a prefix, at least 1
         # rows with top_p == 1 are off; rounding could otherwise push mass_above to 1
-        drop = (mass_above >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+        drop = (values < _kth(values, kept)) & (top_p < 1).unsqueeze(1)
         values.masked_fill_(drop, _NEG_INF)
     return values
 

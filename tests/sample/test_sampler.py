@@ -139,6 +139,29 @@ def test_top_k_fast_path_matches_reference() -> None:
     assert int(target_probs(logits, meta)[-1].argmax()) == int(logits[-1].argmax())
 
 
+def test_ties_keep_a_rows_distribution_whatever_else_the_batch_holds() -> None:
+    """Ties with a row's k-th logit, or across its top-p boundary, give the same
+    distribution alone, beside a row with a larger top_k (the topk fast path, K = 12) and
+    beside a row without one (a full sort): every tie of the k-th logit is kept, and tied
+    tokens pass top-p together. The same logits, bit for bit."""
+    torch.manual_seed(3)
+    row = -torch.rand(V)
+    row[4:14] = 0.5  # ten tied tokens that top_k=6 cuts through
+    row[0] = 1.5
+    tied_k = SamplingParams(top_k=6)
+    # token 0 holds 0.21 of the mass, each tie 0.08: mass 0.3 is reached inside the tie
+    tied_p = SamplingParams(top_k=8, top_p=0.3)
+    for p in (tied_k, tied_p):
+        shown = [filtered_logits(logits, meta)[0] for logits, meta in (
+            (row[None], build([p])),
+            (torch.stack([row, row]), build([p, SamplingParams(top_k=12)])),
+            (torch.stack([row, row]), build([p, SamplingParams(temperature=0.5)])),
+        )]
+        assert all(torch.equal(shown[0], other) for other in shown[1:])
+        kept = set(torch.nonzero(shown[0] > -math.inf).flatten().tolist())
+        assert kept == {0} | set(range(4, 14)), kept
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 10_000),
