@@ -126,8 +126,9 @@ def test_prompt_forms_and_chat_messages_as_the_server_takes_them(tmp_path) -> No
     def chat(messages: list[dict]) -> list[int]:
         return llm.chat(messages, greedy, use_tqdm=False)[0].outputs[0].token_ids
 
-    plain = chat([{"role": "user", "content": "hi there"}])
-    assert chat([{"role": "user", "content": [{"type": "text", "text": "hi "},
+    plain = chat([{"role": "user", "content": "hi\nthere"}])
+    # text parts are joined with a newline, as vLLM joins them
+    assert chat([{"role": "user", "content": [{"type": "text", "text": "hi"},
                                               {"type": "text", "text": "there"}]}]) == plain
     assert chat([{"role": "user", "content": "hi there"},
                  {"role": "assistant", "content": None}, {"role": "user"}])

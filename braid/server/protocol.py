@@ -224,7 +224,7 @@ class ChatMessage(BaseModel):
         """The message as chat templates expect it: content is one string."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            message["content"] = "".join(part.text for part in self.content)
+            message["content"] = "\n".join(part.text for part in self.content)  # as vLLM
         message.setdefault("content", "")
         return message
 

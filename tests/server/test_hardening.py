@@ -409,6 +409,11 @@ def test_tokenize_detokenize_version(server: ServerProcess) -> None:
                         "token_strs": None}
     r = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hey"}]})
     assert r.status_code == 200 and r.json()["count"] > 3
+    # content parts are joined with a newline, as vLLM joins them
+    parts = [{"type": "text", "text": "he"}, {"type": "text", "text": "y"}]
+    r = post(server, "/tokenize", {"messages": [{"role": "user", "content": parts}]})
+    joined = post(server, "/tokenize", {"messages": [{"role": "user", "content": "he\ny"}]})
+    assert r.json()["tokens"] == joined.json()["tokens"]
     r = post(server, "/detokenize", {"tokens": [104, 101, 121]})
     assert r.json() == {"prompt": "hey"}
     assert_400(post(server, "/detokenize", {"tokens": [10**6]}), "tokens")
