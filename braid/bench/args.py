@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Iterable
 
 from braid.bench.datasets import DATASETS
-from braid.config import positive_int
+from braid.config import non_negative_float, positive_int
 
 MODES = "baseline,chunked,spec,chunked_fixed,chunked_dynamic"
 # TTFT within 10 s, and at least 2 tokens a second once streaming (on a 2-core CPU the SLO
@@ -50,12 +51,13 @@ def _dataset_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", choices=DATASETS, default="sharegpt",
                    help="sharegpt (first turns, reference output lengths), humaneval, random")
-    g.add_argument("--random-input-len", type=int, default=128, help="words per random prompt")
-    g.add_argument("--random-output-len", type=int, default=128,
+    g.add_argument("--random-input-len", type=positive_int, default=128,
+                   help="words per random prompt")
+    g.add_argument("--random-output-len", type=positive_int, default=128,
                    help="output tokens for random and humaneval prompts")
-    g.add_argument("--max-input-len", type=int, default=256,
+    g.add_argument("--max-input-len", type=positive_int, default=256,
                    help="ShareGPT prompts longer than this (tokens) are skipped")
-    g.add_argument("--max-output-len", type=int, default=None,
+    g.add_argument("--max-output-len", type=positive_int, default=None,
                    help="cap on each request's max_tokens (sweep default 32; --quick 16)")
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer folder to count ShareGPT lengths (default: the model's if "
@@ -77,7 +79,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests per second, open loop (inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="most requests in flight (with rate inf: a closed loop)")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0)
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY")
+                   or os.environ.get("BRAID_API_KEY"),
+                   help="sent as Authorization: Bearer KEY (default: $OPENAI_API_KEY, else "
+                   "$BRAID_API_KEY)")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly max_tokens (equal work across servers and modes)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")

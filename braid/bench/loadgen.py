@@ -38,6 +38,7 @@ class LoadConfig:
     timeout_s: float = 3600.0
     progress: bool = True
     extra_body: dict[str, Any] = field(default_factory=dict)
+    api_key: str | None = field(default=None, repr=False)  # never saved with the results
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -48,6 +49,11 @@ class LoadConfig:
             raise ValueError("--burstiness must be > 0")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("--max-concurrency must be >= 1")
+
+    def client(self, timeout: httpx.Timeout, **options: Any) -> httpx.AsyncClient:
+        """The HTTP client the load uses: the API key goes with every request."""
+        headers = {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key}"}
+        return httpx.AsyncClient(timeout=timeout, headers=headers, **options)
 
 
 def arrival_times(num: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
@@ -145,7 +151,7 @@ async def run_load(cfg: LoadConfig, prompts: list[BenchPrompt],
     bar = tqdm(total=len(prompts), disable=not cfg.progress, desc="requests", unit="req")
     timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with cfg.client(timeout, limits=limits) as client:
         t0 = clock()
 
         async def one(prompt: BenchPrompt, offset: float) -> RequestRecord:
@@ -164,6 +170,6 @@ async def run_load(cfg: LoadConfig, prompts: list[BenchPrompt],
 
 async def warm_up(cfg: LoadConfig, prompt: BenchPrompt) -> RequestRecord:
     """One short request before measuring (loads caches, checks the server answers)."""
-    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s, connect=30.0)) as client:
+    async with cfg.client(httpx.Timeout(cfg.timeout_s, connect=30.0)) as client:
         body = request_body(cfg, prompt, max_tokens=4)
         return await send_one(client, cfg, body, time.perf_counter, time.perf_counter())

@@ -47,6 +47,7 @@ def benchmark(cfg: LoadConfig, prompts: list[BenchPrompt], slos: dict[str, float
     records, duration = asyncio.run(run_load(cfg, prompts))
     after = scrape(cfg.base_url)
     config = {**asdict(cfg), **(info or {}), "num_prompts": len(prompts), "goodput_slos_ms": slos}
+    del config["api_key"]
     config["request_rate"] = _rate(cfg.request_rate)
     return {
         "schema": SCHEMA,
@@ -74,13 +75,20 @@ def load_config(args: argparse.Namespace) -> LoadConfig:
         request_rate=args.request_rate, burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, seed=args.seed,
         max_output_len=args.max_output_len, ignore_eos=args.ignore_eos,
-        temperature=args.temperature, progress=not args.no_progress)
+        temperature=args.temperature, progress=not args.no_progress, api_key=args.api_key)
 
 
 def dataset_prompts(args: argparse.Namespace, model: str) -> list[BenchPrompt]:
     tokenizer = tokenizer_for(model, args.tokenizer) if args.dataset == "sharegpt" else None
-    return load_prompts(args.dataset, args.num_prompts, args.seed, args.random_input_len,
-                        args.random_output_len, args.max_input_len, tokenizer)
+    prompts = load_prompts(args.dataset, args.num_prompts, args.seed, args.random_input_len,
+                           args.random_output_len, args.max_input_len, tokenizer)
+    if len(prompts) < args.num_prompts:  # ShareGPT's that fit --max-input-len ran out
+        if not prompts:
+            raise ValueError(f"--max-input-len {args.max_input_len}: no {args.dataset} prompt "
+                             "is that short")
+        logger.warning("--num-prompts %d: only %d %s prompts fit --max-input-len %d",
+                       args.num_prompts, len(prompts), args.dataset, args.max_input_len)
+    return prompts
 
 
 def dataset_info(args: argparse.Namespace) -> dict[str, Any]:

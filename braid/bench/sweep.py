@@ -114,7 +114,7 @@ def run_mode(args: argparse.Namespace, mode: str, prompts: list[BenchPrompt],
     try:
         for i, rate in enumerate(rates):
             logger.info("mode %s, %s req/s: %d prompts", mode, rate, len(prompts))
-            cfg = _load_config(args, server.url, rate)
+            cfg = _load_config(args, server.url, rate, _api_key(flags))
             entry["runs"].append(benchmark(cfg, prompts, parse_goodput(args.goodput),
                                            warmup=i == 0, info=dataset_info(args)))
     except WarmUpFailed as e:
@@ -126,10 +126,20 @@ def run_mode(args: argparse.Namespace, mode: str, prompts: list[BenchPrompt],
     return entry
 
 
-def _load_config(args: argparse.Namespace, url: str, rate: float) -> LoadConfig:
+def _load_config(args: argparse.Namespace, url: str, rate: float, api_key: str | None
+                 ) -> LoadConfig:
     return LoadConfig(base_url=url, model=args.model, endpoint=args.endpoint, request_rate=rate,
                       burstiness=args.burstiness, seed=args.seed,
-                      max_output_len=args.max_output_len, progress=not args.no_progress)
+                      max_output_len=args.max_output_len, progress=not args.no_progress,
+                      api_key=api_key)
+
+
+def _api_key(flags: list[str]) -> str | None:
+    """The API key the mode's server asks for: its --api-key, else $BRAID_API_KEY (as `braid
+    serve` reads them; the flags were checked before any server started)."""
+    from braid.cli import build_parser
+
+    return build_parser().parse_args(["serve", *flags]).api_key
 
 
 def run_sweep(args: argparse.Namespace) -> dict[str, Any]:

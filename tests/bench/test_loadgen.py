@@ -131,6 +131,36 @@ def test_a_failed_warm_up_stops_the_benchmark_and_the_command(server: ServerProc
     assert "--num-prompts: must be >= 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--max-output-len", "0", "must be >= 1, got 0"),  # was no cap at all
+    ("--random-output-len", "0", "must be >= 1, got 0"),  # was a 400 for every request
+    ("--random-input-len", "0", "must be >= 1, got 0"),
+    ("--max-input-len", "-1", "must be >= 1, got -1"),
+    ("--temperature", "-1", "must be a number >= 0, got -1"),
+])
+def test_bench_flags_are_checked_before_anything_is_sent(flag: str, value: str, message: str,
+                                                         capsys) -> None:
+    from braid.cli import main
+
+    for command in ("serve", "sweep"):
+        if command == "sweep" and flag == "--temperature":
+            continue  # sweep measures greedy decoding only
+        with pytest.raises(SystemExit):
+            main(["bench", command, "--model", "m", flag, value])
+        assert f"{flag}: {message}" in capsys.readouterr().err
+
+
+def test_no_prompt_fitting_max_input_len_is_an_error_naming_it(capsys) -> None:
+    """Nothing to send: `braid bench serve` printed a table of 0 requests and exited 0."""
+    from braid.cli import main
+
+    port = free_port()  # nothing listens: the check comes before any request
+    code = main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--model", "m",
+                 "--max-input-len", "2", "--num-prompts", "3", "--no-progress"])
+    assert code == 2
+    assert "--max-input-len 2: no sharegpt prompt is that short" in capsys.readouterr().err
+
+
 def test_max_concurrency_one_is_a_closed_loop(server: ServerProcess) -> None:
     cfg = LoadConfig(server.url, server.model, max_concurrency=1, progress=False)
     records, _ = asyncio.run(run_load(cfg, random_prompts(3, input_len=4, output_len=6)))

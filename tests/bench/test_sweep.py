@@ -53,7 +53,8 @@ def test_sweep_end_to_end(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.C
             str(tiny_model_dir), "--dataset", "random", "--random-input-len", "6",
             "--modes", "baseline,chunked_fixed", "--request-rates", "4,inf", "--num-prompts", "4",
             "--max-output-len", "10", "--goodput", "ttft:60000", "--server-args",
-            " ".join(ENGINE_FLAGS), "--out", str(out), "--no-progress"]
+            " ".join([*ENGINE_FLAGS, "--api-key", "k"]),  # the load sends the servers' key
+            "--out", str(out), "--no-progress"]
     assert main(argv) == 0
     sweep = json.loads((out / "sweep_random.json").read_text())
     assert sweep["schema"] == "braid.bench.sweep/1" and list(sweep["modes"]) == [

@@ -766,6 +766,28 @@ def test_api_key_guards_v1_and_token_routes(guarded: ServerProcess) -> None:
     assert httpx.get(f"{guarded.url}/openapi.json").json()["servers"] == [{"url": "/llm"}]
 
 
+def test_bench_serve_sends_the_api_key(guarded: ServerProcess, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """`braid bench serve --api-key` (or $OPENAI_API_KEY) against a guarded server; the key
+    is not written into the result. Without it the warm-up's 401 stops the benchmark."""
+    from braid.cli import main
+
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.delenv("BRAID_API_KEY", raising=False)
+    argv = ["bench", "serve", "--base-url", guarded.url, "--model", guarded.model, "--dataset",
+            "random", "--num-prompts", "2", "--random-input-len", "3", "--random-output-len",
+            "2", "--no-progress"]
+    assert main(argv) == 2
+    assert "HTTP 401: invalid or missing API key" in capsys.readouterr().err
+    for extra, env in ((["--api-key", KEY], None), ([], KEY)):
+        if env is not None:
+            monkeypatch.setenv("OPENAI_API_KEY", env)
+        result = tmp_path / "r.json"
+        assert main([*argv, *extra, "--result-json", str(result)]) == 0
+        assert json.loads(result.read_text())["completed"] == 2
+        assert KEY not in result.read_text()
+
+
 def test_body_over_the_limit_is_413(guarded: ServerProcess) -> None:
     big = {"model": guarded.model, "prompt": "x" * LIMIT_BYTES, "max_tokens": 2}
     r = post(guarded, "/v1/completions", big, headers=AUTH)
