@@ -31,6 +31,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     # With logprobs: per generated token, the sampled token and the top-n.
     logprobs: SampleLogprobs | None = None
+    # With logprobs: the sum of the generated tokens' logprobs (vLLM's, e.g. to rank n samples)
+    cumulative_logprob: float | None = None
 
 
 @dataclass

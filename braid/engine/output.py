@@ -41,6 +41,9 @@ class OutputProcessor:
 
     def add_logprobs(self, req: Request, logprobs: SampleLogprobs) -> None:
         """Logprobs of the tokens just appended to `req` (as many as were appended)."""
+        tokens = req.output_token_ids[len(req.output_token_ids) - len(logprobs):]
+        req.cumulative_logprob += sum(entry[token].logprob
+                                      for entry, token in zip(logprobs, tokens, strict=True))
         req.logprobs += self._decoded(logprobs)
 
     def add_prompt_logprobs(self, req: Request, logprobs: SampleLogprobs) -> None:
@@ -116,6 +119,8 @@ class OutputProcessor:
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
             logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
+            cumulative_logprob=(req.cumulative_logprob
+                                if req.sampling_params.logprobs is not None else None),
         )
         return RequestOutput(
             request_id=req.request_id,

@@ -51,6 +51,7 @@ class Request:
     # Prompt tokens found in the prefix cache at the first admission (None until admitted).
     num_cached_tokens: int | None = None
     logprobs: SampleLogprobs = field(default_factory=list)
+    cumulative_logprob: float = 0.0  # the sum of the sampled tokens' logprobs, with logprobs
     # With sampling_params.prompt_logprobs: one entry per prompt token scored so far (the
     # first token has none), holding the prompt token and the top-n.
     prompt_logprobs: PromptLogprobs = field(default_factory=lambda: [None])

@@ -176,7 +176,8 @@ def test_bad_logit_bias_is_refused(bias: dict[int, float]) -> None:
 @pytest.mark.parametrize("name", ["one chunk", "ngram speculation", "draft speculation"])
 def test_sampled_logprobs_match_transformers(name: str) -> None:
     """Each emitted token's logprob, rank and the top-n are the raw model's at its position,
-    also for tokens that came from accepted drafts; a request that asks for none gets None."""
+    also for tokens that came from accepted drafts, and `cumulative_logprob` is their sum; a
+    request that asks for none gets None for both."""
     engine = ENGINES[name]()
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=TOP)
     ps = prompts()[:4]
@@ -184,13 +185,17 @@ def test_sampled_logprobs_match_transformers(name: str) -> None:
         engine.add_request(str(i), ids, params)
     engine.add_request("plain", ps[0], SamplingParams(temperature=0, max_tokens=4))
     done = {o.request_id: o.outputs[0] for o in engine.run_until_done() if o.finished}
-    assert done["plain"].logprobs is None
+    assert done["plain"].logprobs is None and done["plain"].cumulative_logprob is None
     model = hf_model(CFG, seed=0)
     for i, ids in enumerate(ps):
         out = done[str(i)]
         assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == 8
         with torch.no_grad():
             full = model(torch.tensor([ids + out.token_ids])).logits[0].float().log_softmax(-1)
+        rows = full[len(ids) - 1: len(ids) - 1 + len(out.token_ids)]
+        total = rows.gather(1, torch.tensor(out.token_ids)[:, None]).sum().item()
+        assert out.cumulative_logprob is not None
+        assert math.isclose(out.cumulative_logprob, total, abs_tol=1e-3)
         for j, (token, got) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
             row = full[len(ids) - 1 + j]
             top = row.topk(TOP)
