@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from braid.config import DEFAULT_TARGET, EngineConfig
@@ -131,25 +133,36 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]
     if isinstance(prompts, str | dict):
         return [_prompt_of(prompts)]
     items = list(prompts)
-    if items and all(isinstance(t, int) for t in items):
-        return [list(items)]  # type: ignore[arg-type]
+    if items and all(_is_token_id(t) for t in items):
+        return [[int(t) for t in items]]  # type: ignore[call-overload]
     return [_prompt_of(p) for p in items]
+
+
+def _is_token_id(value: object) -> bool:
+    """An integer (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
 
 
 def _prompt_of(prompt: object) -> str | list[int]:
     """A text or token ids from one prompt of any accepted form (ValueError otherwise)."""
     if isinstance(prompt, dict):
         if set(prompt) == {"prompt_token_ids"}:
-            return list(prompt["prompt_token_ids"])
+            ids = _prompt_of(prompt["prompt_token_ids"])
+            if isinstance(ids, str):
+                raise ValueError(f"prompt_token_ids must be token ids, got {ids!r:.80}")
+            return ids
         if set(prompt) == {"prompt"}:
             return _prompt_of(prompt["prompt"])
         raise ValueError("a prompt dict takes one key, 'prompt' (a text) or "
                          f"'prompt_token_ids' (token ids), got {sorted(prompt)}")
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):
-        return list(prompt)
-    raise ValueError(f"a prompt is a text, a list of token ids or a dict, got {prompt!r:.80}")
+    if isinstance(prompt, np.ndarray) and prompt.ndim == 1:
+        prompt = prompt.tolist()
+    if isinstance(prompt, list | tuple) and all(_is_token_id(t) for t in prompt):
+        return [int(t) for t in prompt]  # type: ignore[call-overload]
+    raise ValueError(f"a prompt is a text, a list of token ids (integers) or a dict, got "
+                     f"{prompt!r:.80}")
 
 
 def _as_params_list(

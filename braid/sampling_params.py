@@ -173,6 +173,8 @@ class SamplingParams:
                 not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise ValueError(f"bad_words must be non-blank strings, got {self.bad_words!r}")
         for token, bias in (self.logit_bias or {}).items():
+            if not is_int(token):
+                raise ValueError(f"logit_bias keys must be token ids (integers), got {token!r}")
             if token < 0 or not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias must map token ids >= 0 to biases in [-100, 100], "
                                  f"got {token!r}: {bias!r}")

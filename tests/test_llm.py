@@ -102,6 +102,7 @@ def test_a_failed_call_leaves_nothing_behind(tmp_path, monkeypatch) -> None:
 def test_prompt_forms_and_chat_messages_as_the_server_takes_them(tmp_path) -> None:
     """vLLM's prompt dicts give what their text or ids give; other shapes are a clear error.
     LLM.chat takes content parts and a missing content as the server does."""
+    import numpy as np
     import pytest
 
     from braid import LLM, SamplingParams
@@ -118,9 +119,15 @@ def test_prompt_forms_and_chat_messages_as_the_server_takes_them(tmp_path) -> No
     want = ids("dict prompt")
     assert ids({"prompt": "dict prompt"}) == ids({"prompt_token_ids": tokens}) == want
     assert ids([{"prompt": "dict prompt"}, "other"]) == want
-    for bad in ({"prompt": "x", "extra": 1}, {"text": "x"}, [["x"]], [3.5]):
+    # numpy token ids, as vLLM takes them in practice
+    assert ids(np.array(tokens)) == ids([np.int64(t) for t in tokens]) == want
+    assert ids({"prompt_token_ids": np.array(tokens)}) == want
+    for bad in ({"prompt": "x", "extra": 1}, {"text": "x"}, [["x"]], [3.5], [[True, False]],
+                {"prompt_token_ids": "ab"}):
         with pytest.raises(ValueError, match="prompt"):
             llm.generate(bad, greedy, use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias keys must be token ids"):
+        SamplingParams(logit_bias={"5": 1.0})  # as JSON spells them: the server converts
     assert not llm.engine.requests
 
     def chat(messages: list[dict]) -> list[int]:
