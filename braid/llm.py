@@ -134,7 +134,7 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]
         return [_prompt_of(prompts)]
     items = list(prompts)
     if items and all(_is_token_id(t) for t in items):
-        return [[int(t) for t in items]]  # type: ignore[call-overload]
+        return [[int(t) for t in items]]  # type: ignore[arg-type]
     return [_prompt_of(p) for p in items]
 
 
@@ -160,7 +160,7 @@ def _prompt_of(prompt: object) -> str | list[int]:
     if isinstance(prompt, np.ndarray) and prompt.ndim == 1:
         prompt = prompt.tolist()
     if isinstance(prompt, list | tuple) and all(_is_token_id(t) for t in prompt):
-        return [int(t) for t in prompt]  # type: ignore[call-overload]
+        return [int(t) for t in prompt]
     raise ValueError(f"a prompt is a text, a list of token ids (integers) or a dict, got "
                      f"{prompt!r:.80}")
 
