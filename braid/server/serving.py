@@ -24,7 +24,7 @@ from braid.engine.engine import RequestError
 from braid.outputs import RequestOutput
 from braid.sampling_params import SamplingParams, StructuredOutputsParams, choice_seed
 from braid.server.engine_loop import AsyncEngine, OutputQueue, RequestFailed, ShuttingDown
-from braid.server.errors import APIError, bad_request, field_of
+from braid.server.errors import APIError, bad_request, field_of, prompt_too_long
 from braid.server.protocol import SamplingRequest, StreamOptions
 from braid.server.responses import ChoiceState, Delta, usage
 from braid.structured.grammar import grammar_for
@@ -189,10 +189,14 @@ def capped(ctx: ServerContext, max_tokens: int | None) -> int | None:
 
 
 def check_room(ctx: ServerContext, prompts: list[list[int]], max_tokens: int | None,
-               param: str) -> None:
-    """400 where the tokens asked for (`param`) cannot follow the longest prompt within
-    max_model_len, as vLLM answers (instead of silently generating fewer)."""
+               param: str, prompt_param: str) -> None:
+    """400 naming `prompt_param` where the longest prompt leaves no room for a token, else
+    naming `param` where the tokens it asks for cannot follow it within max_model_len, as
+    vLLM answers (instead of silently generating fewer)."""
     longest = max(len(p) for p in prompts)
+    if longest >= ctx.max_model_len:  # token ids, or a prompt truncate_prompt_tokens kept
+        raise prompt_too_long(f"prompt is {longest} tokens, the maximum is "
+                              f"{ctx.max_model_len - 1}", ctx.max_model_len, prompt_param)
     if max_tokens is not None and longest + max_tokens > ctx.max_model_len:
         raise bad_request(
             f"{param} is too large: {max_tokens}. The model's maximum context length is "

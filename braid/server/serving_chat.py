@@ -96,7 +96,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
                                      ctx.max_model_len if keep is None else None)
     if keep is not None:
         prompt = prompt[-keep:]
-    check_room(ctx, [prompt], asked, asked_field)
+    check_room(ctx, [prompt], asked, asked_field, "messages")
     job = make_job("chatcmpl", [prompt], params, body.n, request_id(body, raw))
     await submit(ctx, job, prompt_field="messages", priority=body.priority)
     tools = {c.index: ChoiceTools(mode, body) for c in job.choices} if mode else {}

@@ -69,7 +69,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest,
         raise prompt_too_long(str(e), ctx.max_model_len, "prompt") from None
     if keep is not None:
         prompts = [p[-keep:] for p in prompts]
-    check_room(ctx, prompts, max_tokens, "max_tokens")
+    check_room(ctx, prompts, max_tokens, "max_tokens", "prompt")
     job = make_job("cmpl", prompts, params, body.n, request_id(body, raw))
     if score_only:
         job.view = _prompt_only

@@ -276,7 +276,13 @@ def test_truncate_prompt_tokens_keeps_the_prompt_s_end(server: ServerProcess) ->
     r = completion(server, prompt=[long, "ab"], truncate_prompt_tokens=200, max_tokens=2)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == 202
-    assert_400(completion(server, prompt=long, truncate_prompt_tokens=-1), "max_tokens")
+    # -1 keeps max_model_len tokens: no room for one more, which is the prompt's fault
+    assert_400(completion(server, prompt=long, truncate_prompt_tokens=-1), "prompt")
+    # token ids past the context are the prompt's fault too, not the default max_tokens'
+    r = completion(server, prompt=[104] * 300)
+    assert_400(r, "prompt")
+    assert r.json()["error"]["message"].startswith("prompt is 300 tokens, the maximum is 255")
+    assert_400(chat(server, "y" * 300, truncate_prompt_tokens=-1), "messages")
     r = chat(server, "y" * 300, truncate_prompt_tokens=100, max_tokens=2)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == 100
