@@ -453,6 +453,7 @@ class LLMEngine:
             req = u.request
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
+                self.stats.prompt_tokens += req.num_prompt_tokens
             if (lp := logprobs[id(req)]) is not None:
                 self.outputs.add_logprobs(req, lp[: u.num_new_tokens])
             if u.num_drafts and self.speculator is not None:

@@ -81,7 +81,9 @@ class EngineStats:
     num_recent: int = 256  # steps kept in `recent`
     recent: deque[StepStats] = field(default_factory=deque)
     num_steps: int = 0
-    prompt_tokens: int = 0  # prefill tokens computed (recompute after preemption included)
+    # prompt tokens of the requests that emitted their first token (cached ones included,
+    # once per request: vLLM's prompt_tokens_total); computed ones are in `recent`
+    prompt_tokens: int = 0
     generation_tokens: int = 0
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
@@ -96,7 +98,6 @@ class EngineStats:
         if len(self.recent) > self.num_recent:
             self.recent.popleft()
         self.num_steps += 1
-        self.prompt_tokens += s.num_prefill_tokens
         self.num_preemptions += s.num_preemptions
         self.prefix_cache_queries += s.num_cache_queries
         self.prefix_cache_hits += s.num_cache_hits

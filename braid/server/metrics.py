@@ -82,7 +82,9 @@ class ServerMetrics:
         return Counter(name, doc, self._labels(), registry=self.registry).labels(self._model)
 
     def _build_counters(self) -> None:
-        self.prompt_tokens = self._counter("braid:prompt_tokens", "Prefill tokens computed")
+        self.prompt_tokens = self._counter(
+            "braid:prompt_tokens", "Prompt tokens of requests past their prefill, prefix-cached "
+            "ones included (as vLLM counts them)")
         self.generation_tokens = self._counter("braid:generation_tokens", "Tokens generated")
         self.preemptions = self._counter("braid:num_preemptions", "Preemptions")
         self.prefix_cache_queries = self._counter(

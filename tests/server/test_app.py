@@ -354,6 +354,12 @@ def test_metrics_counters_move(server: ServerProcess, client: openai.OpenAI) -> 
                  "braid:spec_decode_num_draft_tokens_total",
                  "braid:spec_decode_num_accepted_tokens_total"):
         assert name in after
+    # prompt tokens found in the prefix cache count too, as vLLM counts them
+    before = after
+    again = client.completions.create(model=server.model, prompt="count me", max_tokens=1)
+    after = scrape(server.url)
+    assert again.usage is not None and delta("braid:prefix_cache_hits_total") > 0
+    assert delta("braid:prompt_tokens_total") == again.usage.prompt_tokens
 
 
 def test_chat_template_from_chat_template_jinja(tmp_path: Path) -> None:
