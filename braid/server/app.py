@@ -26,7 +26,7 @@ from braid.config import ConfigError, config_from_args
 from braid.server.engine_loop import AsyncEngine, ShuttingDown
 from braid.server.errors import bad_request, install_error_handlers, validation_error
 from braid.server.metrics import ServerMetrics
-from braid.server.middleware import ApiKeyAuth, BodySizeLimit
+from braid.server.middleware import ApiKeyAuth, BodyReads, BodySizeLimit
 from braid.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -80,7 +80,9 @@ def create_app(ctx: ServerContext, metrics: ServerMetrics,
     _add_token_routes(app, ctx)
     if options.api_key:
         app.add_middleware(ApiKeyAuth, api_key=options.api_key)
-    app.add_middleware(BodySizeLimit, max_bytes=options.max_request_bytes)
+    app.state.body_reads = BodyReads()
+    app.add_middleware(BodySizeLimit, max_bytes=options.max_request_bytes,
+                       reads=app.state.body_reads)
     # outermost: preflights are answered before the key is asked for, and every answer,
     # errors included, carries the headers a browser needs to read it
     app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
@@ -212,7 +214,7 @@ def run_server(args: argparse.Namespace) -> int:
         access_log=not args.disable_uvicorn_access_log, ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile, ssl_keyfile_password=args.ssl_keyfile_password,
         ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs),
-        ctx.engine, args.shutdown_timeout)
+        ctx.engine, app.state.body_reads, args.shutdown_timeout)
     # After a graceful stop uvicorn re-raises the signal it caught; a no-op handler turns
     # that into a clean exit 0 instead of death by SIGTERM.
     signal.signal(signal.SIGTERM, _ignore)
@@ -291,20 +293,28 @@ FORCE_QUIT_S = 1.0  # how long a force quit lets the failed requests send their 
 class _Server(uvicorn.Server):
     """uvicorn's graceful shutdown, plus a deadline: requests still in flight after
     `--shutdown-timeout` are failed by the engine loop (streams end with an error event and
-    [DONE], other requests get 503) instead of being cut mid-response. A force quit (Ctrl+C
-    during the drain) fails them the same way at once and gives them a moment to say so,
-    where uvicorn alone cancels them mid-response with a traceback each."""
+    [DONE], other requests get 503) instead of being cut mid-response, and requests whose
+    body is still arriving get 503. A force quit (Ctrl+C during the drain) fails them the
+    same way at once and gives them a moment to say so, where uvicorn alone cancels them
+    mid-response with a traceback each."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, deadline_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, reads: BodyReads,
+                 deadline_s: float) -> None:
         super().__init__(config)
         self.engine = engine
+        self.reads = reads
         self.deadline_s = deadline_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _fail_all(self, message: str) -> None:
+        self.engine.fail_all(ShuttingDown(message))
+        self.reads.fail_all(message)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         timer = loop.call_later(
-            self.deadline_s, self.engine.fail_all,
-            ShuttingDown(f"server shutting down (--shutdown-timeout {self.deadline_s:g} s)"))
+            self.deadline_s, self._fail_all,
+            f"server shutting down (--shutdown-timeout {self.deadline_s:g} s)")
         goodbyes = loop.create_task(self._end_tls_goodbyes()) if self.config.is_ssl else None
         try:
             await super().shutdown(sockets)
@@ -317,8 +327,10 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         super().handle_exit(sig, frame)
-        if self.force_exit:
-            self.engine.fail_all(ShuttingDown("server force quit"))
+        if self.force_exit:  # a second signal, during shutdown
+            self.engine.fail_all(ShuttingDown("server force quit"))  # thread-safe
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self.reads.fail_all, "server force quit")
 
     async def _last_words(self) -> None:
         """The requests failed by a force quit finish their responses, then the engine stops

@@ -1,7 +1,9 @@
-"""ASGI middleware in front of the routes: the request body size limit and API key auth."""
+"""ASGI middleware in front of the routes: the request body size limit (and the shutdown
+deadline for bodies still arriving) and API key auth."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from starlette.exceptions import HTTPException
@@ -13,13 +15,44 @@ from braid.server.errors import APIError
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/invocations")
 
 
+class BodyReads:
+    """The requests waiting for more of their body. At the shutdown deadline each is answered
+    503 (uvicorn would cancel it a little later: a plain-text 500 and a traceback each)."""
+
+    def __init__(self) -> None:
+        self._waiting: set[asyncio.Task[object]] = set()
+        self._failed: str | None = None
+
+    def fail_all(self, message: str) -> None:
+        self._failed = message
+        for task in self._waiting:
+            task.cancel()
+
+    async def receive(self, receive: Receive) -> Message:
+        """`receive()`, or a 503 HTTPException once `fail_all` was called."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._waiting.add(task)
+        try:
+            if self._failed is None:
+                return await receive()
+        except asyncio.CancelledError:
+            if self._failed is None:
+                raise
+            task.uncancel()  # this cancellation ends here, as the 503
+        finally:
+            self._waiting.discard(task)
+        raise HTTPException(503, self._failed)
+
+
 class BodySizeLimit:
     """413 for a body over `max_bytes`: at once from Content-Length, else while it arrives
-    (the route never sees more than the limit)."""
+    (the route never sees more than the limit). Body reads go through `reads`."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, reads: BodyReads) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.reads = reads
 
     def _error(self) -> APIError:
         return APIError(413, f"request body is larger than the server accepts "
@@ -33,11 +66,14 @@ class BodySizeLimit:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await self._error().response()(scope, receive, send)
             return
-        received = 0
+        received, done = 0, False
 
         async def limited() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, done
+            if done:  # e.g. a streaming response listening for the client's disconnect
+                return await receive()
+            message = await self.reads.receive(receive)
+            done = message["type"] != "http.request" or not message.get("more_body", False)
             received += len(message.get("body", b""))
             if received > self.max_bytes:  # answered by the app's HTTPException handler
                 raise HTTPException(413, self._error().message)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -129,6 +130,47 @@ def test_force_quit_ends_every_request_with_an_error_and_no_traceback(
         assert stream.events[-1] == "data: [DONE]", stream.events[-3:]
     assert all(r.status_code in (200, 503) for r in answers), [r.text for r in answers]
     assert any(r.status_code == 503 and "force quit" in r.text for r in answers)
+    assert "Traceback" not in server.log_path.read_text(errors="replace"), server.log()
+
+
+def test_a_body_still_arriving_at_the_shutdown_deadline_gets_a_503(
+        tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Clients that sent half a body when the server was told to stop: at --shutdown-timeout
+    each gets a JSON 503 and the server exits, where uvicorn cancelled them a few seconds
+    later with a plain-text 500 and a traceback each. Streams in flight still end with their
+    error event and [DONE] (their disconnect listeners read the same receive channel)."""
+    server = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("halfbody"), *ENGINE_FLAGS,
+                           "--max-num-seqs", "1", "--shutdown-timeout", "1")
+    streams = [_Stream(server) for _ in range(16)]  # one at a time: seconds in all
+    sockets = []
+    try:
+        for stream in streams:
+            stream.thread.start()
+        assert streams[0].started.wait(30), server.log()
+        host, port = server.url.removeprefix("http://").rsplit(":", 1)
+        for _ in range(3):
+            sock = socket.create_connection((host, int(port)), timeout=30)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\": ")
+            sockets.append(sock)
+        time.sleep(0.3)
+        start = time.monotonic()
+        server.terminate()
+        assert server.proc.wait(30) == 0, server.log()
+        assert time.monotonic() - start < 3.5  # the deadline, not the deadline + grace
+        for sock in sockets:
+            answer = sock.recv(4096).decode()
+            assert answer.startswith("HTTP/1.1 503"), answer
+            error = json.loads(answer.split("\r\n\r\n", 1)[1])["error"]
+            assert error["message"] == "server shutting down (--shutdown-timeout 1 s)"
+        for stream in streams:
+            stream.thread.join(10)
+            assert stream.events[-1] == "data: [DONE]", stream.events[-3:]
+        assert any("shutting down" in s.events[-2] for s in streams)
+    finally:
+        for sock in sockets:
+            sock.close()
+        server.stop()
     assert "Traceback" not in server.log_path.read_text(errors="replace"), server.log()
 
 
