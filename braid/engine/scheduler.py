@@ -13,8 +13,9 @@ way a request leaves. Everyone else reads requests or hands results back.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -23,6 +24,8 @@ import torch
 
 from braid.engine.block_manager import BlockManager
 from braid.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -111,7 +114,12 @@ class Scheduler:
     ) -> None:
         self.blocks = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
+        # every running request decodes a token each step, within the step's budget
+        self.max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
+        if max_num_seqs > max_num_batched_tokens:
+            logger.info("--max-num-seqs %d is more than --max-num-batched-tokens %d: at most "
+                        "%d requests run at once (each decode takes a token of a step's "
+                        "budget)", max_num_seqs, max_num_batched_tokens, self.max_num_seqs)
         self.enable_chunked_prefill = enable_chunked_prefill
         # --scheduling-policy priority: requests ordered by (priority, arrival) instead of
         # FCFS, for admission and (last first) for preemption, as vLLM's priority policy
@@ -143,7 +151,7 @@ class Scheduler:
             self._admit(out, budget)
             return out
         decoding, prefilling = self._split_running()
-        budget = self._schedule_running(out, decoding, budget)
+        budget = self._schedule_running(out, decoding, budget, decodes=True)
         if self.enable_chunked_prefill:
             if prefill_cap is not None:
                 budget = min(budget, prefill_cap)
@@ -175,14 +183,19 @@ class Scheduler:
         return decoding, [r for r in running if r.is_prefilling]
 
     def _schedule_running(
-        self, out: SchedulerOutput, requests: Iterable[Request], budget: int
+        self, out: SchedulerOutput, requests: Sequence[Request], budget: int,
+        decodes: bool = False,
     ) -> int:
-        for req in requests:
+        """Schedule `requests` in order within `budget`. Each of `decodes` keeps a token of
+        the budget for every decode after it, so a budget too short for every window cuts
+        drafts (the last decodes' first), never a decode's token."""
+        for i, req in enumerate(requests):
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
+            room = max(1, budget - (len(requests) - 1 - i)) if decodes else budget
+            n = min(req.num_tokens_with_spec - req.num_computed_tokens, room)
             if not self._allocate_or_preempt(req, n, out):
                 continue
             # Drafts are cut when the budget is short (the policy should have chosen fewer).
