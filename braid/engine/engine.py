@@ -396,6 +396,9 @@ class LLMEngine:
             logits = self.runner.execute(inp)
         except BaseException:
             self.scheduler.discard_published(sched)  # their KV was never written
+            if self.speculator is not None:
+                for rid in sched.preempted:  # as _propose does after a step that ran
+                    self.speculator.forget(rid)
             raise
         forward_time = time.perf_counter() - start
         for rid, lp in score_prompts(sched, logits[: inp.num_prompt_rows]).items():

@@ -340,8 +340,16 @@ class Scheduler:
         return updates
 
     def discard_published(self, sched: SchedulerOutput) -> None:
-        """The step failed before its KV was final: withdraw the blocks it published."""
+        """The step failed before its KV was final: withdraw the blocks it published, and
+        send the requests admitted onto them (a prefix this very step was computing) back to
+        waiting, where they counted those blocks' tokens as computed (recorded in `sched`)."""
+        withdrawn = set(sched.published)
         self.blocks.unpublish(sched.published)
+        bs = self.blocks.block_size
+        for req in list(self.running):
+            computed = self.blocks.block_table(req.request_id)[: req.num_computed_tokens // bs]
+            if withdrawn.intersection(computed):
+                self._preempt(req, sched)
 
     def update_draft_token_ids(self, drafts: dict[str, list[int]],
                                probs: dict[str, torch.Tensor] | None = None) -> None:

@@ -186,6 +186,32 @@ def test_a_failed_step_publishes_nothing(monkeypatch) -> None:
     assert got["b"][0] == want["b"][0]
 
 
+def test_a_request_admitted_onto_a_failed_step_s_blocks_recomputes_them(monkeypatch) -> None:
+    """"b" is admitted onto the blocks "a" publishes in the same step (the same prompt), and
+    the step fails: b goes back to waiting (its computed tokens were KV never written) and,
+    once the caller dropped a, its output is still the model's."""
+    engine = make_engine(max_num_batched_tokens=256)
+    execute = engine.runner.execute
+    calls = {"n": 0}
+
+    def fail_once(inp):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected")
+        return execute(inp)
+
+    monkeypatch.setattr(engine.runner, "execute", fail_once)
+    engine.add_request("a", SYSTEM, GREEDY)
+    engine.add_request("b", SYSTEM, GREEDY)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    assert engine.requests["b"].num_computed_tokens == 0
+    engine.abort("a")
+    got = finish(engine, {})
+    want = finish(make_engine(enable_prefix_caching=False), {"b": SYSTEM})
+    assert got["b"][0] == want["b"][0]
+
+
 def test_draft_catch_up_skips_a_cached_prefix() -> None:
     """The draft's KV is cached with the target's: a second request on the same prompt gets
     its first drafts without the draft recomputing the prefix."""
