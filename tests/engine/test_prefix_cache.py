@@ -163,21 +163,28 @@ def test_rejected_drafts_never_poison_the_cache() -> None:
     assert got["b"][0] == want["b"][0]
 
 
-def test_a_failed_step_publishes_nothing(monkeypatch) -> None:
+def failing_first_step(monkeypatch, prompts: dict[str, list[int]]) -> LLMEngine:
+    """An engine with `prompts` added whose first forward raised (as a crashed step)."""
     engine = make_engine(max_num_batched_tokens=256)
     execute = engine.runner.execute
     calls = {"n": 0}
 
-    def fail_once(inp):
+    def fail_once(inp):  # noqa: ANN001, ANN202
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected")
         return execute(inp)
 
     monkeypatch.setattr(engine.runner, "execute", fail_once)
-    engine.add_request("a", SYSTEM, GREEDY)
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, GREEDY)
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()
+    return engine
+
+
+def test_a_failed_step_publishes_nothing(monkeypatch) -> None:
+    engine = failing_first_step(monkeypatch, {"a": SYSTEM})
     assert engine.blocks.num_cached_blocks == 0  # the KV was never written
     engine.abort("a")
     got = finish(engine, {"b": SYSTEM})
@@ -190,21 +197,7 @@ def test_a_request_admitted_onto_a_failed_step_s_blocks_recomputes_them(monkeypa
     """"b" is admitted onto the blocks "a" publishes in the same step (the same prompt), and
     the step fails: b goes back to waiting (its computed tokens were KV never written) and,
     once the caller dropped a, its output is still the model's."""
-    engine = make_engine(max_num_batched_tokens=256)
-    execute = engine.runner.execute
-    calls = {"n": 0}
-
-    def fail_once(inp):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("injected")
-        return execute(inp)
-
-    monkeypatch.setattr(engine.runner, "execute", fail_once)
-    engine.add_request("a", SYSTEM, GREEDY)
-    engine.add_request("b", SYSTEM, GREEDY)
-    with pytest.raises(RuntimeError, match="injected"):
-        engine.step()
+    engine = failing_first_step(monkeypatch, {"a": SYSTEM, "b": SYSTEM})
     assert engine.requests["b"].num_computed_tokens == 0
     engine.abort("a")
     got = finish(engine, {})
