@@ -352,3 +352,22 @@ def test_constraints_that_leave_no_token_end_the_request(tmp_path) -> None:
         results.append([o.outputs[0].token_ids for o in outs])
         conflicts.pop()
     assert results[0] == results[1]
+
+
+def test_a_draft_vocabulary_limit_with_a_float_draft_as_loaded(tmp_path) -> None:
+    """draft_vocab_size with a float draft loaded from its files (its LM head packed for
+    oneDNN, which has no rows to slice): lossless, where the warm-up forward crashed."""
+    from braid import LLM, SamplingParams
+    from tests.tiny import save_tiny_model
+
+    folder = str(save_tiny_model(tmp_path))
+    options = {"num_kv_blocks": 256, "block_size": 4, "max_model_len": 256,
+               "log_stats_interval": 0}
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = LLM(folder, **options).generate(["hello there"], greedy, use_tqdm=False)
+    spec = {"method": "draft_model", "model": folder, "num_speculative_tokens": 3,
+            "draft_vocab_size": 100}
+    llm = LLM(folder, speculative_config=spec, **options)
+    got = llm.generate(["hello there"], greedy, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert llm.engine.stats.spec_stats.num_draft_tokens > 0

@@ -323,8 +323,12 @@ class Qwen2ForCausalLM(nn.Module):
             logits = F.linear(x, self.embed_tokens.weight[:n])
         elif isinstance(self.lm_head, QuantLinear):
             logits = self.lm_head(x, n)
-        else:
-            logits = self.lm_head(x) if n == vocab else F.linear(x, self.lm_head.weight[:n])
+        elif n == vocab:
+            logits = self.lm_head(x)
+        elif self.lm_head.weight is not None:
+            logits = F.linear(x, self.lm_head.weight[:n])
+        else:  # packed for oneDNN (pack_linear_weights): the whole product, its first ids
+            logits = self.lm_head(x)[:, :n]
         if n == vocab:
             return logits.float()
         out = logits.new_full((logits.shape[0], vocab), float("-inf"), dtype=torch.float32)
