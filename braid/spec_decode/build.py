@@ -49,6 +49,11 @@ def check_draft(cfg: EngineConfig, target: ModelConfig, draft: ModelConfig) -> N
     if spec.draft_vocab_size is not None and spec.draft_vocab_size > vocab:
         raise ConfigError(f"--speculative-config: draft_vocab_size {spec.draft_vocab_size} "
                           f"exceeds the vocabulary ({vocab} tokens)")
+    # the draft reads positions up to the target's last (its rotary table ends at its own)
+    if cfg.max_model_len is not None and draft.max_position_embeddings < cfg.max_model_len:
+        raise ConfigError(f"--speculative-config: the draft model's context "
+                          f"({draft.max_position_embeddings} tokens) is shorter than "
+                          f"--max-model-len {cfg.max_model_len}; lower --max-model-len")
 
 
 def _load_draft(cfg: EngineConfig) -> Qwen2ForCausalLM:

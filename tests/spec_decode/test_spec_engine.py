@@ -115,6 +115,18 @@ def test_a_bad_draft_vocabulary_limit_is_refused() -> None:
         spec_engine("draft_model", 3, draft_vocab_size=100_000)
 
 
+def test_a_draft_with_a_shorter_context_than_max_model_len_is_refused() -> None:
+    """Its rotary table ends before the target's last position: an IndexError failed the
+    requests that got there (a 500 on the server) before this check."""
+    from dataclasses import replace
+
+    short = replace(CFG, max_position_embeddings=128)
+    with pytest.raises(ConfigError, match=r"draft model's context \(128 tokens\) is shorter "
+                       r"than --max-model-len 256"):
+        spec_engine("draft_model", 3, draft_cfg=short, max_model_len=256)
+    spec_engine("draft_model", 3, draft_cfg=short, max_model_len=128)
+
+
 def test_the_draft_s_weights_and_kv_cache_count_against_the_memory(monkeypatch) -> None:
     """The KV caches are mapped lazily, so one too large would only fail under load: the
     engine refuses weights + KV caches beyond the machine's memory, the draft's included."""
