@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from braid.bench.args import add_bench_args
 from braid.config import ConfigError, add_config_args, config_from_args
@@ -20,24 +21,29 @@ DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=256, help="tokens to generate")
-    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--min-p", type=float, default=0.0)
+    group = parser.add_argument_group(
+        "sampling", "unset ones take the model's generation config (--generation-config, "
+        "--override-generation-config), else 256 tokens, greedy")
+    group.add_argument("--max-tokens", type=int, default=None, help="tokens to generate")
+    group.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    group.add_argument("--top-p", type=float, default=None)
+    group.add_argument("--top-k", type=int, default=None)
+    group.add_argument("--min-p", type=float, default=None)
     group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true")
 
 
-def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+def _sampling_params(args: argparse.Namespace, defaults: dict[str, Any]) -> SamplingParams:
+    """The flags given, over `defaults` (the engine's generation config), over 256 tokens of
+    greedy decoding."""
+    given = {name: getattr(args, name) for name in ("max_tokens", "temperature", "top_p",
+                                                     "top_k", "min_p")
+             if getattr(args, name) is not None}
     try:
-        return SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop,
-            ignore_eos=args.ignore_eos,
-        )
+        return SamplingParams(**{"max_tokens": 256, "temperature": 0.0, **defaults, **given},
+                              seed=args.sampling_seed, stop=args.stop,
+                              ignore_eos=args.ignore_eos)
     except ValueError as e:
         name = str(e).split(" ", 1)[0]
         flag = "--sampling-seed" if name == "seed" else "--" + name.replace("_", "-")
@@ -48,9 +54,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from braid.engine.engine import LLMEngine
 
     config = config_from_args(args)
-    params = _sampling_params(args)
+    _sampling_params(args, {})  # a bad flag fails before the weights load
     text = args.prompt if args.prompt is not None else _stdin_or(DEMO_PROMPT)
     engine = LLMEngine(config)
+    params = _sampling_params(args, engine.default_sampling)
     prompt: str | list[int] = text
     if not args.raw:
         assert engine.tokenizer is not None

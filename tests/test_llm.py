@@ -371,3 +371,19 @@ def test_a_draft_vocabulary_limit_with_a_float_draft_as_loaded(tmp_path) -> None
     got = llm.generate(["hello there"], greedy, use_tqdm=False)
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
     assert llm.engine.stats.spec_stats.num_draft_tokens > 0
+
+
+def test_generate_takes_the_generation_config_under_its_flags(tmp_path, capsys) -> None:
+    """`braid generate` samples with --override-generation-config (and generation_config
+    .json) where its own flags are unset, as the server and LLM.generate do; it ignored
+    them. A flag given wins."""
+    from braid.cli import main
+    from tests.tiny import save_tiny_model
+
+    flags = ["generate", "--model", str(save_tiny_model(tmp_path)), "--num-kv-blocks", "256",
+             "--block-size", "4", "--max-model-len", "256", "--raw", "--ignore-eos",
+             "--override-generation-config", '{"max_new_tokens": 3}', "hi"]
+    assert main(flags) == 0
+    assert "[3 tokens, finish_reason=length" in capsys.readouterr().err
+    assert main([*flags[:-1], "--max-tokens", "5", "hi"]) == 0
+    assert "[5 tokens, finish_reason=length" in capsys.readouterr().err
