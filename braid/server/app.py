@@ -190,7 +190,7 @@ def run_server(args: argparse.Namespace) -> int:
         engine.tokenizer.chat_template = args.chat_template
     assert engine.structured is not None
     engine.structured.warm_up()  # the grammar engine's tokenizer view, before any request
-    names = args.served_model_name or [config.model]
+    names = list(dict.fromkeys(args.served_model_name or [config.model]))  # each name once
     metrics = ServerMetrics(names[0])
     ctx = ServerContext(AsyncEngine(engine, metrics, args.enable_log_requests),
                         engine.tokenizer, names,

@@ -25,6 +25,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _model_name(text: str) -> str:
+    """argparse type: a served model name, not blank (clients could not name it)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("a model name must not be blank")
+    return text
+
+
 def _chat_template(text: str) -> str:
     """argparse type, as vLLM's --chat-template: a Jinja file, or the template itself."""
     import jinja2
@@ -69,8 +76,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server options")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
     group.add_argument("--port", type=_port, default=8000)
-    group.add_argument("--served-model-name", action="append", default=None,
-                       help="name(s) clients use in `model` (repeatable; default: --model)")
+    group.add_argument("--served-model-name", action="extend", nargs="+", default=None,
+                       type=_model_name,
+                       help="name(s) clients use in `model`, as vLLM takes them (`--served-"
+                       "model-name a b`, or the flag repeated; default: --model)")
     group.add_argument("--max-waiting-requests", type=positive_int, default=256,
                        help="engine requests allowed to wait; beyond it new requests get 503")
     group.add_argument("--shutdown-timeout", type=_seconds, default=30.0,

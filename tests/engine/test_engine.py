@@ -331,6 +331,7 @@ def test_serve_takes_vllm_s_command_line(capsys) -> None:
 def test_serve_names_a_bad_cors_flag_root_path_or_tool_parser(capsys) -> None:
     """vLLM's flags braid takes: a value they cannot take is refused naming the flag."""
     from braid.cli import build_parser, main
+    from braid.config import config_from_args
 
     with pytest.raises(SystemExit):
         main(["serve", "--allowed-origins", "*", "--model", "/no/such/model"])
@@ -343,6 +344,14 @@ def test_serve_names_a_bad_cors_flag_root_path_or_tool_parser(capsys) -> None:
         main(["serve", "--root-path", "llm"])
     assert "argument --root-path: must start with /, got 'llm'" in capsys.readouterr().err
     assert build_parser().parse_args(["serve", "--root-path", "/a/b/"]).root_path == "/a/b"
+    # vLLM's --served-model-name takes several names after one flag; repeated works too
+    for argv in (["m", "--served-model-name", "a", "b"],
+                 ["--model", "m", "--served-model-name", "a", "--served-model-name", "b"]):
+        args = build_parser().parse_args(["serve", *argv])
+        assert args.served_model_name == ["a", "b"] and config_from_args(args).model == "m"
+    with pytest.raises(SystemExit):
+        main(["serve", "--served-model-name", " "])
+    assert "--served-model-name: a model name must not be blank" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--tool-call-parser", "mistral"])
     assert "argument --tool-call-parser: invalid choice: 'mistral'" in capsys.readouterr().err
