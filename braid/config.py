@@ -286,6 +286,8 @@ class EngineConfig:
             device = torch.device(self.device)
         except (RuntimeError, TypeError) as e:
             raise ConfigError(f"--device: {e}") from None
+        if device.type not in ("cpu", "cuda"):  # meta, mps, ...: no kernels or no data
+            raise ConfigError(f"--device {self.device}: braid runs on cpu or cuda")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"--device {self.device}: this torch build or machine has no CUDA")
 

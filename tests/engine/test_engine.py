@@ -159,7 +159,9 @@ def test_budget_below_max_model_len_without_chunking_fails() -> None:
 
 
 @pytest.mark.parametrize("device, match", [
-    ("foo", "--device: "), ("cuda", "--device cuda: this torch build or machine has no CUDA")])
+    ("foo", "--device: "), ("cuda", "--device cuda: this torch build or machine has no CUDA"),
+    ("meta", "--device meta: braid runs on cpu or cuda"),  # a traceback at load before
+    ("mps", "--device mps: braid runs on cpu or cuda")])
 def test_a_bad_device_is_a_config_error_before_loading(device: str, match: str) -> None:
     if device == "cuda" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
