@@ -212,8 +212,10 @@ def generation_defaults(folder: Path) -> dict[str, Any]:
         found = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(found, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(found).__name__}")
     defaults = {ours: found[hf] for hf, ours in GENERATION_DEFAULTS.items()
-                if isinstance(found, dict) and found.get(hf) is not None}
+                if found.get(hf) is not None}
     try:
         SamplingParams(**defaults)
     except (TypeError, ValueError) as e:

@@ -214,7 +214,13 @@ def _token_content(value: Any) -> str | None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    return dict(json.loads(path.read_text())) if path.is_file() else {}
+    """A JSON object file's content ({} without the file); ValueError naming it otherwise."""
+    if not path.is_file():
+        return {}
+    found = json.loads(path.read_text())
+    if not isinstance(found, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(found).__name__}")
+    return found
 
 
 def _as_id_list(value: Any) -> list[int]:

@@ -266,6 +266,13 @@ def test_generation_config_sampling_defaults_as_in_vllm(tmp_path) -> None:
         LLM(str(folder), generation_config=str(other), **engine)
     with pytest.raises(ConfigError, match="--generation-config nowhere: expected auto, vllm"):
         LLM(str(folder), generation_config="nowhere", **engine)
+    empty = tmp_path / "empty"  # a folder without the file: named, not silently nothing
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="expected auto, vllm or a folder holding"):
+        LLM(str(folder), generation_config=str(empty), **engine)
+    (other / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="generation_config.json: expected a JSON object"):
+        LLM(str(folder), generation_config=str(other), **engine)
     # --override-generation-config: merged over the file's, alone with vllm (JSON text too)
     over = LLM(str(folder), override_generation_config={"temperature": 0.2, "min_p": 0.1},
                **engine).get_default_sampling_params()

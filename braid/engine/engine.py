@@ -142,7 +142,7 @@ def _generation_config(config: EngineConfig, folder: Path | None) -> dict[str, A
         return {}
     if choice != "auto":
         folder = Path(choice)
-        if not folder.is_dir():
+        if not (folder / "generation_config.json").is_file():
             raise ConfigError(f"--generation-config {choice}: expected auto, vllm or a folder "
                               "holding a generation_config.json")
     if folder is None:
