@@ -54,6 +54,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from braid.engine.engine import LLMEngine
 
     config = config_from_args(args)
+    if args.raw and args.system is not None:
+        raise ConfigError("--system goes into the chat template, which --raw leaves out")
     _sampling_params(args, {})  # a bad flag fails before the weights load
     text = args.prompt if args.prompt is not None else _stdin_or(DEMO_PROMPT)
     engine = LLMEngine(config)

@@ -25,10 +25,10 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _model_name(text: str) -> str:
-    """argparse type: a served model name, not blank (clients could not name it)."""
+def _not_blank(text: str) -> str:
+    """argparse type: a name clients see or send (a model name, a role), not blank."""
     if not text.strip():
-        raise argparse.ArgumentTypeError("a model name must not be blank")
+        raise argparse.ArgumentTypeError("must not be blank")
     return text
 
 
@@ -77,7 +77,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
     group.add_argument("--port", type=_port, default=8000)
     group.add_argument("--served-model-name", action="extend", nargs="+", default=None,
-                       type=_model_name,
+                       type=_not_blank,
                        help="name(s) clients use in `model`, as vLLM takes them (`--served-"
                        "model-name a b`, or the flag repeated; default: --model)")
     group.add_argument("--max-waiting-requests", type=positive_int, default=256,
@@ -127,7 +127,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept a request's own `chat_template` (refused by default, as in "
                             "vLLM)")
-    group.add_argument("--response-role", default="assistant",
+    group.add_argument("--response-role", default="assistant", type=_not_blank,
                        help="the role chat replies carry after a generation prompt (vLLM's)")
     # vLLM needs these two for tool_choice "auto"; braid always parses tool calls, with the
     # parser Qwen2.5 needs, so a vLLM command line runs unchanged

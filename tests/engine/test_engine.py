@@ -351,9 +351,10 @@ def test_serve_names_a_bad_cors_flag_root_path_or_tool_parser(capsys) -> None:
                  ["--model", "m", "--served-model-name", "a", "--served-model-name", "b"]):
         args = build_parser().parse_args(["serve", *argv])
         assert args.served_model_name == ["a", "b"] and config_from_args(args).model == "m"
-    with pytest.raises(SystemExit):
-        main(["serve", "--served-model-name", " "])
-    assert "--served-model-name: a model name must not be blank" in capsys.readouterr().err
+    for flag in ("--served-model-name", "--response-role"):
+        with pytest.raises(SystemExit):
+            main(["serve", flag, " "])
+        assert f"{flag}: must not be blank" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--tool-call-parser", "mistral"])
     assert "argument --tool-call-parser: invalid choice: 'mistral'" in capsys.readouterr().err
@@ -370,6 +371,9 @@ def test_generate_names_the_sampling_seed_flag(capsys) -> None:
 
     assert main(["generate", "--sampling-seed", str(2**64), "x"]) == 2
     assert "braid: error: --sampling-seed: seed must be in" in capsys.readouterr().err
+    assert main(["generate", "--raw", "--system", "be brief", "x"]) == 2  # was ignored
+    assert "--system goes into the chat template, which --raw leaves out" in \
+        capsys.readouterr().err
 
 
 def test_step_mixes_prefill_chunk_and_decodes() -> None:
