@@ -74,6 +74,9 @@ class SpecConfig:
 
     MAX_TOKENS = 16
     METHODS = ("ngram", "draft_model")
+    # keys that configure the draft model: an ngram config naming one is a mistake
+    DRAFT_MODEL_KEYS = frozenset({"model", "draft_dtype", "quantization", "draft_vocab_size",
+                                  "draft_coarse_head", "draft_prompt_lookup"})
     POLICIES = ("fixed", "goodput")
     DRAFT_SAMPLING = ("auto", "greedy", "coupled", "independent")
     VERIFICATION = ("coupled", "rejection")
@@ -99,6 +102,9 @@ class SpecConfig:
                               f"(known: {', '.join(sorted(known))})")
         if "method" not in d or "num_speculative_tokens" not in d:
             raise ConfigError("--speculative-config needs 'method' and 'num_speculative_tokens'")
+        if d["method"] == "ngram" and (draft_only := sorted(set(d) & cls.DRAFT_MODEL_KEYS)):
+            raise ConfigError(f"--speculative-config: {draft_only[0]!r} is only for method "
+                              "draft_model")  # accepted and ignored before
         spec = cls(**d)
         spec.validate()
         return spec

@@ -200,6 +200,17 @@ def test_a_speculative_config_may_be_its_json_text() -> None:
     assert config.spec_config is not None and config.spec_config.num_speculative_tokens == 3
 
 
+@pytest.mark.parametrize("key, value", [("model", "x"), ("draft_dtype", "float32"),
+                                        ("quantization", "int8"), ("draft_vocab_size", 64),
+                                        ("draft_coarse_head", False),
+                                        ("draft_prompt_lookup", False)])
+def test_draft_model_keys_in_an_ngram_config_are_refused(key: str, value: object) -> None:
+    """They configure a draft model ngram does not have (some were silently ignored)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, key: value}
+    with pytest.raises(ConfigError, match=f"'{key}' is only for method draft_model"):
+        EngineConfig(model="tiny", speculative_config=spec)
+
+
 @pytest.mark.parametrize("options, match", [
     ({"max_model_len": 10**6}, "--max-model-len 1000000 exceeds the model's 512"),
     ({"kv_cache_gib": 10**6}, "--kv-cache-gib: a KV cache of 1000000.0 GiB does not fit"),

@@ -20,7 +20,9 @@ def spec_engine(method: str, k: int, draft_weights=WEIGHTS, draft_cfg=CFG, polic
     spec = {"method": method, "num_speculative_tokens": k, "prompt_lookup_min": 1,
             "prompt_lookup_max": 3, "policy": policy}
     # lookups beside the draft only where a test asks: the rest test the draft model itself
-    spec["draft_prompt_lookup"] = options.pop("draft_prompt_lookup", False)
+    lookups = options.pop("draft_prompt_lookup", False)
+    if method == "draft_model":
+        spec["draft_prompt_lookup"] = lookups
     for key in ("draft_sampling", "verification", "draft_vocab_size",
                 "prompt_lookup_min"):  # speculative_config
         if key in options:
