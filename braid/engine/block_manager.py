@@ -110,7 +110,7 @@ class BlockManager:
         `reserve` blocks would stay free. Never shrinks."""
         if cached and self._tables.get(request_id):
             raise ValueError("cached blocks can only start a table")
-        if self._cost(request_id, num_tokens, cached) + reserve > len(self._free):
+        if not self.can_allocate(request_id, num_tokens, cached, reserve):
             return False
         table = self._tables.setdefault(request_id, [])
         for block in cached:

@@ -396,9 +396,7 @@ class LLMEngine:
             logits = self.runner.execute(inp)
         except BaseException:
             self.scheduler.discard_published(sched)  # their KV was never written
-            if self.speculator is not None:
-                for rid in sched.preempted:  # as _propose does after a step that ran
-                    self.speculator.forget(rid)
+            self._forget_preempted(sched)
             raise
         forward_time = time.perf_counter() - start
         for rid, lp in score_prompts(sched, logits[: inp.num_prompt_rows]).items():
@@ -437,11 +435,16 @@ class LLMEngine:
             return None
         return self.speculator.prefill_cap(self.scheduler)
 
+    def _forget_preempted(self, sched: SchedulerOutput) -> None:
+        """The speculator's state of the requests the step preempted goes (their KV did)."""
+        if self.speculator is not None:
+            for rid in sched.preempted:
+                self.speculator.forget(rid)
+
     def _propose(self, sched: SchedulerOutput) -> None:
         if self.speculator is None:
             return
-        for rid in sched.preempted:
-            self.speculator.forget(rid)
+        self._forget_preempted(sched)
         drafts, probs = self.speculator.propose(self.scheduler)
         self.scheduler.update_draft_token_ids(drafts, probs)
 

@@ -112,15 +112,15 @@ class OutputProcessor:
         else:
             text = text[: len(text) - _partial_stop_len(text, req.sampling_params.stop_strings)]
         scored = _prompt_scored(req)
+        with_logprobs = req.sampling_params.logprobs is not None
         completion = CompletionOutput(
             index=0,
             text=text,
             token_ids=list(req.output_token_ids),
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
-            logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
-            cumulative_logprob=(req.cumulative_logprob
-                                if req.sampling_params.logprobs is not None else None),
+            logprobs=list(req.logprobs) if with_logprobs else None,
+            cumulative_logprob=req.cumulative_logprob if with_logprobs else None,
         )
         return RequestOutput(
             request_id=req.request_id,

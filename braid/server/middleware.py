@@ -30,19 +30,20 @@ class BodyReads:
 
     async def receive(self, receive: Receive) -> Message:
         """`receive()`, or a 503 HTTPException once `fail_all` was called."""
+        if self._failed is not None:
+            raise HTTPException(503, self._failed)
         task = asyncio.current_task()
         assert task is not None
         self._waiting.add(task)
         try:
-            if self._failed is None:
-                return await receive()
+            return await receive()
         except asyncio.CancelledError:
             if self._failed is None:
                 raise
             task.uncancel()  # this cancellation ends here, as the 503
+            raise HTTPException(503, self._failed) from None
         finally:
             self._waiting.discard(task)
-        raise HTTPException(503, self._failed)
 
 
 class BodySizeLimit:
