@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
-from braid.llm import LLM
+from typing import TYPE_CHECKING
+
 from braid.outputs import CompletionOutput, Logprob, RequestOutput
 from braid.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from braid.llm import LLM
+
 __version__ = "0.1.0"
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str) -> object:
+    # LLM imports torch (about a second): `braid --help` and the CLI's own checks come first,
+    # and Ctrl+C during that import ends quietly in braid.cli.main.
+    if name == "LLM":
+        from braid.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'braid' has no attribute {name!r}")

@@ -115,10 +115,13 @@ def _report(out) -> None:  # noqa: ANN001 - RequestOutput
 
 
 def _stdin_or(default: str) -> str:
+    """The prompt piped in on stdin; `default` when stdin is a terminal (or closed)."""
     if sys.stdin is None or sys.stdin.isatty():
         return default
     data = sys.stdin.read().strip()
-    return data or default
+    if not data:
+        raise ConfigError("stdin is empty: give the prompt as an argument or pipe it in")
+    return data
 
 
 def build_parser() -> argparse.ArgumentParser:

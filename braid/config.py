@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 from dataclasses import MISSING, dataclass, field, fields
@@ -384,8 +385,13 @@ def config_from_args(args: argparse.Namespace, cls: type = EngineConfig) -> Any:
     --log-stats-interval 0."""
     names = {f.name for f in fields(cls)}
     values = {k: v for k, v in vars(args).items() if k in names}
-    if getattr(args, "model_tag", None) is not None and "model" in names:
-        values["model"] = args.model_tag
+    tag = getattr(args, "model_tag", None)
+    if tag is not None and "model" in names:
+        if values.get("model", tag) != tag:  # flags left unset are absent (SUPPRESS)
+            logging.getLogger("braid").warning(
+                "the model is given twice: serving %s (MODEL), not --model %s", tag,
+                values["model"])
+        values["model"] = tag
     if getattr(args, "disable_log_stats", False) and "log_stats_interval" in names:
         values["log_stats_interval"] = 0.0  # vLLM's --disable-log-stats
     return cls(**values)

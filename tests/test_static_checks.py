@@ -1,4 +1,5 @@
-"""ruff and mypy stay clean (pyproject.toml configures both), checked with the suite."""
+"""ruff and mypy stay clean (pyproject.toml configures both), checked with the suite; the
+command line starts without importing torch."""
 
 from __future__ import annotations
 
@@ -22,3 +23,12 @@ def test_ruff_is_clean() -> None:
 def test_mypy_is_clean() -> None:
     result = run("mypy", "braid")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_command_line_starts_without_torch() -> None:
+    """`braid --help` and the flag checks answer at once, and Ctrl+C while torch loads (in a
+    subcommand, under braid.cli.main) ends quietly with 130."""
+    code = "import sys, braid.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

@@ -186,6 +186,11 @@ class LLMEngine:
         draft_model: Qwen2ForCausalLM | None = None,
     ) -> None:
         torch.set_num_threads(config.threads)
+        cores = len(os.sched_getaffinity(0))
+        if config.threads > cores:
+            logger.warning("--num-threads %d is more than the %d cores this process may use: "
+                           "the threads share them and every step slows down",
+                           config.threads, cores)
         # what requests leave unset: generation_config.json's and --override-generation-config
         self.default_sampling: dict[str, Any]
         if model is None:

@@ -40,7 +40,11 @@ def _chat_template(text: str) -> str:
 
     path = Path(text)
     if path.is_file():
-        text = path.read_text()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{text} is not UTF-8 text ({e.reason} at byte "
+                                             f"{e.start})") from None
     elif not any(c in text for c in "{}\n"):
         raise argparse.ArgumentTypeError(f"no such file, nor a Jinja template: {text!r}")
     try:

@@ -322,9 +322,9 @@ def test_memory_limit_is_the_container_s_where_lower(tmp_path, caplog) -> None:
     assert "--kv-cache-gib: the KV caches take 3.0 GiB, and only 2.0 GiB" in caplog.text
 
 
-def test_serve_takes_vllm_s_command_line(capsys) -> None:
-    """`braid serve MODEL` as `vllm serve MODEL` (the positional wins over --model), and
-    vLLM's names --uvicorn-log-level and --disable-log-stats."""
+def test_serve_takes_vllm_s_command_line(capsys, caplog) -> None:
+    """`braid serve MODEL` as `vllm serve MODEL` (the positional wins over --model, with a
+    warning as in vLLM), and vLLM's names --uvicorn-log-level and --disable-log-stats."""
     from braid.cli import build_parser, main
     from braid.config import DEFAULT_TARGET, config_from_args
 
@@ -332,7 +332,10 @@ def test_serve_takes_vllm_s_command_line(capsys) -> None:
     assert config_from_args(parser.parse_args(["serve"])).model == DEFAULT_TARGET
     assert config_from_args(parser.parse_args(["serve", "some/model", "--port", "1"])
                             ).model == "some/model"
+    assert config_from_args(parser.parse_args(["serve", "--model", "b", "b"])).model == "b"
+    assert "given twice" not in caplog.text
     assert config_from_args(parser.parse_args(["serve", "--model", "a", "b"])).model == "b"
+    assert "the model is given twice: serving b (MODEL), not --model a" in caplog.text
     vllm_names = parser.parse_args(["serve", "--uvicorn-log-level", "warning",
                                     "--disable-log-stats"])
     assert vllm_names.log_level == "warning"
@@ -385,6 +388,30 @@ def test_generate_names_the_sampling_seed_flag(capsys) -> None:
     assert main(["generate", "--raw", "--system", "be brief", "x"]) == 2  # was ignored
     assert "--system goes into the chat template, which --raw leaves out" in \
         capsys.readouterr().err
+
+
+def test_generate_refuses_an_empty_stdin(monkeypatch, capsys) -> None:
+    """A prompt piped in empty is an error before any weight loads (it ran the demo prompt,
+    which only a terminal's stdin gets)."""
+    import io
+
+    from braid.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(" \n"))
+    assert main(["generate", "--model", "/no/such/model"]) == 2
+    assert "braid: error: stdin is empty: give the prompt as an argument or pipe it in" in \
+        capsys.readouterr().err
+
+
+def test_more_threads_than_cores_is_a_warning(caplog) -> None:
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    try:
+        make_engine(num_threads=cores + 1)
+    finally:
+        torch.set_num_threads(cores)
+    assert f"--num-threads {cores + 1} is more than the {cores} cores" in caplog.text
 
 
 def test_step_mixes_prefill_chunk_and_decodes() -> None:

@@ -533,8 +533,12 @@ def test_serve_chat_template_flag(tiny_model_dir: Path, tmp_path: Path,
         assert server.stop() == 0, server.log()
     args = build_parser().parse_args(["serve", "--chat-template", "{{ messages[0].content }}"])
     assert args.chat_template == "{{ messages[0].content }}"
+    latin1 = tmp_path / "latin1.jinja"
+    latin1.write_bytes("{{ 'caf\u00e9' }}".encode("latin-1"))
     for bad, message in ((str(tmp_path / "missing.jinja"), "no such file, nor a Jinja template"),
-                         ("{% if %}", "not a valid Jinja template (line 1")):
+                         ("{% if %}", "not a valid Jinja template (line 1"),
+                         (str(latin1), f"{latin1} is not UTF-8 text (invalid continuation "
+                                       "byte at byte 7)")):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "--chat-template", bad])
         assert f"argument --chat-template: {message}" in capsys.readouterr().err
