@@ -109,6 +109,15 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     @property
+    def shapes_logits(self) -> bool:
+        """Whether anything but the model moves this request's argmax: penalties, logit_bias,
+        min_tokens, allowed_token_ids or bad_words (its grammar aside)."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias or self.min_tokens
+                    or self.allowed_token_ids is not None or self.bad_words
+                    or self.bad_words_token_ids)
+
+    @property
     def stop_strings(self) -> list[str]:
         """`stop` typed as a list (it always is one after `__post_init__`)."""
         assert isinstance(self.stop, list)

@@ -115,15 +115,6 @@ def rows_metadata(
     )
 
 
-def grammar_masked(logits: torch.Tensor, rows: list[tuple[Request, list[int]]]
-                   ) -> torch.Tensor:
-    """`logits` [R, V] with what each row's grammar refuses at -inf (rows as for
-    `rows_metadata`, each with a grammar)."""
-    masks = _grammar_masks(rows, logits.shape[-1], logits.device)
-    assert masks is not None and len(masks[0]) == len(rows)
-    return logits.masked_fill(~masks[1], float("-inf"))
-
-
 def _grammar_masks(rows: list[tuple[Request, list[int]]], vocab_size: int,
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(row indices, [R, V] bool allowed tokens) of the rows whose request has a grammar."""

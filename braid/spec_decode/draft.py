@@ -11,11 +11,12 @@ are never computed on a stale cache. Requests with k = 0 are left behind: under 
 policy turns speculation off, the draft costs nothing, and the policy weighs the catch-up (the
 `lag`) before turning it back on. Then k - 1 more single-token forwards, batched over requests.
 
-Drafts for requests that sample are the draft's argmax ("greedy"), or a draw from its own
-distribution after the request's penalties and filters: with the keyed number the target's
-draw at that output position uses ("coupled"), or with a stream of its own ("independent");
-`SpecConfig.draft_sampling_for` picks per request. The q rows of requests verified by
-rejection sampling are kept for it.
+Drafts are the draft's argmax after the request's grammar, penalties, logit_bias and
+min_tokens, as the target's greedy token is ("greedy"), or for requests that sample a draw
+from the draft's own distribution after the request's penalties and filters: with the keyed
+number the target's draw at that output position uses ("coupled"), or with a stream of its
+own ("independent"); `SpecConfig.draft_sampling_for` picks per request. The q rows of
+requests verified by rejection sampling are kept for it.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from braid.engine.block_manager import BlockManager
 from braid.engine.request import Request
 from braid.engine.runner import ModelRunner, QuerySpan
 from braid.models.qwen2 import Qwen2ForCausalLM
-from braid.sample.sampler import DRAFT, SAMPLE, sample_rows
-from braid.sample.step import grammar_masked, rows_metadata
+from braid.sample.sampler import DRAFT, SAMPLE, apply_penalties, sample_rows
+from braid.sample.step import rows_metadata
 from braid.spec_decode.proposer import DraftForward, Proposal, Proposer
 
 
@@ -152,7 +153,7 @@ class DraftModelProposer(Proposer):
         probs: list[torch.Tensor | None] = [None] * len(requests)
         draws = [self._draws(r) for r in requests]
         inp = self.runner.build_input(spans)
-        if self.coarse_head and all(d == "greedy" and r.grammar is None
+        if self.coarse_head and all(d == "greedy" and not _shaped(r)
                                     for d, r in zip(draws, requests, strict=True)):
             tokens = self.runner.execute_greedy(inp)
         else:
@@ -167,11 +168,11 @@ class DraftModelProposer(Proposer):
         """Each row's draft token from the draft's logits [R, V], as `draws` says; the q rows
         sampled tokens were drawn from go into `probs`."""
         tokens = logits.argmax(dim=-1)
-        constrained = [i for i, r in enumerate(requests)
-                       if r.grammar is not None and draws[i] == "greedy"]
-        if constrained:  # a greedy draft under a grammar takes the best token it allows
-            rows = [(requests[i], drafted[i]) for i in constrained]
-            tokens[constrained] = grammar_masked(logits[constrained], rows).argmax(dim=-1)
+        shaped = [i for i, r in enumerate(requests) if draws[i] == "greedy" and _shaped(r)]
+        if shaped:  # the target's argmax sees the grammar, penalties and bias: so does ours
+            meta = rows_metadata([(requests[i], drafted[i]) for i in shaped], logits.shape[-1],
+                                 logits.device, self.eos_token_ids)
+            tokens[shaped] = apply_penalties(logits[shaped], meta).argmax(dim=-1)
         sampled = [i for i, d in enumerate(draws) if d != "greedy"]
         if sampled:
             # the target's sampling rows at these positions: keyed in the target's stream for
@@ -187,3 +188,7 @@ class DraftModelProposer(Proposer):
                 probs[i] = q[row]
         return tokens
 
+
+def _shaped(req: Request) -> bool:
+    """Whether the request's greedy token is not the model's plain argmax."""
+    return req.grammar is not None or req.sampling_params.shapes_logits

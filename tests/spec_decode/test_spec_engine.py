@@ -90,6 +90,21 @@ class LinearCost:
         pass
 
 
+def test_greedy_drafts_see_the_request_s_penalties_and_bias() -> None:
+    """A greedy request's token is the argmax after its penalties, logit_bias and
+    min_tokens: the draft's proposals are too, so a draft equal to the target has every
+    draft accepted (the plain argmax drafted tokens the penalty turned away), and the output
+    is the same as without speculation."""
+    shaped = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, min_tokens=4,
+                            repetition_penalty=1.8, presence_penalty=0.5,
+                            frequency_penalty=0.3, logit_bias={7: 3.0, 11: -2.0})
+    expected = run(make_engine(max_num_batched_tokens=64), STAGGERED, shaped)
+    engine = spec_engine("draft_model", 3, max_num_batched_tokens=64)
+    assert run(engine, STAGGERED, shaped) == expected
+    spec = engine.stats.spec_stats
+    assert spec.num_draft_tokens > 0 and spec.acceptance_rate == 1.0
+
+
 @pytest.mark.parametrize("limit", [16, 100, 272])
 def test_a_draft_vocabulary_limit_is_lossless(reference, limit: int) -> None:
     """The draft scores only ids below the limit: it never proposes others, and the target's
