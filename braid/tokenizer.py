@@ -339,6 +339,28 @@ class Tokenizer:
     def all_special_ids(self) -> list[int]:
         return list(self._special_ids)
 
+    @cached_property
+    def _byte_decoder(self) -> dict[str, int] | None:
+        """Byte-level BPE's alphabet, character -> byte (None for other vocabularies)."""
+        if not isinstance(self.backend.decoder, decoders.ByteLevel):
+            return None
+        return {ch: b for b, ch in bytes_to_unicode().items()}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for. A byte-level token can be part of a UTF-8 character
+        (its text alone is U+FFFD): these are its own bytes, as OpenAI's logprobs `bytes`
+        give them. Added tokens and other vocabularies: their text's UTF-8."""
+        token = self.backend.id_to_token(token_id)
+        alphabet = self._byte_decoder
+        if (alphabet is None or token is None or token_id in self._added_ids
+                or not set(token) <= alphabet.keys()):
+            return self.decode([token_id], skip_special_tokens=False).encode()
+        return bytes(alphabet[ch] for ch in token)
+
+    @cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self.backend.get_added_tokens_decoder())
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
@@ -406,9 +428,26 @@ class IncrementalDetokenizer:
         return delta
 
     def flush(self) -> str:
-        """At the end of a stream: whatever is still held back (e.g. a truly invalid byte)."""
+        """At the end of a stream: whatever is still held back (e.g. a truly invalid byte),
+        less a last character the output stops partway through (max_tokens cut it): it is
+        dropped, as vLLM drops it, not sent as U+FFFD."""
         prefix_text = self._decode(self.prefix_offset, self.read_offset)
         delta = self._decode(self.prefix_offset)[len(prefix_text):]
+        if delta.endswith("\ufffd") and self._ends_mid_character():
+            delta = delta[:-1]
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += delta
         return delta
+
+    def _ends_mid_character(self) -> bool:
+        """Whether the held-back tokens' bytes end with the start of a UTF-8 character that
+        needs more bytes than follow it."""
+        skipped = set(self.tokenizer.all_special_ids) if self.skip_special_tokens else set()
+        tail = b"".join(self.tokenizer.token_bytes(i) for i in self.ids[self.read_offset:]
+                        if i not in skipped)[-4:]
+        for back in range(1, len(tail) + 1):
+            lead = tail[-back]
+            if lead & 0xC0 != 0x80:  # not a continuation byte: the character's first
+                needs = 2 if lead & 0xE0 == 0xC0 else 3 if lead & 0xF0 == 0xE0 else 4
+                return lead >= 0xC0 and needs > back
+        return False

@@ -84,6 +84,24 @@ def test_incremental_detokenizer_holds_back_partial_characters(tiny_tokenizer: T
     assert [detok.add(i) for i in ids] == ["", "", "€"]
 
 
+def test_a_character_cut_at_the_end_is_dropped_not_replaced(tiny_tokenizer: Tokenizer) -> None:
+    """Output that max_tokens ends partway through a character ends before it (as vLLM's),
+    not with U+FFFD; a byte that can start no character is still U+FFFD. token_bytes gives
+    each byte-level token's own bytes (logprobs' `bytes`), a special token its text's."""
+    euro = tiny_tokenizer.encode("€")
+    assert [tiny_tokenizer.token_bytes(i) for i in euro] == [b"\xe2", b"\x82", b"\xac"]
+    end = tiny_tokenizer.eos_token_id
+    assert end is not None and tiny_tokenizer.token_bytes(end) == b"<|im_end|>"
+    ab = tiny_tokenizer.encode("ab")
+    for cut in (1, 2):
+        detok = IncrementalDetokenizer(tiny_tokenizer)
+        assert detok.add(ab + euro[:cut]) + detok.flush() == "ab"
+        detok = IncrementalDetokenizer(tiny_tokenizer, skip_special_tokens=True)
+        assert detok.add(ab + euro[:cut] + [end]) + detok.flush() == "ab"
+    detok = IncrementalDetokenizer(tiny_tokenizer)
+    assert detok.add(ab + euro[1:2]) + detok.flush() == "ab\ufffd"  # a lone continuation
+
+
 def test_incremental_detokenizer_after_prompt(tiny_tokenizer: Tokenizer) -> None:
     prompt = tiny_tokenizer.encode("hello")
     output = tiny_tokenizer.encode(" the 日本")

@@ -118,14 +118,15 @@ def chat_logprobs(tokenizer: Tokenizer, delta: Delta, top_n: int,
         text = _named(tokenizer, token_id, as_ids)
         top = [_top_logprob(tokenizer, t, lp, as_ids) for t, lp in _top(entry, top_n)]
         content.append(TokenLogprob(token=text, logprob=_clamp(entry[token_id].logprob),
-                                    bytes=list(text.encode()), top_logprobs=top))
+                                    bytes=list(tokenizer.token_bytes(token_id)),
+                                    top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
 def _top_logprob(tokenizer: Tokenizer, token_id: int, lp: Logprob,
                  as_ids: bool = False) -> TopLogprob:
-    text = _text(tokenizer, token_id, lp, as_ids)
-    return TopLogprob(token=text, logprob=_clamp(lp.logprob), bytes=list(text.encode()))
+    return TopLogprob(token=_text(tokenizer, token_id, lp, as_ids), logprob=_clamp(lp.logprob),
+                      bytes=list(tokenizer.token_bytes(token_id)))
 
 
 def usage(prompts: list[list[int]], choices: list[ChoiceState]) -> UsageInfo:

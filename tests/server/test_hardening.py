@@ -152,8 +152,31 @@ def test_return_tokens_as_token_ids(server: ServerProcess) -> None:
     c = chat(server, logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True).json()
     for entry in c["choices"][0]["logprobs"]["content"]:
         assert entry["token"].startswith("token_id:")
-        assert entry["bytes"] == list(entry["token"].encode())
+        token_id = int(entry["token"].removeprefix("token_id:"))
+        if token_id < 256:  # the byte tokenizer's: a token is its byte (bytes stay the token's)
+            assert entry["bytes"] == [token_id]
         assert all(t["token"].startswith("token_id:") for t in entry["top_logprobs"])
+
+
+def test_output_cut_inside_a_character(server: ServerProcess) -> None:
+    """A max_tokens that ends the output inside a UTF-8 character drops that character (as
+    vLLM) instead of ending the text with U+FFFD, streamed or not; logprobs' `bytes` are each
+    token's own (OpenAI's: the bytes of a character's parts), not U+FFFD's."""
+    lead = {"240": 100}  # the byte tokenizer's 0xF0: the first of a 4-byte character
+    for stream in (False, True):
+        r = completion(server, logit_bias=lead, max_tokens=1, stream=stream)
+        assert r.status_code == 200, r.text
+        text = ("".join(json.loads(line[6:])["choices"][0]["text"]
+                        for line in r.text.splitlines()
+                        if line.startswith("data: {") and '"choices":[{' in line)
+                if stream else r.json()["choices"][0]["text"])
+        assert text == ""
+    r = chat(server, logit_bias=lead, max_tokens=2, logprobs=True, top_logprobs=1).json()
+    choice = r["choices"][0]
+    assert choice["message"]["content"] == "\ufffd"  # an 0xF0 another 0xF0 follows: invalid
+    assert [e["bytes"] for e in choice["logprobs"]["content"]] == [[240], [240]]
+    top = choice["logprobs"]["content"][0]["top_logprobs"]  # the model's own, before the bias
+    assert top and all(len(t["bytes"]) == 1 for t in top)  # one byte each, as their tokens
 
 
 def test_stream_options_as_in_vllm(server: ServerProcess) -> None:
