@@ -62,10 +62,10 @@ def quant_ops() -> ModuleType | None:
     key += torch.__version__.encode() + platform.machine().encode() + sys.prefix.encode()
     digest = hashlib.sha256(key).hexdigest()[:12]
     build = _build_dir(digest)
-    build.mkdir(parents=True, exist_ok=True)
-    if not any(build.glob("*.so")):
-        logger.info("building the CPU kernels (once, ~1 min) in %s", build)
-    try:
+    try:  # a folder that cannot be made or written falls back too (a read-only home)
+        build.mkdir(parents=True, exist_ok=True)
+        if not any(build.glob("*.so")):
+            logger.info("building the CPU kernels (once, ~1 min) in %s", build)
         with build_lock(build):
             module = cpp_extension.load(
                 name=f"braid_kernels_{digest}", sources=_copied_sources(build),
@@ -129,6 +129,8 @@ def _choose_isa(module: ModuleType) -> None:
     if wanted != "auto":
         module.set_vnni(wanted == "avx512-vnni")
         module.set_avx2(wanted in ("avx512-vnni", "avx2"))
+        # the AVX512 activation quantizer and attention too: avx2 is what an AVX2-only CPU runs
+        module.set_avx512(wanted == "avx512-vnni")
     isa = module.panel_isa() if module.panel_isa() != "scalar" else module.isa()
     if wanted not in ("auto", isa):
         logger.warning("BRAID_KERNEL_ISA=%s: this CPU lacks it, using %s", wanted, isa)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import time
 from collections.abc import Iterator
@@ -53,11 +55,21 @@ def load_model(
     if quant_type is None and can_pack(device, dtype):
         model.pack_linear_weights()
     tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
+    release_freed_memory()
     logger.info("loaded %s (%s, %.2f B params, %s, %.2f GB of weights) in %.1f s",
                 name_or_path, cfg.architecture, cfg.num_parameters() / 1e9,
                 "float" if quant_type is None else "quantized", model.weight_bytes() / 1e9,
                 time.perf_counter() - start)
     return model.eval(), tokenizer
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the system (glibc's malloc_trim). Loading copies
+    each weight through buffers of a few MB (the file's bytes, repacked panels, merged
+    projections) that glibc's heap keeps once freed: ~0.9 GB stayed resident after the
+    default target loaded, ~0.2 GB after the draft."""
+    with contextlib.suppress(OSError, AttributeError):  # another C library: nothing to do
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _weights(path: Path, cfg: ModelConfig, quantization: str, device: str | torch.device

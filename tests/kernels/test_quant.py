@@ -412,17 +412,40 @@ def test_panels_need_whole_panels(ops: ModuleType) -> None:
         ops.repack_panels(random_weight(Q.Q8_0, rows=48), int(Q.Q5_1), K)
 
 
+def test_a_kernel_folder_that_cannot_be_made_falls_back(monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """An unwritable BRAID_KERNEL_DIR (or home) means plain torch, with a warning: it raised,
+    and even float models failed at their first forward."""
+    from braid.kernels import quant_ops
+
+    monkeypatch.setenv("BRAID_KERNEL_DIR", "/proc/braid-kernels")
+    assert quant_ops.__wrapped__() is None
+    assert "quantized CPU kernels unavailable (FileNotFoundError" in caplog.text
+
+
 def test_kernel_isa_can_be_chosen(ops: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     from braid.kernels import _choose_isa
 
+    avx512 = ops.set_avx512(False)  # the setting before (restored below)
+    ops.set_avx512(avx512)
     before = ops.set_vnni(True), ops.set_avx2(True)
+    has_avx2 = ops.isa() == "avx2"
     try:
         monkeypatch.setenv("BRAID_KERNEL_ISA", "scalar")
         _choose_isa(ops)
         assert (ops.panel_isa(), ops.isa()) == ("scalar", "scalar")
+        if has_avx2:
+            # what an AVX2-only CPU runs: no AVX512 quantizer or attention either (it kept
+            # them on where the CPU has AVX512)
+            monkeypatch.setenv("BRAID_KERNEL_ISA", "avx2")
+            _choose_isa(ops)
+            assert (ops.panel_isa(), ops.isa()) == ("scalar", "avx2")
+            assert ops.set_avx512(False) is False  # it was off already
+            assert "avx512" not in (ops.attention_isa(64), ops.attention_isa(128))
         monkeypatch.setenv("BRAID_KERNEL_ISA", "avx-9000")
         with pytest.raises(ValueError, match="BRAID_KERNEL_ISA"):
             _choose_isa(ops)
     finally:
         ops.set_vnni(before[0])
         ops.set_avx2(before[1])
+        ops.set_avx512(avx512)

@@ -140,3 +140,27 @@ def test_default_draft_coarse_head_keeps_its_argmax(default_draft: Any) -> None:
     runner = ModelRunner(model, len(ids) // 16 + 1, 16, torch.device("cpu"))
     inp = runner.build_input([QuerySpan(ids, 0, list(range(len(ids) // 16 + 1)), len(ids))])
     assert torch.equal(runner.execute_greedy(inp), runner.execute(inp).argmax(dim=-1))
+
+
+def test_loading_leaves_only_the_weights_resident(target_gguf: Path) -> None:
+    """The memory loading freed goes back to the system: the target's load, in a fresh
+    process, grows its resident memory by about its weights (~1.0 GB), not by the ~2.1 GB it
+    did while glibc kept the freed load buffers."""
+    import subprocess
+    import sys
+
+    code = textwrap.dedent(f"""
+        def rss():
+            return int(open("/proc/self/statm").read().split()[1]) * 4096
+        from braid.kernels import quant_ops
+        quant_ops()
+        from braid.models.build import load_model
+        before = rss()
+        model, _ = load_model({str(target_gguf)!r})
+        print(rss() - before, model.weight_bytes())
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0, result.stderr
+    growth, weights = map(int, result.stdout.split())
+    assert growth < 1.4 * weights, (growth, weights)
