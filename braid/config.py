@@ -182,6 +182,9 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
 @dataclass
 class EngineConfig:
     model: str = _opt(DEFAULT_TARGET, "default model name, GGUF file or Hugging Face folder")
+    tokenizer: str | None = _opt(
+        None, "the tokenizer (and chat template) to use instead of the model's own, as vLLM's "
+        "--tokenizer: a folder with tokenizer.json, a GGUF file or a default model's name")
     dtype: str = _opt("auto", "weights/activations dtype: auto (float32 on CPU), float32 "
                       "(or vLLM's float), bfloat16, float16 (or half)")
     device: str = _opt("cpu", "torch device")

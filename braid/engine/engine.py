@@ -174,7 +174,28 @@ def check_before_loading(config: EngineConfig, draft: bool = True) -> Path:
     spec = config.spec_config
     if draft and spec is not None and spec.model is not None:
         check_draft(config, model_config, load_config(model_folder(spec.model)))
+    if config.tokenizer is not None:
+        load_tokenizer(config.tokenizer, model_config.vocab_size)
     return folder
+
+
+def load_tokenizer(name_or_path: str, vocab_size: int) -> Tokenizer:
+    """--tokenizer's: a folder with tokenizer.json (config.json not needed), a GGUF file or a
+    default model's name, with no more tokens than the model's vocabulary has rows."""
+    from braid.models.errors import ModelLoadError
+    from braid.models.loader import model_folder
+
+    folder = Path(name_or_path).expanduser()
+    try:
+        if not (folder / "tokenizer.json").is_file():
+            folder = model_folder(name_or_path)
+        tokenizer = Tokenizer.from_folder(folder)
+    except ModelLoadError as e:
+        raise ConfigError(f"--tokenizer {name_or_path}: {e}") from None
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(f"--tokenizer {name_or_path}: its {tokenizer.vocab_size} tokens are "
+                          f"more than the model's vocabulary ({vocab_size})")
+    return tokenizer
 
 
 class LLMEngine:
@@ -200,6 +221,8 @@ class LLMEngine:
             self.default_sampling = sampling_defaults(config, folder)
             model, tokenizer = load_model(config.model, config.torch_dtype, config.device,
                                           config.quantization)
+            if config.tokenizer is not None:
+                tokenizer = load_tokenizer(config.tokenizer, model.config.vocab_size)
         else:
             self.default_sampling = sampling_defaults(config, None)
         # --override-generation-config's max_new_tokens caps the server's requests (vLLM's)

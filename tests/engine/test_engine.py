@@ -287,6 +287,36 @@ def test_serve_binds_its_address_before_loading(capsys) -> None:
     assert "--host 192.0.2.1 --port 8000: cannot listen there" in capsys.readouterr().err
 
 
+def test_tokenizer_flag_takes_another_tokenizer(tmp_path, capsys) -> None:
+    """--tokenizer, as vLLM's: the tokenizer and chat template of a folder that holds only
+    tokenizer files; one that does not exist, or has more tokens than the model's
+    vocabulary, is refused naming the flag before any weight loads."""
+    import json
+
+    from braid.cli import main
+    from tests.tiny import byte_tokenizer
+
+    save_tiny_model(tmp_path / "m")
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    byte_tokenizer().save(str(tok / "tokenizer.json"))
+    (tok / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|endoftext|>", "chat_template": "{{ messages[0].content }}!"}))
+    engine = LLMEngine(EngineConfig(model=str(tmp_path / "m"), tokenizer=str(tok),
+                                    log_stats_interval=0))
+    assert engine.tokenizer is not None
+    assert engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi!"
+    big = byte_tokenizer()
+    big.add_tokens([f"<extra_{i}>" for i in range(100)])
+    big.save(str(tok / "tokenizer.json"))
+    count = big.get_vocab_size(with_added_tokens=True)
+    for tokenizer, message in ((str(tok), f"--tokenizer {tok}: its {count} tokens are more "
+                                          "than the model's vocabulary (272)"),
+                               ("/no/such", "--tokenizer /no/such: model '/no/such' not found")):
+        assert main(["serve", str(tmp_path / "m"), "--tokenizer", tokenizer]) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_serve_names_a_bad_kv_cache_dtype(capsys) -> None:
     from braid.cli import main
 
