@@ -536,6 +536,10 @@ class LLMEngine:
         ))
         self.stats.maybe_log(self.config.log_stats_interval)
 
+    def log_idle_stats(self) -> None:
+        """The stats line of an engine that went idle (once; see EngineStats.maybe_log)."""
+        self.stats.maybe_log(self.config.log_stats_interval, idle_kv_usage=self.kv_usage)
+
     def run_until_done(self) -> Iterator[RequestOutput]:
         while self.has_unfinished_requests():
             yield from self.step()

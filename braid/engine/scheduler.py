@@ -280,8 +280,10 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens is None:  # the first admission's figure, as vLLM's
                 req.num_cached_tokens = num_cached
-            out.num_cache_queries += req.num_tokens
-            out.num_cache_hits += num_cached
+            if self.blocks.enable_caching and req.sampling_params.prompt_logprobs is None:
+                # a lookup that could find something, as vLLM counts them
+                out.num_cache_queries += req.num_tokens
+                out.num_cache_hits += num_cached
             self.running.append(req)
             scheduled = ScheduledRequest(req, n, 0)
             out.scheduled.append(scheduled)

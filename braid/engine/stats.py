@@ -91,7 +91,9 @@ class EngineStats:
     spec_stats: SpecStats = field(default_factory=SpecStats)
     grammar: GrammarStats = field(default_factory=GrammarStats)
     _last_log: float = field(default_factory=time.monotonic)
-    _tokens_at_last_log: int = 0
+    # the counters at the last log line: (generated, cache queries, cache hits, drafts, draft
+    # tokens, accepted tokens), so each line reports its own interval, as vLLM's does
+    _at_last_log: tuple[int, ...] = (0, 0, 0, 0, 0, 0)
 
     def record(self, s: StepStats) -> None:
         self.recent.append(s)
@@ -110,21 +112,38 @@ class EngineStats:
     def add_generated(self, n: int) -> None:
         self.generation_tokens += n
 
-    def maybe_log(self, interval: float) -> None:
+    def _counters(self) -> tuple[int, ...]:
+        spec = self.spec_stats
+        return (self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits,
+                spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+
+    def maybe_log(self, interval: float, idle_kv_usage: float | None = None) -> None:
+        """One line every `interval` seconds while steps run, of what happened since the
+        last line. With `idle_kv_usage` (the KV cache's usage now) the engine has nothing to
+        run: a line comes only if something ran since the last one, so the logs do not end
+        on a busy line."""
+        idle = idle_kv_usage is not None
         now = time.monotonic()
         if interval <= 0 or now - self._last_log < interval or not self.recent:
             return
-        rate = (self.generation_tokens - self._tokens_at_last_log) / (now - self._last_log)
+        counters = self._counters()
+        if idle and counters == self._at_last_log:
+            return
+        tokens, queries, hits, drafts, drafted, accepted = (
+            count - before for count, before in zip(counters, self._at_last_log, strict=True))
+        rate = tokens / (now - self._last_log)
         last = self.recent[-1]
-        spec = self.spec_stats
+        where = ("idle: 0 running, 0 waiting" if idle else
+                 f"step {self.num_steps}: {last.num_requests} scheduled, "
+                 f"{last.num_waiting} waiting")
         logger.info(
-            "step %d: %d scheduled, %d waiting, gen %.1f tok/s, last step %.0f ms "
-            "(%d prefill + %d decode tokens, %d drafts), KV %.0f%%, prefix cache hit rate "
-            "%.1f%%, preemptions %d%s",
-            self.num_steps, last.num_requests, last.num_waiting, rate, last.step_time * 1e3,
-            last.num_prefill_tokens, last.num_decode_tokens, last.num_spec_tokens,
-            last.kv_usage * 100, self.prefix_cache_hit_rate * 100, self.num_preemptions,
-            f", spec acceptance {spec.acceptance_rate:.2f} mean length "
-            f"{spec.mean_acceptance_length:.2f}" if spec.num_drafts else "",
+            "%s, gen %.1f tok/s, last step %.0f ms (%d prefill + %d decode tokens, %d drafts), "
+            "KV %.0f%%, prefix cache hit rate %.1f%%, preemptions %d%s",
+            where, rate, last.step_time * 1e3, last.num_prefill_tokens,
+            last.num_decode_tokens, last.num_spec_tokens,
+            (last.kv_usage if idle_kv_usage is None else idle_kv_usage) * 100,
+            100 * hits / queries if queries else 0.0, self.num_preemptions,
+            f", spec acceptance {accepted / drafted:.2f} mean length "
+            f"{1 + accepted / drafts:.2f}" if drafts else "",
         )
-        self._last_log, self._tokens_at_last_log = now, self.generation_tokens
+        self._last_log, self._at_last_log = now, counters

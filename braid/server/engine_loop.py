@@ -27,6 +27,8 @@ from braid.spec_decode.speculator import SpeculatorFigures
 
 logger = logging.getLogger("braid.server")
 
+IDLE_WAKEUP = 1.0  # seconds an idle engine thread waits for a command before looking again
+
 
 class EngineLike(Protocol):
     """What the loop needs of `LLMEngine` (tests drive the loop with a fake)."""
@@ -48,6 +50,7 @@ class EngineLike(Protocol):
     @property
     def stats(self) -> EngineStats: ...
     def speculation_figures(self) -> SpeculatorFigures | None: ...
+    def log_idle_stats(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -200,10 +203,17 @@ class AsyncEngine:
                 return
             if self.engine.has_unfinished_requests():
                 self._step()
+            else:  # the stats line of the work that just ended, once its interval is up
+                self.engine.log_idle_stats()
             self._publish()
 
     def _take_commands(self, block: bool) -> list[_Command]:
-        commands = [self._inbox.get()] if block else []
+        """The commands sent so far; `block`: wait for one (or for a second to pass, so an
+        idle engine still writes its last stats line)."""
+        commands = []
+        if block:
+            with contextlib.suppress(queue.Empty):
+                commands.append(self._inbox.get(timeout=IDLE_WAKEUP))
         while True:
             try:
                 commands.append(self._inbox.get_nowait())

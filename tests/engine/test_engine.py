@@ -444,6 +444,39 @@ def test_more_threads_than_cores_is_a_warning(caplog) -> None:
     assert f"--num-threads {cores + 1} is more than the {cores} cores" in caplog.text
 
 
+def test_stats_lines_report_their_own_interval(caplog) -> None:
+    """Each stats line gives the prefix cache hit rate and the speculation figures of its
+    interval, as vLLM's do (not the totals since start); an idle engine writes one line
+    after its last busy one, and no more while nothing runs."""
+    from braid.engine.stats import EngineStats, StepStats
+
+    def step(queries: int, hits: int) -> StepStats:
+        return StepStats(1, 0, 1, 0, 0, 0.0, 0.01, 0.5, 0, 0, num_cache_queries=queries,
+                         num_cache_hits=hits)
+
+    caplog.set_level("INFO", logger="braid")
+    stats = EngineStats(num_kv_blocks=4)
+    stats.record(step(10, 0))
+    stats.spec_stats.record(4, 4)
+    stats.add_generated(5)
+    stats.maybe_log(1e-9)
+    stats.record(step(10, 10))
+    stats.spec_stats.record(4, 0)
+    stats.add_generated(1)
+    stats.maybe_log(1e-9)
+    first, second = [r.getMessage() for r in caplog.records]
+    assert "hit rate 0.0%" in first and "spec acceptance 1.00 mean length 5.00" in first
+    assert "hit rate 100.0%" in second and "spec acceptance 0.00 mean length 1.00" in second
+    stats.maybe_log(1e-9, idle_kv_usage=0.25)
+    assert len(caplog.records) == 2  # nothing ran since the last line
+    stats.add_generated(3)
+    stats.maybe_log(1e-9, idle_kv_usage=0.25)
+    idle = caplog.records[-1].getMessage()
+    assert idle.startswith("idle: 0 running, 0 waiting, gen ") and "KV 25%" in idle
+    stats.maybe_log(1e-9, idle_kv_usage=0.25)
+    assert len(caplog.records) == 3
+
+
 def test_step_mixes_prefill_chunk_and_decodes() -> None:
     engine = make_engine(max_num_batched_tokens=16)
     ps = prompts()

@@ -103,10 +103,25 @@ def test_greedy_outputs_equal_with_caching_on_and_off(uncached, name: str) -> No
 
 
 def test_caching_off_finds_nothing() -> None:
+    """Nor does it count lookups (vLLM's prefix_cache_queries): with caching off, or for a
+    request whose prompt logprobs need its whole prompt computed, no lookup is made, and
+    the hit rate is that of the lookups made."""
     engine = make_engine(enable_prefix_caching=False)
     done = finish(engine, {"a": SYSTEM + QUESTIONS[0]}) | finish(engine, {"b": SYSTEM})
     assert done["b"][1] == 0 and engine.stats.prefix_cache_hits == 0
     assert engine.blocks.num_cached_blocks == 0
+    assert engine.stats.prefix_cache_queries == 0
+    engine = make_engine()
+    finish(engine, {"a": SYSTEM})
+    queries = engine.stats.prefix_cache_queries
+    assert queries == len(SYSTEM)
+    engine.add_request("scored", SYSTEM, SamplingParams(temperature=0, max_tokens=2,
+                                                        prompt_logprobs=1))
+    list(engine.run_until_done())
+    assert engine.stats.prefix_cache_queries == queries
+    finish(engine, {"again": SYSTEM})
+    assert engine.stats.prefix_cache_queries == 2 * queries
+    assert engine.stats.prefix_cache_hits == (len(SYSTEM) - 1) // 4 * 4
 
 
 def test_requests_admitted_together_share_the_prefix_computed_in_that_step() -> None:

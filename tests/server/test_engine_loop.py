@@ -9,7 +9,7 @@ import time
 from braid.engine.stats import EngineStats
 from braid.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from braid.sampling_params import SamplingParams
-from braid.server.engine_loop import AsyncEngine, OutputQueue, RequestFailed
+from braid.server.engine_loop import IDLE_WAKEUP, AsyncEngine, OutputQueue, RequestFailed
 
 BAD_ADD, BAD_STEP = [666], [13]
 
@@ -20,6 +20,7 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.requests: dict[str, tuple[list[int], list[int]]] = {}
+        self.idle_logs = 0  # log_idle_stats calls
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams | None = None,
@@ -67,6 +68,9 @@ class FakeEngine:
     def speculation_figures(self) -> None:
         return None
 
+    def log_idle_stats(self) -> None:
+        self.idle_logs += 1
+
 
 async def _final(out: OutputQueue) -> RequestOutput | RequestFailed:
     while True:
@@ -98,6 +102,26 @@ def test_a_failing_add_fails_only_that_request() -> None:
     assert isinstance(bad, RuntimeError)
     assert isinstance(ok, RequestOutput) and ok.outputs[0].text == "aaa"
     assert isinstance(ok2, RequestOutput) and ok2.finished
+
+
+def test_an_idle_engine_still_writes_its_last_stats_line() -> None:
+    """Once the work is done the loop asks the engine for its idle stats line, and asks
+    again while idle (the line is due only when the interval is up), without a request."""
+    async def main() -> tuple[int, int]:
+        fake = FakeEngine()
+        engine = AsyncEngine(fake)
+        engine.start()
+        try:
+            await _run(engine, "ok", [1])
+            await asyncio.sleep(IDLE_WAKEUP * 1.2)
+            after_request = fake.idle_logs
+            await asyncio.sleep(IDLE_WAKEUP * 1.2)
+            return after_request, fake.idle_logs
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    after_request, later = asyncio.run(main())
+    assert after_request >= 1 and later > after_request
 
 
 def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving() -> None:
