@@ -41,6 +41,7 @@ class RequestMetrics:
     first_token_time: float | None
     finish_time: float | None
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # its first admission: queueing ends
     # Speculation figures of this request (drafts, draft tokens, accepted, ...), once present.
     spec_stats: dict[str, Any] = field(default_factory=dict)
 

@@ -135,6 +135,7 @@ class OutputProcessor:
                 first_token_time=req.first_token_time,
                 finish_time=req.finish_time,
                 num_preemptions=req.num_preemptions,
+                first_scheduled_time=req.first_scheduled_time,
                 spec_stats=req.spec_stats.as_dict() if req.spec_stats.num_drafts else {},
             ),
         )

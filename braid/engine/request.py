@@ -45,6 +45,7 @@ class Request:
     # Keys the request's random numbers (braid/sample/sampler.py): sampling_params.seed,
     # or one the engine drew for an unseeded request.
     seed: int = 0
+    first_scheduled_time: float | None = None  # its first admission (the end of its queueing)
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0

@@ -14,6 +14,7 @@ way a request leaves. Everyone else reads requests or hands results back.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -280,6 +281,7 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens is None:  # the first admission's figure, as vLLM's
                 req.num_cached_tokens = num_cached
+                req.first_scheduled_time = time.monotonic()
             if self.blocks.enable_caching and req.sampling_params.prompt_logprobs is None:
                 # a lookup that could find something, as vLLM counts them
                 out.num_cache_queries += req.num_tokens

@@ -6,6 +6,7 @@ follow `engine.stats` by deltas so the engine stays the single source of truth.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -18,6 +19,10 @@ from braid.spec_decode.speculator import SpeculatorFigures
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 _K_BUCKETS = tuple(float(k) for k in range(17))
+_TOKEN_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0,
+                  10000.0, 20000.0, 50000.0, 100000.0)  # vLLM's 1-2-5 series
+_STEP_TOKEN_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0,
+                       8192.0, 16384.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                 2.5, 5.0, 10.0, 20.0)
 
@@ -55,6 +60,7 @@ class ServerMetrics:
         self._build_counters()
         self._build_histograms()
         self._seen = _Seen()
+        self._steps_seen = 0
         self._accepted_per_pos: list[int] = []
         self._chosen_k_seen: dict[int, int] = {}
         self._lookup_windows_seen = 0
@@ -126,6 +132,30 @@ class ServerMetrics:
                                    _ITL_BUCKETS)
         self.e2e = self._histogram("braid:e2e_request_latency_seconds",
                                    "Arrival to finish", _LATENCY_BUCKETS)
+        # per finished request, as vLLM's: its tokens, and where its time went
+        self.request_prompt_tokens = self._histogram(
+            "braid:request_prompt_tokens", "Prompt tokens of each finished request",
+            _TOKEN_BUCKETS)
+        self.request_generation_tokens = self._histogram(
+            "braid:request_generation_tokens", "Generated tokens of each finished request",
+            _TOKEN_BUCKETS)
+        self.queue_time = self._histogram(
+            "braid:request_queue_time_seconds", "Arrival to first admission (waiting)",
+            _LATENCY_BUCKETS)
+        self.prefill_time = self._histogram(
+            "braid:request_prefill_time_seconds", "First admission to first token",
+            _LATENCY_BUCKETS)
+        self.decode_time = self._histogram(
+            "braid:request_decode_time_seconds", "First token to finish", _LATENCY_BUCKETS)
+        self.inference_time = self._histogram(
+            "braid:request_inference_time_seconds", "First admission to finish",
+            _LATENCY_BUCKETS)
+        self.time_per_output_token = self._histogram(
+            "braid:request_time_per_output_token_seconds",
+            "Decode time over the tokens after the first, per finished request", _ITL_BUCKETS)
+        self.iteration_tokens = self._histogram(
+            "braid:iteration_tokens_total", "Tokens computed per engine step (prefill chunks, "
+            "decodes and verification windows)", _STEP_TOKEN_BUCKETS)
         self.chosen_k = self._histogram("braid:spec_decode_chosen_k",
                                         "Draft tokens chosen per decoding request and step",
                                         _K_BUCKETS)
@@ -154,6 +184,10 @@ class ServerMetrics:
                      ) -> None:
         if stats.recent:
             self.step_time.set(stats.recent[-1].step_time)
+        new_steps = min(stats.num_steps - self._steps_seen, len(stats.recent))
+        for step in itertools.islice(reversed(stats.recent), new_steps):
+            self.iteration_tokens.observe(step.num_prefill_tokens + step.num_decode_tokens)
+        self._steps_seen = stats.num_steps
         if speculator is not None:
             self._record_speculator(speculator)
         seen = self._seen
@@ -222,9 +256,24 @@ class ServerMetrics:
         self._tracked.pop(out.request_id, None)
         reason = out.outputs[0].finish_reason or "abort"
         self.request_success.labels(self._model, reason).inc()
-        if reason != "abort":
-            finish = out.metrics.finish_time or time.monotonic()
-            self.e2e.observe(finish - out.metrics.arrival_time)
+        if reason == "abort":
+            return
+        m = out.metrics
+        finish = m.finish_time or time.monotonic()
+        self.e2e.observe(finish - m.arrival_time)
+        generated = len(out.outputs[0].token_ids)
+        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        self.request_generation_tokens.observe(generated)
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+            self.inference_time.observe(finish - m.first_scheduled_time)
+            if m.first_token_time is not None:
+                self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+        if m.first_token_time is not None:
+            self.decode_time.observe(finish - m.first_token_time)
+            if generated > 1:
+                self.time_per_output_token.observe((finish - m.first_token_time)
+                                                   / (generated - 1))
 
     def forget(self, request_id: str) -> None:
         self._tracked.pop(request_id, None)

@@ -349,6 +349,16 @@ def test_metrics_counters_move(server: ServerProcess, client: openai.OpenAI) -> 
     assert delta("braid:time_to_first_token_seconds_count") == 1
     assert delta("braid:e2e_request_latency_seconds_count") == 1
     assert delta("braid:inter_token_latency_seconds_count") == 8
+    # vLLM's per-request histograms: its tokens, and where its time went
+    assert delta("braid:request_prompt_tokens_sum") == res.usage.prompt_tokens
+    assert delta("braid:request_generation_tokens_sum") == 9
+    for name in ("queue_time", "prefill_time", "decode_time", "inference_time",
+                 "time_per_output_token"):
+        assert delta(f"braid:request_{name}_seconds_count") == 1, name
+    assert delta("braid:request_inference_time_seconds_sum") <= delta(
+        "braid:e2e_request_latency_seconds_sum")
+    assert delta("braid:iteration_tokens_total_count") >= 9  # a step per token at least
+    assert delta("braid:iteration_tokens_total_sum") >= 9
     assert after["braid:num_requests_waiting"] == 0
     for name in ("braid:num_preemptions_total", "braid:spec_decode_num_drafts_total",
                  "braid:spec_decode_num_draft_tokens_total",
