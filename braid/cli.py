@@ -60,13 +60,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     text = args.prompt if args.prompt is not None else _stdin_or(DEMO_PROMPT)
     engine = LLMEngine(config)
     params = _sampling_params(args, engine.default_sampling)
-    prompt: str | list[int] = text
-    if not args.raw:
-        assert engine.tokenizer is not None
+    assert engine.tokenizer is not None
+    if args.raw:
+        prompt = engine.tokenizer.encode(text)
+    else:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": text})
         prompt = engine.tokenizer.encode(
             engine.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    room = (engine.config.max_model_len or 0) - len(prompt)
+    if params.max_tokens is not None and 0 < room < params.max_tokens:
+        logging.getLogger("braid").warning(
+            "--max-tokens %d: the prompt's %d tokens leave room for %d in --max-model-len %d; "
+            "the output stops there", params.max_tokens, len(prompt), room,
+            engine.config.max_model_len)
     engine.add_request("cli", prompt, params)
     shown = 0
     for out in engine.run_until_done():

@@ -394,3 +394,17 @@ def test_generate_takes_the_generation_config_under_its_flags(tmp_path, capsys) 
     assert "[3 tokens, finish_reason=length" in capsys.readouterr().err
     assert main([*flags[:-1], "--max-tokens", "5", "hi"]) == 0
     assert "[5 tokens, finish_reason=length" in capsys.readouterr().err
+
+
+
+def test_generate_warns_of_a_max_tokens_past_the_context(tmp_path, capsys, caplog) -> None:
+    """The output stops where --max-model-len does (as LLM.generate's): said up front."""
+    from braid.cli import main
+    from tests.tiny import save_tiny_model
+
+    assert main(["generate", "--model", str(save_tiny_model(tmp_path)), "--num-kv-blocks", "64",
+                 "--block-size", "4", "--max-model-len", "32", "--raw", "--ignore-eos",
+                 "--max-tokens", "100", "abcdef"]) == 0
+    assert ("--max-tokens 100: the prompt's 6 tokens leave room for 26 in --max-model-len 32"
+            in caplog.text)
+    assert "[26 tokens, finish_reason=length" in capsys.readouterr().err
