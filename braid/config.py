@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import decimal
 import json
 import logging
 import math
@@ -195,13 +196,15 @@ class EngineConfig:
         "decoder layers stored in wider formats to Q4_0)")
     max_num_batched_tokens: int | None = _opt(
         None, "token budget: query tokens in one forward (default 128 with chunked prefill, "
-        "max_model_len without)")
+        "max_model_len without)", human=True)
     max_num_seqs: int = _opt(64, "most requests running at once")
     scheduling_policy: str = _opt(
         "fcfs", "fcfs (first come, first served) or priority (a request's `priority`, lower "
         "first, then arrival: which waiting request runs next, which running one is preempted "
         "first)")
-    max_model_len: int | None = _opt(None, "longest prompt + output (default min(4096, model))")
+    max_model_len: int | None = _opt(None, "longest prompt + output (default min(4096, "
+                                     "model); as vLLM's, 32k is 32000 and 32K 32768)",
+                                     human=True)
     block_size: int = _opt(16, "tokens per KV cache block")
     kv_cache_dtype: str = _opt(
         "auto", "KV cache element type: auto (each model's activation dtype: float32 on the "
@@ -377,6 +380,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type = EngineConfig) -
             kwargs["type"] = _json_arg(_flag(f.name))
         elif f.default is not MISSING and isinstance(f.default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif f.metadata.get("human"):
+            kwargs["type"] = human_int
         else:
             kwargs["type"] = _scalar_type(f)
         group.add_argument(_flag(f.name), **kwargs)
@@ -407,6 +412,25 @@ def _scalar_type(f: Any) -> Any:
     if "int" in text:
         return int
     return str
+
+
+_MULTIPLIERS = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def human_int(text: str) -> int:
+    """argparse type, as vLLM's human-readable integers: 32k = 32000, 32K = 32768,
+    25.6k = 25600."""
+    try:
+        if text[-1:] in _MULTIPLIERS:
+            value = decimal.Decimal(text[:-1]) * _MULTIPLIERS[text[-1]]  # 1.1k: exactly 1100
+            if value == value.to_integral_value():
+                return int(value)
+        else:
+            return int(text)
+    except (ValueError, ArithmeticError):  # decimal's InvalidOperation, an infinite value
+        pass
+    raise argparse.ArgumentTypeError(f"expected an integer such as 4096, 32k (32000) or 32K "
+                                     f"(32768), got {text!r}")
 
 
 def positive_int(text: str) -> int:

@@ -366,6 +366,13 @@ def test_serve_takes_vllm_s_command_line(capsys, caplog) -> None:
     assert "given twice" not in caplog.text
     assert config_from_args(parser.parse_args(["serve", "--model", "a", "b"])).model == "b"
     assert "the model is given twice: serving b (MODEL), not --model a" in caplog.text
+    human = config_from_args(parser.parse_args(["serve", "--max-model-len", "25.6k",
+                                                "--max-num-batched-tokens", "2K"]))
+    assert (human.max_model_len, human.max_num_batched_tokens) == (25600, 2048)
+    with pytest.raises(SystemExit):
+        main(["serve", "--max-model-len", "1.5k7"])
+    assert ("argument --max-model-len: expected an integer such as 4096, 32k (32000) or 32K "
+            "(32768), got '1.5k7'") in capsys.readouterr().err
     vllm_names = parser.parse_args(["serve", "--uvicorn-log-level", "warning",
                                     "--disable-log-stats"])
     assert vllm_names.log_level == "warning"
