@@ -27,7 +27,7 @@ Weights = Iterator[tuple[str, torch.Tensor | QuantWeight]]
 
 def load_model(
     name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-    quantization: str = "auto",
+    quantization: str = "auto", dtype_given: bool = True,
 ) -> tuple[Qwen2ForCausalLM, Tokenizer | None]:
     """Model (weights copied tensor by tensor into uninitialized parameters, so the peak is
     one model plus one tensor) and its tokenizer (None if the folder has none).
@@ -35,14 +35,15 @@ def load_model(
     quantization: "auto" runs a GGUF's quantized blocks as they are (float checkpoints stay
     float), "none" dequantizes everything to `dtype`, "int8" / "int4" quantize a float
     checkpoint's weights to Q8_0 / Q4_0 blocks at load ("int4" on a GGUF re-quantizes the
-    decoder layers stored wider than Q4_0, see Qwen2ForCausalLM._quantized)."""
+    decoder layers stored wider than Q4_0, see Qwen2ForCausalLM._quantized). `dtype_given`:
+    asked for by hand (a default needs no note that quantized weights run in float32)."""
     start = time.perf_counter()
     path = resolve_model_path(name_or_path)
     folder = gguf_to_hf_folder(path) if path.is_file() else path
     cfg = load_config(folder)
     quant_type, weights = _weights(path, cfg, quantization, device)
     if quant_type is not None:
-        if dtype != torch.float32:
+        if dtype != torch.float32 and dtype_given:
             logger.info("%s: its quantized weights run with float32 activations (the kernels "
                         "take and give float32); %s applies to float weights "
                         "(--quantization none)", name_or_path, dtype)

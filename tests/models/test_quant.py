@@ -545,6 +545,19 @@ def test_kv_cache_gib_holds_for_a_quantized_model_at_any_dtype(
         assert said == (dtype == "bfloat16")
 
 
+def test_a_quantized_draft_at_its_default_dtype_says_nothing(
+        gguf_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The float32 note is for a dtype asked for by hand: a default start with a quantized
+    draft (whose draft_dtype auto is bfloat16 on CPUs that have it) logged it every time."""
+    for draft_dtype, said in (("auto", False), ("bfloat16", True)):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="braid"):
+            engine(model=str(gguf_path), speculative_config={
+                "method": "draft_model", "model": str(gguf_path), "num_speculative_tokens": 2,
+                "draft_dtype": draft_dtype})
+        assert ("its quantized weights run with float32 activations" in caplog.text) == said
+
+
 # ---- configuration and fallback ----------------------------------------------------------------
 
 
