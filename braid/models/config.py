@@ -64,7 +64,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face config.json dict (model_type qwen2 or llama)."""
+        """Build from a Hugging Face config.json dict (model_type qwen2 or llama). Fields that
+        change the model's arithmetic in ways braid does not implement (RoPE scaling, a
+        sliding window, another activation) are refused: ignoring them gave other logits."""
+        _refuse_unimplemented(d)
         arch = d.get("model_type", "")
         heads = d["num_attention_heads"]
         return cls(
@@ -108,6 +111,21 @@ class ModelConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _refuse_unimplemented(d: dict[str, Any]) -> None:
+    for field in ("rope_scaling", "rope_parameters"):
+        scaling = d.get(field)
+        kind = (scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict)
+                else scaling)
+        if kind not in (None, "default"):
+            raise ValueError(f"{field} of type {kind!r} is not supported (braid runs plain "
+                             "RoPE)")
+    if d.get("use_sliding_window"):
+        raise ValueError("use_sliding_window is not supported (braid attends to every "
+                         "earlier position)")
+    if d.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (SiLU only)")
 
 
 def _is_token_id(value: object) -> bool:

@@ -14,7 +14,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -178,9 +178,21 @@ def config_from_metadata(
             raise ModelLoadError(f"GGUF {source} lacks metadata key {arch}.{name}")
         return value
 
-    hidden, heads = int(key("embedding_length")), _single_int(key("attention.head_count"))
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ModelLoadError(f"GGUF {source}: {arch}.rope.scaling.type {scaling!r} is not "
+                             "supported (braid runs plain RoPE)")
     if "token_embd.weight" not in shapes:
         raise ModelLoadError(f"GGUF {source} has no token_embd.weight tensor")
+    try:
+        return _config(meta, shapes, arch, key)
+    except ValueError as e:  # an impossible size: ModelConfig's check names the key
+        raise ModelLoadError(f"GGUF {source}: {e}") from None
+
+
+def _config(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], arch: str,
+            key: Callable[..., Any]) -> ModelConfig:
+    hidden, heads = int(key("embedding_length")), _single_int(key("attention.head_count"))
     return ModelConfig(
         architecture=arch,
         # The embedding's rows, which may exceed the token list (padding rows), size the model.
@@ -190,7 +202,8 @@ def config_from_metadata(
         num_hidden_layers=int(key("block_count")),
         num_attention_heads=heads,
         num_key_value_heads=_single_int(key("attention.head_count_kv", heads)),
-        head_dim=int(key("attention.key_length", hidden // heads)),
+        # (no heads: the config's own check names the key)
+        head_dim=int(key("attention.key_length", hidden // max(heads, 1))),
         rms_norm_eps=_f32_to_float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=_f32_to_float(key("rope.freq_base", 10000.0)),
         max_position_embeddings=int(key("context_length", 32768)),

@@ -192,6 +192,21 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
         load_model_files(str(path))
 
 
+def test_rope_scaling_and_no_heads_are_load_errors(tmp_path: Path) -> None:
+    """A GGUF with RoPE scaling is refused (its logits were those of plain RoPE), and one
+    with no attention heads names the key (it was a ZeroDivisionError)."""
+    from gguf import RopeScalingType
+
+    _, tensors = tiny_qwen2(tmp_path / "tiny.gguf")
+    for name, extra, message in (
+            ("scaled", {"rope_scaling_type": RopeScalingType.LINEAR},
+             "qwen2.rope.scaling.type 'linear' is not supported"),
+            ("headless", {"head_count": 0}, "num_attention_heads must be an integer >= 1")):
+        path = write_gguf(tmp_path / f"{name}.gguf", "qwen2", tensors, hparams() | extra)
+        with pytest.raises(ModelLoadError, match=message):
+            load_model_files(str(path))
+
+
 def test_unsupported_tensor_type(tmp_path: Path) -> None:
     tensors = {"token_embd.weight": (rand(len(tiny_vocab()), HIDDEN), None),
                "output_norm.weight": (np.ones(HIDDEN, np.int32), None)}

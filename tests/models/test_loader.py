@@ -88,6 +88,13 @@ def test_folder_without_config(tmp_path: Path) -> None:
     ({"max_position_embeddings": 0}, "max_position_embeddings must be an integer >= 1"),
     ({"tie_word_embeddings": "no"}, "tie_word_embeddings must be true or false, got 'no'"),
     ({"eos_token_id": "</s>"}, "eos_token_id must be a token id or a list of them"),
+    # what would change the arithmetic is refused, not ignored (other logits than HF's)
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+     "rope_scaling of type 'llama3' is not supported"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}},
+     "rope_scaling of type 'linear' is not supported"),
+    ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
 ])
 def test_a_bad_config_json_is_a_load_error_naming_the_file(
         tmp_path: Path, config: str | dict, match: str) -> None:
