@@ -60,7 +60,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     text = args.prompt if args.prompt is not None else _stdin_or(DEMO_PROMPT)
     engine = LLMEngine(config)
     params = _sampling_params(args, engine.default_sampling)
-    assert engine.tokenizer is not None
+    if engine.tokenizer is None:
+        raise ConfigError(f"--model {config.model}: it has no tokenizer.json; give one with "
+                          "--tokenizer")
     if args.raw:
         prompt = engine.tokenizer.encode(text)
     else:

@@ -32,7 +32,7 @@ def _build_dir(digest: str) -> Path:
     from braid.models.gguf_loader import cache_root
 
     root = os.environ.get("BRAID_KERNEL_DIR") or cache_root() / "kernels"
-    return Path(root) / f"quant-{digest}"
+    return Path(root).expanduser() / f"quant-{digest}"
 
 
 def _find_ninja() -> None:

@@ -8,12 +8,15 @@ is renamed into place, so an interrupted conversion never leaves a half cache.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,8 @@ from braid.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from braid.models.errors import ModelLoadError
 from braid.models.gguf_index import GGUFTensor, read_tensors
 from braid.models.quant import QuantWeight, runnable
+
+logger = logging.getLogger("braid")
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -56,7 +61,8 @@ _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("BRAID_CACHE_DIR") or Path.home() / ".cache" / "braid")
+    # expanded here: a unit file or `docker -e` passes "~/..." unexpanded
+    return Path(os.environ.get("BRAID_CACHE_DIR") or Path.home() / ".cache" / "braid").expanduser()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,7 +100,10 @@ def remember_sha256(path: Path, sha256: str) -> None:
     # Entries of files that no longer exist are dropped (keys are "path:size:mtime").
     index = {k: v for k, v in _read_index().items() if Path(k.rsplit(":", 2)[0]).exists()}
     index[_stat_key(path)] = sha256
-    _write_atomic(_index_file(), json.dumps(index, indent=1).encode())
+    try:
+        _write_atomic(_index_file(), json.dumps(index, indent=1).encode())
+    except OSError as e:  # a read-only cache: the index only saves hashing next time
+        logger.debug("cannot remember the sha256 of %s in %s (%s)", path, _index_file(), e)
 
 
 def gguf_sha256(path: Path) -> str:
@@ -300,10 +309,19 @@ def gguf_to_hf_folder(gguf_path: Path) -> Path:
     sha = gguf_sha256(gguf_path)
     folder = cache_root() / "hf" / f"{sha}-v{CONVERSION_VERSION}"
     if not (folder / "config.json").is_file():
-        convert_gguf(gguf_path, folder)
+        try:
+            convert_gguf(gguf_path, folder)
+        except OSError as e:
+            raise ModelLoadError(f"cannot write the conversion of {gguf_path} under "
+                                 f"{folder.parent} ({e.strerror or e}): point BRAID_CACHE_DIR "
+                                 "at a writable folder") from None
     for old in folder.parent.glob(f"{sha}-v*"):
         if old != folder:
             shutil.rmtree(old, ignore_errors=True)
+    for tmp in folder.parent.glob(f".{sha}-v*"):  # a conversion killed half-way, an hour ago
+        with contextlib.suppress(OSError):
+            if time.time() - tmp.stat().st_mtime > 3600:
+                shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 

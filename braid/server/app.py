@@ -185,7 +185,8 @@ def run_server(args: argparse.Namespace) -> int:
     sock = _bind(args.host, args.port)  # before the load: a busy port fails in a second
     engine = LLMEngine(config)
     if engine.tokenizer is None:
-        raise ConfigError(f"--model {config.model}: the server needs a model with a tokenizer")
+        raise ConfigError(f"--model {config.model}: the server needs a model with a tokenizer "
+                          "(tokenizer.json), or one given with --tokenizer")
     if args.chat_template is not None:
         engine.tokenizer.chat_template = args.chat_template
     assert engine.structured is not None

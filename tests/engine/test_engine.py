@@ -427,6 +427,16 @@ def test_generate_names_the_sampling_seed_flag(capsys) -> None:
         capsys.readouterr().err
 
 
+def test_generate_names_a_model_without_a_tokenizer(tmp_path, capsys) -> None:
+    """It failed on a bare AssertionError."""
+    from braid.cli import main
+
+    (save_tiny_model(tmp_path / "m") / "tokenizer.json").unlink()
+    assert main(["generate", "--model", str(tmp_path / "m"), "--num-kv-blocks", "64", "hi"]) == 2
+    assert (f"braid: error: --model {tmp_path / 'm'}: it has no tokenizer.json; give one with "
+            "--tokenizer") in capsys.readouterr().err
+
+
 def test_generate_refuses_an_empty_stdin(monkeypatch, capsys) -> None:
     """A prompt piped in empty is an error before any weight loads (it ran the demo prompt,
     which only a terminal's stdin gets)."""

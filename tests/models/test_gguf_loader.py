@@ -227,3 +227,30 @@ def test_real_target_converts(target_gguf: Path) -> None:
     assert loaded.weights["model.layers.0.self_attn.k_proj.weight"].shape == (256, 1536)
     assert loaded.weights["model.layers.0.mlp.down_proj.weight"].shape == (1536, 8960)
     assert all(w.dtype == torch.float32 for w in loaded.weights.values())
+
+
+def test_a_cache_that_cannot_be_written_is_named(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """BRAID_CACHE_DIR is expanded ("~/..." from a unit file); a cache that cannot be
+    written (here a file) is a load error naming it and the variable, not an OSError
+    traceback from the sha256 index, which is only a speed-up; a conversion killed half-way
+    more than an hour ago leaves no folder behind, a running one's is kept."""
+    import os
+    import time
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("BRAID_CACHE_DIR", "~/braid-cache")
+    assert cache_root() == tmp_path / "braid-cache"
+    path, _ = tiny_qwen2(tmp_path / "tiny.gguf")
+    folder = gguf_to_hf_folder(path)
+    stale, running = (folder.parent / f".{folder.name}.{n}" for n in ("old", "new"))
+    for tmp in (stale, running):
+        tmp.mkdir()
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    assert gguf_to_hf_folder(path) == folder
+    assert not stale.exists() and running.exists()
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("BRAID_CACHE_DIR", str(tmp_path / "a-file"))
+    with pytest.raises(ModelLoadError, match="cannot write the conversion of .* under .*a-file"
+                       ".*: point BRAID_CACHE_DIR at a writable folder"):
+        gguf_to_hf_folder(path)
