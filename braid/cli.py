@@ -51,6 +51,8 @@ def _sampling_params(args: argparse.Namespace, defaults: dict[str, Any]) -> Samp
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    import jinja2
+
     from braid.engine.engine import LLMEngine
 
     config = config_from_args(args)
@@ -68,8 +70,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": text})
-        prompt = engine.tokenizer.encode(
-            engine.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        try:
+            chat = engine.tokenizer.apply_chat_template(messages)
+        except jinja2.TemplateError as e:
+            raise ConfigError(f"--model {config.model}: its chat template fails ({e}); "
+                              "--raw completes the text without it") from None
+        prompt = engine.tokenizer.encode(chat, add_special_tokens=False)
     room = (engine.config.max_model_len or 0) - len(prompt)
     if params.max_tokens is not None and 0 < room < params.max_tokens:
         logging.getLogger("braid").warning(

@@ -189,6 +189,8 @@ def run_server(args: argparse.Namespace) -> int:
                           "(tokenizer.json), or one given with --tokenizer")
     if args.chat_template is not None:
         engine.tokenizer.chat_template = args.chat_template
+    elif engine.tokenizer.chat_template:
+        warn_of_a_broken_chat_template(engine.tokenizer.chat_template, config.model)
     assert engine.structured is not None
     engine.structured.warm_up()  # the grammar engine's tokenizer view, before any request
     names = list(dict.fromkeys(args.served_model_name or [config.model]))  # each name once
@@ -354,3 +356,17 @@ class _Server(uvicorn.Server):
                 if (transport is not None and transport.is_closing()
                         and transport.get_write_buffer_size() == 0):
                     transport.abort()
+
+
+def warn_of_a_broken_chat_template(template: str, model: str) -> None:
+    """The model's own chat template, checked at start: a broken one is a warning (the
+    completions API still works), and each chat request a 500 that says so."""
+    import jinja2
+
+    from braid.tokenizer import compile_chat_template
+
+    try:
+        compile_chat_template(template)
+    except jinja2.TemplateSyntaxError as e:
+        logger.warning("%s: its chat template does not compile (line %s: %s); chat requests "
+                       "will fail: give one with --chat-template", model, e.lineno, e.message)

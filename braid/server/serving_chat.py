@@ -11,7 +11,7 @@ from fastapi.responses import Response
 from pydantic import TypeAdapter, ValidationError
 
 from braid.outputs import RequestOutput
-from braid.server.errors import bad_request, prompt_too_long
+from braid.server.errors import APIError, bad_request, prompt_too_long
 from braid.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -118,6 +118,12 @@ def render_chat(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeChat
             **{"documents": body.documents, **(body.chat_template_kwargs or {})})
     except ContinuationError as e:
         raise bad_request(str(e), "continue_final_message") from None
+    except jinja2.TemplateSyntaxError as e:
+        if body.chat_template is not None:
+            raise bad_request(f"chat_template: not a valid Jinja template (line {e.lineno}: "
+                              f"{e.message})", "chat_template") from None
+        raise APIError(500, f"the model's chat template does not compile (line {e.lineno}: "
+                       f"{e.message}); start the server with a working --chat-template") from None
     except Exception as e:  # template errors are the conversation's fault (jinja raise_exception)
         raise bad_request(f"messages: the chat template rejected them: {e}", "messages") from None
     try:

@@ -520,6 +520,32 @@ def test_chat_echo_leads_the_reply_with_the_prefill(server: ServerProcess) -> No
         "choices"][0]["message"]["content"]
 
 
+def test_a_model_s_broken_chat_template(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A model whose own chat template does not compile: the server starts with a warning
+    and serves completions; each chat request is a 500 that says so (it was a 400 blaming
+    the client's messages); `braid generate` names it instead of a TemplateSyntaxError
+    traceback."""
+    from braid.cli import main
+    from tests.tiny import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "m")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m.content }"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    server = ServerProcess(model, tmp_path, *ENGINE_FLAGS)
+    try:
+        assert "its chat template does not compile (line 1: unexpected '}')" in server.log()
+        assert completion(server).status_code == 200
+        r = chat(server)
+        assert r.status_code == 500, r.text
+        assert "the model's chat template does not compile" in r.json()["error"]["message"]
+        assert_400(chat(server, chat_template="{% if %}"), "chat_template")
+    finally:
+        assert server.stop() == 0, server.log()
+    assert main(["generate", "--model", str(model), "--num-kv-blocks", "64", "hi"]) == 2
+    assert f"braid: error: --model {model}: its chat template fails" in capsys.readouterr().err
+
+
 def test_serve_chat_template_flag(tiny_model_dir: Path, tmp_path: Path,
                                   capsys: pytest.CaptureFixture) -> None:
     """--chat-template (a file, or the template itself, as in vLLM) replaces the model's."""
