@@ -217,7 +217,10 @@ def _read_json(path: Path) -> dict[str, Any]:
     """A JSON object file's content ({} without the file); ValueError naming it otherwise."""
     if not path.is_file():
         return {}
-    found = json.loads(path.read_text())
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: cannot read it ({e})") from None
     if not isinstance(found, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(found).__name__}")
     return found
@@ -255,7 +258,10 @@ class Tokenizer:
         folder = Path(path)
         if not (folder / "tokenizer.json").is_file():
             raise ModelLoadError(f"no tokenizer.json in {folder}")
-        backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises a bare Exception
+            raise ModelLoadError(f"{folder / 'tokenizer.json'}: cannot read it ({e})") from None
         config = _read_json(folder / "tokenizer_config.json")
         if isinstance(config.get("chat_template"), list):  # named templates: take "default"
             named = {t["name"]: t["template"] for t in config["chat_template"]}

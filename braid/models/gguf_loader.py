@@ -334,7 +334,14 @@ def convert_gguf(gguf_path: Path, folder: Path) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
     try:
-        write_gguf_tokenizer(meta, tmp)
+        try:
+            write_gguf_tokenizer(meta, tmp)
+        except OSError:
+            raise
+        except Exception as e:  # ids out of range, malformed merges (IndexError, TypeError,
+            # the tokenizers library's bare Exception), or our own check: name the file
+            raise ModelLoadError(f"GGUF {gguf_path}: its tokenizer cannot be built ({e})"
+                                 ) from None
         (tmp / "source.txt").write_text(f"{gguf_path.resolve()}\n")
         _write_json(tmp / "generation_config.json", _generation_config(config))
         _write_json(tmp / "config.json", config.to_hf_dict())

@@ -11,6 +11,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import torch
 from tqdm.auto import tqdm
@@ -85,8 +86,12 @@ def load_config(folder: Path) -> ModelConfig:
 def safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        return [folder / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return [folder / name for name in sorted(set(weight_map.values()))]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"{index}: cannot read its weight_map ({type(e).__name__}: "
+                                 f"{e})") from None
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors weights in {folder}")
@@ -117,17 +122,32 @@ def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 bar.update(1)
 
 
-def _read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
+def _safetensors_header(path: Path, f: BinaryIO) -> tuple[dict[str, Any], int]:
+    """The file's tensor entries (name -> dtype, shape, data_offsets) and where their data
+    starts; a load error naming the file for a header that is not one."""
+    size = int.from_bytes(f.read(8), "little")
+    try:
+        if size > path.stat().st_size:
+            raise ValueError(f"a header of {size} bytes in a file of {path.stat().st_size}")
         header = json.loads(f.read(size))
         header.pop("__metadata__", None)
+        for info in header.values():
+            info["dtype"], info["shape"], info["data_offsets"]  # noqa: B018 - each one there
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ModelLoadError(f"{path}: not a safetensors file ({type(e).__name__}: "
+                             f"{e})") from None
+    return header, 8 + size
+
+
+def _read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    with open(path, "rb") as f:
+        header, data_start = _safetensors_header(path, f)
         for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             if info["dtype"] not in _DTYPES:
                 raise ModelLoadError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
             tensor = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
             start, end = info["data_offsets"]
-            f.seek(8 + size + start)
+            f.seek(data_start + start)
             buf = tensor.view(-1).view(torch.uint8).numpy()
             if end - start != buf.nbytes or f.readinto(buf.data) != buf.nbytes:
                 raise ModelLoadError(f"{path}: tensor {name} is truncated")

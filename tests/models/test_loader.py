@@ -151,3 +151,26 @@ def test_registry_assembles_and_verifies(tmp_path: Path, monkeypatch: pytest.Mon
     with pytest.raises(ModelLoadError, match="corrupt"):
         registry.registry_gguf_path("bad")
     assert not list(path.parent.glob(".bad*"))
+
+
+def test_broken_folder_files_are_load_errors_naming_them(tmp_path: Path) -> None:
+    """A shard index without its weight_map (a KeyError), a safetensors header longer than
+    its file (a MemoryError), a tokenizer.json or tokenizer_config.json that is not JSON
+    (bare exceptions, or a message naming no file)."""
+    from braid.tokenizer import Tokenizer
+    from tests.tiny import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "m")
+    (folder / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(ModelLoadError, match="model.safetensors.index.json: cannot read its "
+                       "weight_map"):
+        load_model_files(str(folder))
+    (folder / "model.safetensors.index.json").unlink()
+    weights = folder / "model.safetensors"
+    weights.write_bytes((2**62).to_bytes(8, "little") + weights.read_bytes()[8:])
+    with pytest.raises(ModelLoadError, match=f"{weights}: not a safetensors file"):
+        load_model_files(str(folder))
+    for name in ("tokenizer_config.json", "tokenizer.json"):
+        (folder / name).write_text("{ not json")
+        with pytest.raises(ModelLoadError, match=f"{folder / name}: cannot read it"):
+            Tokenizer.from_folder(folder)
