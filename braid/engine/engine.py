@@ -165,6 +165,7 @@ def check_before_loading(config: EngineConfig, draft: bool = True) -> Path:
     model given as an object). ConfigError or ModelLoadError naming what is wrong; returns
     the target's folder. `braid serve` runs them at start, benchmarks on the serve flags
     they pass (`check_serve_flags`)."""
+    from braid.models.errors import ModelLoadError
     from braid.models.loader import load_config, model_folder
 
     folder = model_folder(config.model)
@@ -173,7 +174,11 @@ def check_before_loading(config: EngineConfig, draft: bool = True) -> Path:
     kv_cache_blocks(config, model_config, config.kv_dtype(config.torch_dtype))
     spec = config.spec_config
     if draft and spec is not None and spec.model is not None:
-        check_draft(config, model_config, load_config(model_folder(spec.model)))
+        try:
+            draft_config = load_config(model_folder(spec.model))
+        except ModelLoadError as e:
+            raise ModelLoadError(f"--speculative-config model: {e}") from None
+        check_draft(config, model_config, draft_config)
     if config.tokenizer is not None:
         load_tokenizer(config.tokenizer, model_config.vocab_size)
     return folder

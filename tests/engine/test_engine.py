@@ -233,7 +233,7 @@ def test_impossible_sizes_are_refused_before_the_weights_load(
 @pytest.mark.parametrize("draft, spec, match", [
     ("other-vocab", {}, "the draft model's vocabulary (300 tokens) differs from the target's"),
     ("same", {"draft_vocab_size": 10**6}, "draft_vocab_size 1000000 exceeds the vocabulary"),
-    ("missing", {}, "not found"),
+    ("missing", {}, "--speculative-config model: model '"),  # named as the draft's
 ])
 def test_a_draft_that_cannot_draft_is_refused_before_the_weights_load(
         tmp_path, draft: str, spec: dict, match: str) -> None:
