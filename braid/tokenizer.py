@@ -67,10 +67,15 @@ def _spell(token: str, alphabet: set[str]) -> str:
     return "".join(bytes_to_unicode()[b] for b in token.encode("utf-8"))
 
 
+class NoUsableTokenizer(ModelLoadError):
+    """A GGUF without a tokenizer braid can build: the model still loads, and `--tokenizer`
+    gives it one."""
+
+
 def gguf_backend(meta: dict[str, Any]) -> tokenizers.Tokenizer:
     model = meta.get("tokenizer.ggml.model")
     if model != "gpt2":
-        raise ModelLoadError(f"unsupported GGUF tokenizer model {model!r}: only byte-level BPE "
+        raise NoUsableTokenizer(f"unsupported GGUF tokenizer model {model!r}: only byte-level BPE "
                              "('gpt2') is supported")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     alphabet = set(bytes_to_unicode().values())
@@ -139,7 +144,7 @@ def gguf_tokenizer_config(meta: dict[str, Any], backend: tokenizers.Tokenizer) -
 def write_gguf_tokenizer(meta: dict[str, Any], folder: Path) -> None:
     """Save tokenizer.json and tokenizer_config.json built from GGUF metadata into `folder`."""
     if "tokenizer.ggml.tokens" not in meta:
-        raise ModelLoadError("GGUF has no tokenizer metadata (tokenizer.ggml.tokens)")
+        raise NoUsableTokenizer("GGUF has no tokenizer metadata (tokenizer.ggml.tokens)")
     backend = gguf_backend(meta)
     backend.save(str(folder / "tokenizer.json"))
     config = gguf_tokenizer_config(meta, backend)

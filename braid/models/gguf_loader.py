@@ -326,7 +326,7 @@ def gguf_to_hf_folder(gguf_path: Path) -> Path:
 
 
 def convert_gguf(gguf_path: Path, folder: Path) -> None:
-    from braid.tokenizer import write_gguf_tokenizer
+    from braid.tokenizer import NoUsableTokenizer, write_gguf_tokenizer
 
     reader = open_gguf(gguf_path)
     meta = read_metadata(reader)
@@ -336,6 +336,9 @@ def convert_gguf(gguf_path: Path, folder: Path) -> None:
     try:
         try:
             write_gguf_tokenizer(meta, tmp)
+        except NoUsableTokenizer as e:  # token ids still work, and --tokenizer gives one
+            logger.warning("%s: %s; it loads without a tokenizer (give one with --tokenizer)",
+                           gguf_path, e)
         except OSError:
             raise
         except Exception as e:  # ids out of range, malformed merges (IndexError, TypeError,

@@ -281,3 +281,23 @@ def test_broken_tokenizer_metadata_is_a_load_error_naming_the_file(tmp_path: Pat
     writer.close()
     with pytest.raises(ModelLoadError, match=f"GGUF {path}: its tokenizer cannot be built"):
         load_model_files(str(path))
+
+
+def test_a_gguf_without_a_tokenizer_loads_and_takes_one_from_the_flag(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A GGUF with no tokenizer metadata (or one braid cannot build) loads without a
+    tokenizer, with a warning, and --tokenizer gives it one (vLLM's way with GGUFs); it was
+    refused, --tokenizer or not."""
+    from braid.config import EngineConfig
+    from braid.engine.engine import LLMEngine
+
+    with_tokenizer, tensors = tiny_qwen2(tmp_path / "tiny.gguf")
+    bare = write_gguf(tmp_path / "bare.gguf", "qwen2", tensors, hparams(), tokenizer=False)
+    options = {"num_kv_blocks": 64, "block_size": 4, "max_model_len": 64,
+               "log_stats_interval": 0}
+    engine = LLMEngine(EngineConfig(model=str(bare), **options))
+    assert engine.tokenizer is None
+    assert "it loads without a tokenizer (give one with --tokenizer)" in caplog.text
+    engine = LLMEngine(EngineConfig(model=str(bare), tokenizer=str(with_tokenizer), **options))
+    assert engine.tokenizer is not None and engine.tokenizer.encode("hello the") == [
+        tiny_vocab().index("hello"), tiny_vocab().index("Ġthe")]
