@@ -137,7 +137,11 @@ def open_gguf(path: Path) -> GGUFReader:
 
 
 def read_metadata(reader: GGUFReader) -> dict[str, Any]:
-    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    try:
+        return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    except UnicodeDecodeError as e:  # a string value that is not UTF-8
+        raise ModelLoadError(f"GGUF {reader.data.filename}: metadata that is not UTF-8 "
+                             f"text ({e})") from None
 
 
 def hf_shape(tensor: Tensor) -> tuple[int, ...]:

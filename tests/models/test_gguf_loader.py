@@ -185,6 +185,13 @@ def test_truncated_file(tmp_path: Path) -> None:
     assert "\n" not in str(err.value)
 
 
+def test_metadata_that_is_not_utf8_names_the_file(tmp_path: Path) -> None:
+    path, _ = tiny_qwen2(tmp_path / "tiny.gguf")
+    path.write_bytes(path.read_bytes().replace(b"qwen2", b"qw\xffn2", 1))
+    with pytest.raises(ModelLoadError, match=f"GGUF {path}: metadata that is not UTF-8"):
+        load_model_files(str(path))
+
+
 def test_unsupported_architecture(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "mamba.gguf", "mamba",
                       {"token_embd.weight": (rand(len(tiny_vocab()), HIDDEN), None)})
