@@ -110,12 +110,12 @@ class SamplingParams:
 
     @property
     def shapes_logits(self) -> bool:
-        """Whether anything but the model moves this request's argmax: penalties, logit_bias,
-        min_tokens, allowed_token_ids or bad_words (its grammar aside)."""
+        """Whether anything but the model moves this request's argmax at every position:
+        penalties, logit_bias, allowed_token_ids or bad words (min_tokens and a grammar
+        aside)."""
         return bool(self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0 or self.logit_bias or self.min_tokens
-                    or self.allowed_token_ids is not None or self.bad_words
-                    or self.bad_words_token_ids)
+                    or self.repetition_penalty != 1.0 or self.logit_bias
+                    or self.allowed_token_ids is not None or self.bad_words_token_ids)
 
     @property
     def stop_strings(self) -> list[str]:

@@ -203,6 +203,15 @@ def load_tokenizer(name_or_path: str, vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
+def _warn_without_tokenizer(model: str, folder: Path) -> None:
+    from braid.models.gguf_loader import NO_TOKENIZER
+
+    why = folder / NO_TOKENIZER
+    reason = why.read_text().strip() if why.is_file() else "no tokenizer.json"
+    logger.warning("%s: %s; it runs without a tokenizer, on token ids only (give one with "
+                   "--tokenizer)", model, reason)
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -228,6 +237,8 @@ class LLMEngine:
                                           config.quantization)
             if config.tokenizer is not None:
                 tokenizer = load_tokenizer(config.tokenizer, model.config.vocab_size)
+            elif tokenizer is None:
+                _warn_without_tokenizer(config.model, folder)
         else:
             self.default_sampling = sampling_defaults(config, None)
         # --override-generation-config's max_new_tokens caps the server's requests (vLLM's)

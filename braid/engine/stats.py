@@ -91,9 +91,9 @@ class EngineStats:
     spec_stats: SpecStats = field(default_factory=SpecStats)
     grammar: GrammarStats = field(default_factory=GrammarStats)
     _last_log: float = field(default_factory=time.monotonic)
-    # the counters at the last log line: (generated, cache queries, cache hits, drafts, draft
-    # tokens, accepted tokens), so each line reports its own interval, as vLLM's does
-    _at_last_log: tuple[int, ...] = (0, 0, 0, 0, 0, 0)
+    # the counters at the last log line: (steps, generated, cache queries, cache hits, drafts,
+    # draft tokens, accepted tokens), so each line reports its own interval, as vLLM's does
+    _at_last_log: tuple[int, ...] = (0, 0, 0, 0, 0, 0, 0)
 
     def record(self, s: StepStats) -> None:
         self.recent.append(s)
@@ -114,8 +114,9 @@ class EngineStats:
 
     def _counters(self) -> tuple[int, ...]:
         spec = self.spec_stats
-        return (self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits,
-                spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+        return (self.num_steps, self.generation_tokens, self.prefix_cache_queries,
+                self.prefix_cache_hits, spec.num_drafts, spec.num_draft_tokens,
+                spec.num_accepted_tokens)
 
     def maybe_log(self, interval: float, idle_kv_usage: float | None = None) -> None:
         """One line every `interval` seconds while steps run, of what happened since the
@@ -129,7 +130,7 @@ class EngineStats:
         counters = self._counters()
         if idle and counters == self._at_last_log:
             return
-        tokens, queries, hits, drafts, drafted, accepted = (
+        _, tokens, queries, hits, drafts, drafted, accepted = (
             count - before for count, before in zip(counters, self._at_last_log, strict=True))
         rate = tokens / (now - self._last_log)
         last = self.recent[-1]

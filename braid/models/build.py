@@ -67,8 +67,7 @@ def load_model(
 def release_freed_memory() -> None:
     """Give the heap's free pages back to the system (glibc's malloc_trim). Loading copies
     each weight through buffers of a few MB (the file's bytes, repacked panels, merged
-    projections) that glibc's heap keeps once freed: ~0.9 GB stayed resident after the
-    default target loaded, ~0.2 GB after the draft."""
+    projections) that glibc's heap keeps, resident, once freed."""
     with contextlib.suppress(OSError, AttributeError):  # another C library: nothing to do
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 

@@ -121,10 +121,12 @@ def _refuse_unimplemented(d: dict[str, Any]) -> None:
         if kind not in (None, "default"):
             raise ValueError(f"{field} of type {kind!r} is not supported (braid runs plain "
                              "RoPE)")
-    if d.get("use_sliding_window"):
+    layers = d.get("num_hidden_layers")
+    if d.get("use_sliding_window") and not (  # transformers: from layer max_window_layers on
+            isinstance(layers, int) and d.get("max_window_layers", 0) >= layers):
         raise ValueError("use_sliding_window is not supported (braid attends to every "
                          "earlier position)")
-    if d.get("hidden_act", "silu") not in ("silu", "swish"):
+    if (d.get("hidden_act") or "silu") not in ("silu", "swish"):
         raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (SiLU only)")
 
 

@@ -34,6 +34,8 @@ from braid.models.quant import QuantWeight, runnable
 
 logger = logging.getLogger("braid")
 
+NO_TOKENIZER = "no-tokenizer.txt"  # in a conversion without a tokenizer: the reason
+
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -341,8 +343,7 @@ def convert_gguf(gguf_path: Path, folder: Path) -> None:
         try:
             write_gguf_tokenizer(meta, tmp)
         except NoUsableTokenizer as e:  # token ids still work, and --tokenizer gives one
-            logger.warning("%s: %s; it loads without a tokenizer (give one with --tokenizer)",
-                           gguf_path, e)
+            (tmp / NO_TOKENIZER).write_text(f"{e}\n")  # why, for each load to say
         except OSError:
             raise
         except Exception as e:  # ids out of range, malformed merges (IndexError, TypeError,

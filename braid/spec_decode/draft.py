@@ -190,5 +190,7 @@ class DraftModelProposer(Proposer):
 
 
 def _shaped(req: Request) -> bool:
-    """Whether the request's greedy token is not the model's plain argmax."""
-    return req.grammar is not None or req.sampling_params.shapes_logits
+    """Whether the request's greedy token may not be the model's plain argmax."""
+    p = req.sampling_params
+    return (req.grammar is not None or p.shapes_logits
+            or req.num_output_tokens < p.min_tokens)  # its ends are still suppressed

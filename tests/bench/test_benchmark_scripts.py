@@ -54,7 +54,8 @@ def run_script(name: str, *argv: str, monkeypatch: pytest.MonkeyPatch) -> int:
                 "--max-request-bytes 4194304 --speculative-config {}': --speculative-config "
                 "needs 'method'"),
     ("bench_prefix.py", ["--server-args", "--max-model-len x"], "--server-args '--max-model-len "
-                        "x': braid serve: error: argument --max-model-len: invalid int value"),
+                        "x': braid serve: error: argument --max-model-len: expected an integer "
+                        "such as 4096"),
 ])
 def test_bad_flag_values_are_usage_errors(script: str, argv: list[str], message: str,
                                           monkeypatch: pytest.MonkeyPatch, capsys) -> None:

@@ -313,7 +313,7 @@ def test_tokenizer_flag_takes_another_tokenizer(tmp_path, capsys) -> None:
     for tokenizer, message in ((str(tok), f"--tokenizer {tok}: its {count} tokens are more "
                                           "than the model's vocabulary (272)"),
                                ("/no/such", "--tokenizer /no/such: model '/no/such' not found")):
-        assert main(["serve", str(tmp_path / "m"), "--tokenizer", tokenizer]) == 2
+        assert main(["serve", str(tmp_path / "m"), "--port", "0", "--tokenizer", tokenizer]) == 2
         assert message in capsys.readouterr().err
 
 
@@ -453,11 +453,11 @@ def test_generate_refuses_an_empty_stdin(monkeypatch, capsys) -> None:
 def test_more_threads_than_cores_is_a_warning(caplog) -> None:
     import os
 
-    cores = len(os.sched_getaffinity(0))
+    cores, before = len(os.sched_getaffinity(0)), torch.get_num_threads()
     try:
         make_engine(num_threads=cores + 1)
     finally:
-        torch.set_num_threads(cores)
+        torch.set_num_threads(before)
     assert f"--num-threads {cores + 1} is more than the {cores} cores" in caplog.text
 
 
@@ -492,6 +492,9 @@ def test_stats_lines_report_their_own_interval(caplog) -> None:
     assert idle.startswith("idle: 0 running, 0 waiting, gen ") and "KV 25%" in idle
     stats.maybe_log(1e-9, idle_kv_usage=0.25)
     assert len(caplog.records) == 3
+    stats.record(step(8, 0))  # steps that generated nothing (a prefill chunk, then an abort)
+    stats.maybe_log(1e-9, idle_kv_usage=0.0)
+    assert len(caplog.records) == 4 and caplog.records[-1].getMessage().startswith("idle: ")
 
 
 def test_step_mixes_prefill_chunk_and_decodes() -> None:

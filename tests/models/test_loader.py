@@ -93,7 +93,8 @@ def test_folder_without_config(tmp_path: Path) -> None:
      "rope_scaling of type 'llama3' is not supported"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}},
      "rope_scaling of type 'linear' is not supported"),
-    ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window is not supported"),
+    ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0},
+     "use_sliding_window is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
 ])
 def test_a_bad_config_json_is_a_load_error_naming_the_file(

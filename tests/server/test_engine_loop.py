@@ -9,7 +9,7 @@ import time
 from braid.engine.stats import EngineStats
 from braid.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from braid.sampling_params import SamplingParams
-from braid.server.engine_loop import IDLE_WAKEUP, AsyncEngine, OutputQueue, RequestFailed
+from braid.server.engine_loop import AsyncEngine, OutputQueue, RequestFailed
 
 BAD_ADD, BAD_STEP = [666], [13]
 
@@ -104,24 +104,31 @@ def test_a_failing_add_fails_only_that_request() -> None:
     assert isinstance(ok2, RequestOutput) and ok2.finished
 
 
-def test_an_idle_engine_still_writes_its_last_stats_line() -> None:
+def test_an_idle_engine_still_writes_its_last_stats_line(monkeypatch) -> None:
     """Once the work is done the loop asks the engine for its idle stats line, and asks
     again while idle (the line is due only when the interval is up), without a request."""
+    monkeypatch.setattr("braid.server.engine_loop.IDLE_WAKEUP", 0.02)
+
+    async def until(fake: FakeEngine, calls: int) -> None:
+        deadline = time.monotonic() + 10
+        while fake.idle_logs < calls and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
     async def main() -> tuple[int, int]:
         fake = FakeEngine()
         engine = AsyncEngine(fake)
         engine.start()
         try:
             await _run(engine, "ok", [1])
-            await asyncio.sleep(IDLE_WAKEUP * 1.2)
-            after_request = fake.idle_logs
-            await asyncio.sleep(IDLE_WAKEUP * 1.2)
-            return after_request, fake.idle_logs
+            await until(fake, 1)
+            first = fake.idle_logs
+            await until(fake, first + 1)
+            return first, fake.idle_logs
         finally:
             await asyncio.to_thread(engine.stop)
 
-    after_request, later = asyncio.run(main())
-    assert after_request >= 1 and later > after_request
+    first, later = asyncio.run(main())
+    assert first >= 1 and later > first
 
 
 def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving() -> None:
