@@ -250,10 +250,15 @@ class Scheduler:
             return min(ready, key=_rank, default=None)
         return next(ready, None)
 
+    def _looks_up(self, req: Request) -> bool:
+        """Whether admission looks the request's prefix up in the cache: caching is on, and
+        the request's prompt logprobs do not need every prompt position's logits."""
+        return self.blocks.enable_caching and req.sampling_params.prompt_logprobs is None
+
     def _cached_prefix(self, req: Request) -> list[int]:
         """Published blocks of the request's prefix. The last token is always computed (its
-        logits sample), and prompt logprobs need every prompt position's logits."""
-        if req.sampling_params.prompt_logprobs is not None:
+        logits sample)."""
+        if not self._looks_up(req):
             return []
         return self.blocks.find_cached(req.request_id, req.token_ids, req.num_tokens - 1)
 
@@ -282,8 +287,7 @@ class Scheduler:
             if req.num_cached_tokens is None:  # the first admission's figure, as vLLM's
                 req.num_cached_tokens = num_cached
                 req.first_scheduled_time = time.monotonic()
-            if self.blocks.enable_caching and req.sampling_params.prompt_logprobs is None:
-                # a lookup that could find something, as vLLM counts them
+            if self._looks_up(req):  # as vLLM counts them: lookups made
                 out.num_cache_queries += req.num_tokens
                 out.num_cache_hits += num_cached
             self.running.append(req)
