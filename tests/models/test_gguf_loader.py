@@ -265,27 +265,16 @@ def test_a_cache_that_cannot_be_written_is_named(tmp_path: Path,
 
 def test_broken_tokenizer_metadata_is_a_load_error_naming_the_file(tmp_path: Path) -> None:
     """An eos id past the token list (an IndexError while building the tokenizer)."""
-    from gguf import GGUFWriter, TokenType
+    from gguf import TokenType
 
     from tests.conftest import MERGES
 
     _, tensors = tiny_qwen2(tmp_path / "tiny.gguf")
-    path = tmp_path / "eos.gguf"
-    writer = GGUFWriter(path, "qwen2")
-    for key, value in hparams().items():
-        getattr(writer, f"add_{key}")(value)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tiny_vocab())
-    writer.add_token_merges(MERGES)
-    writer.add_token_types([TokenType.NORMAL] * len(tiny_vocab()))
-    writer.add_eos_token_id(10**6)
-    for name, (array, qtype) in tensors.items():
-        writer.add_tensor(name, array, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    tokenizer = {"tokenizer_model": "gpt2", "tokenizer_pre": "qwen2", "token_list": tiny_vocab(),
+                 "token_merges": MERGES, "eos_token_id": 10**6,
+                 "token_types": [TokenType.NORMAL] * len(tiny_vocab())}
+    path = write_gguf(tmp_path / "eos.gguf", "qwen2", tensors, hparams() | tokenizer,
+                      tokenizer=False)
     with pytest.raises(ModelLoadError, match=f"GGUF {path}: its tokenizer cannot be built"):
         load_model_files(str(path))
 
