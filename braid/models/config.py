@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("qwen2", "llama")
@@ -29,6 +29,8 @@ class ModelConfig:
     attention_bias: bool = False  # QKV bias: True for Qwen2
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # RoPE scaling as config.json spells it: None (plain RoPE), linear or llama3
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -55,6 +57,7 @@ class ModelConfig:
         for name in ("tie_word_embeddings", "attention_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        rope_scaling_kind(self.rope_scaling)  # ValueError for one braid does not run
         eos = self.eos_token_id
         if not (self.bos_token_id is None or _is_token_id(self.bos_token_id)):
             raise ValueError(f"bos_token_id must be a token id, got {self.bos_token_id!r}")
@@ -88,6 +91,7 @@ class ModelConfig:
             attention_bias=d.get("attention_bias", arch == "qwen2"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
+            rope_scaling=_rope_scaling(d),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -113,14 +117,44 @@ class ModelConfig:
         return asdict(self)
 
 
+ROPE_SCALINGS = {"linear": ("factor",),
+                 "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                            "original_max_position_embeddings")}
+
+
+def rope_scaling_kind(scaling: object) -> str | None:
+    """None (plain RoPE) or the RoPE scaling braid runs ("linear", "llama3", with the keys
+    transformers reads); ValueError naming anything else."""
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise ValueError(f"rope_scaling must be an object, got {scaling!r}")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind not in ROPE_SCALINGS:
+        raise ValueError(f"rope_scaling of type {kind!r} is not supported (braid runs plain, "
+                         "linear and llama3 RoPE)")
+    for key in ROPE_SCALINGS[kind]:
+        value = scaling.get(key)
+        if (not isinstance(value, numbers.Real) or isinstance(value, bool)
+                or not 0 < float(value) < math.inf):
+            raise ValueError(f"rope_scaling {kind}: {key} must be a number > 0, got {value!r}")
+    return str(kind)
+
+
+def _rope_scaling(d: dict[str, Any]) -> dict[str, Any] | None:
+    """config.json's rope_scaling, or transformers 5's rope_parameters (which also holds
+    rope_theta) where it scales."""
+    if d.get("rope_scaling") is not None:
+        return d["rope_scaling"]
+    parameters = d.get("rope_parameters")
+    if isinstance(parameters, dict) and parameters.get("rope_type", "default") != "default":
+        return parameters
+    return None
+
+
 def _refuse_unimplemented(d: dict[str, Any]) -> None:
-    for field in ("rope_scaling", "rope_parameters"):
-        scaling = d.get(field)
-        kind = (scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict)
-                else scaling)
-        if kind not in (None, "default"):
-            raise ValueError(f"{field} of type {kind!r} is not supported (braid runs plain "
-                             "RoPE)")
     layers = d.get("num_hidden_layers")
     if d.get("use_sliding_window") and not (  # transformers: from layer max_window_layers on
             isinstance(layers, int) and d.get("max_window_layers", 0) >= layers):

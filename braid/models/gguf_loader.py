@@ -54,7 +54,7 @@ _GLOBAL_NAMES = {
 }
 # Bump when the converted folder's content changes, so stale caches are not reused (older
 # versions of the same GGUF's folder are removed: version 1 held 6 GB of float32 weights).
-CONVERSION_VERSION = 2
+CONVERSION_VERSION = 3
 Tensor = ReaderTensor | GGUFTensor
 FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16,
                          GGMLQuantizationType.BF16, GGMLQuantizationType.F64})
@@ -194,19 +194,21 @@ def config_from_metadata(
         return value
 
     scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
+    if scaling not in (None, "none", "linear"):
         raise ModelLoadError(f"GGUF {source}: {arch}.rope.scaling.type {scaling!r} is not "
-                             "supported (braid runs plain RoPE)")
+                             "supported (braid runs plain and linear RoPE)")
     if "token_embd.weight" not in shapes:
         raise ModelLoadError(f"GGUF {source} has no token_embd.weight tensor")
     try:
-        return _config(meta, shapes, arch, key)
+        rope_scaling = None if scaling in (None, "none") else {
+            "rope_type": "linear", "factor": _f32_to_float(key("rope.scaling.factor"))}
+        return _config(meta, shapes, arch, key, rope_scaling)
     except ValueError as e:  # an impossible size: ModelConfig's check names the key
         raise ModelLoadError(f"GGUF {source}: {e}") from None
 
 
 def _config(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], arch: str,
-            key: Callable[..., Any]) -> ModelConfig:
+            key: Callable[..., Any], rope_scaling: dict[str, Any] | None) -> ModelConfig:
     hidden, heads = int(key("embedding_length")), _single_int(key("attention.head_count"))
     return ModelConfig(
         architecture=arch,
@@ -226,6 +228,7 @@ def _config(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], arch: str,
         attention_bias="blk.0.attn_q.bias" in shapes,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        rope_scaling=rope_scaling,
     )
 
 

@@ -6,9 +6,10 @@ config values. Q/K/V and gate/up projections are fused so each layer runs 4 matm
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from types import ModuleType
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +18,7 @@ from torch import nn
 
 from braid.kernels import quant_ops
 from braid.models.attention import AttentionMetadata, attend_cached, paged_attention
-from braid.models.config import ModelConfig
+from braid.models.config import ModelConfig, rope_scaling_kind
 from braid.models.errors import ModelLoadError
 from braid.models.quant import (
     QuantEmbedding,
@@ -111,14 +112,17 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate_half), as in Hugging Face Qwen2/Llama."""
+    """Neox-style rotary embedding (rotate_half), as in Hugging Face Qwen2/Llama, with their
+    linear and llama3 scaling of the frequencies (`scaling`: config.json's rope_scaling)."""
 
     cos: torch.Tensor  # [P, D/2]
     sin: torch.Tensor
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.head_dim, self.max_positions, self.theta = head_dim, max_positions, theta
+        self.scaling = scaling
         self.register_buffer("cos", torch.empty(max_positions, head_dim // 2), persistent=False)
         self.register_buffer("sin", torch.empty(max_positions, head_dim // 2), persistent=False)
         self.reset()
@@ -128,7 +132,8 @@ class RotaryEmbedding(nn.Module):
         if self.cos.is_meta:
             return
         d = self.head_dim
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        inv_freq = scaled_frequencies(
+            1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)), self.scaling)
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float64), inv_freq)
         self.cos.copy_(freqs.cos())  # [P, D/2]
         self.sin.copy_(freqs.sin())
@@ -136,6 +141,29 @@ class RotaryEmbedding(nn.Module):
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, D/2] of these positions (looked up once per forward)."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def scaled_frequencies(inv_freq: torch.Tensor, scaling: dict[str, Any] | None
+                       ) -> torch.Tensor:
+    """The rotary frequencies under transformers' linear or llama3 RoPE scaling: linear
+    divides them all by the factor; llama3 divides the low ones (wavelengths beyond the
+    original context / low_freq_factor), keeps the high ones (below it / high_freq_factor)
+    and blends the ones between."""
+    kind = rope_scaling_kind(scaling)
+    if kind is None:
+        return inv_freq
+    assert scaling is not None
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    between = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(between, blended, scaled)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -257,7 +285,8 @@ class Qwen2ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, linear)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling)
         self.lm_head = (
             None if cfg.tie_word_embeddings and quant_type is None
             else linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -200,14 +200,18 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 
 
 def test_rope_scaling_and_no_heads_are_load_errors(tmp_path: Path) -> None:
-    """A GGUF with RoPE scaling is refused (its logits were those of plain RoPE), and one
-    with no attention heads names the key (it was a ZeroDivisionError)."""
+    """A GGUF's linear RoPE scaling is taken; YaRN is refused (its logits were those of
+    plain RoPE), and a GGUF with no attention heads names the key (a ZeroDivisionError)."""
     from gguf import RopeScalingType
 
     _, tensors = tiny_qwen2(tmp_path / "tiny.gguf")
+    linear = write_gguf(tmp_path / "linear.gguf", "qwen2", tensors, hparams() | {
+        "rope_scaling_type": RopeScalingType.LINEAR, "rope_scaling_factor": 4.0})
+    assert load_model_files(str(linear)).config.rope_scaling == {"rope_type": "linear",
+                                                                 "factor": 4.0}
     for name, extra, message in (
-            ("scaled", {"rope_scaling_type": RopeScalingType.LINEAR},
-             "qwen2.rope.scaling.type 'linear' is not supported"),
+            ("scaled", {"rope_scaling_type": RopeScalingType.YARN},
+             "qwen2.rope.scaling.type 'yarn' is not supported"),
             ("headless", {"head_count": 0}, "num_attention_heads must be an integer >= 1")):
         path = write_gguf(tmp_path / f"{name}.gguf", "qwen2", tensors, hparams() | extra)
         with pytest.raises(ModelLoadError, match=message):

@@ -128,6 +128,25 @@ def test_mixed_flat_batch(models) -> None:
         torch.testing.assert_close(k.transpose(0, 1), ref_cache.layers[1].keys[0], atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "linear", "factor": 4.0},
+    # with head_dim 16 the frequencies fall in all three of llama3's bands
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+], ids=["linear", "llama3"])
+def test_rope_scaling_matches_transformers(scaling: dict) -> None:
+    """Llama 3.x configs scale RoPE (llama3): braid's logits equal transformers' on the same
+    weights, positions beyond the original context included (it ran plain RoPE, far off)."""
+    cfg = tiny_config("llama", rope_scaling=scaling)
+    hf = hf_model(cfg, seed=0)
+    tokens = prompt(100, seed=3)
+    got = PagedRun(braid_model(cfg, dict(hf.state_dict()))).step({"a": tokens})["a"]
+    expected, _ = reference(hf, tokens)
+    torch.testing.assert_close(got, expected, atol=TOL, rtol=TOL)
+    plain = PagedRun(braid_model(tiny_config("llama"), dict(hf.state_dict())))
+    assert not torch.allclose(plain.step({"a": tokens})["a"], expected, atol=1e-2)
+
+
 def test_untied_lm_head_and_no_bias() -> None:
     cfg = tiny_config("qwen2", tie_word_embeddings=False)
     hf = hf_model(cfg, seed=3)
