@@ -57,7 +57,12 @@ class ModelConfig:
         for name in ("tie_word_embeddings", "attention_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        rope_scaling_kind(self.rope_scaling)  # ValueError for one braid does not run
+        scaling = self.rope_scaling
+        if rope_scaling_kind(scaling) == "freq_factors":  # (a ValueError for unknown kinds)
+            assert scaling is not None
+            if len(scaling["factors"]) != self.head_dim // 2:
+                raise ValueError(f"rope_scaling freq_factors: {self.head_dim // 2} factors "
+                                 f"expected (head_dim / 2), got {len(scaling['factors'])}")
         eos = self.eos_token_id
         if not (self.bos_token_id is None or _is_token_id(self.bos_token_id)):
             raise ValueError(f"bos_token_id must be a token id, got {self.bos_token_id!r}")
@@ -132,6 +137,12 @@ def rope_scaling_kind(scaling: object) -> str | None:
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
         return None
+    if kind == "freq_factors":  # a GGUF's rope_freqs tensor (llama.cpp's form of llama3)
+        factors = scaling.get("factors")
+        if not (isinstance(factors, list) and factors
+                and all(isinstance(f, float) and 0 < f < math.inf for f in factors)):
+            raise ValueError("rope_scaling freq_factors: factors must be a list of numbers > 0")
+        return kind
     if kind not in ROPE_SCALINGS:
         raise ValueError(f"rope_scaling of type {kind!r} is not supported (braid runs plain, "
                          "linear and llama3 RoPE)")

@@ -34,6 +34,7 @@ from braid.models.quant import QuantWeight, runnable
 
 logger = logging.getLogger("braid")
 
+ROPE_FREQS = "rope_freqs.weight"  # a llama3 GGUF's divisor of each rotary frequency
 NO_TOKENIZER = "no-tokenizer.txt"  # in a conversion without a tokenizer: the reason
 
 _LAYER_NAMES = {
@@ -178,8 +179,11 @@ def _f32_to_float(value: Any) -> float:
 
 
 def config_from_metadata(
-    meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: Path
+    meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: Path,
+    rope_freqs: list[float] | None = None,
 ) -> ModelConfig:
+    """The model's config from the GGUF's metadata, tensor shapes and, for a llama3 GGUF,
+    its rope_freqs tensor (one divisor per rotary frequency)."""
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
@@ -202,6 +206,10 @@ def config_from_metadata(
     try:
         rope_scaling = None if scaling in (None, "none") else {
             "rope_type": "linear", "factor": _f32_to_float(key("rope.scaling.factor"))}
+        if rope_freqs is not None:
+            if rope_scaling is not None:
+                raise ValueError("rope_freqs and a linear rope.scaling cannot both scale RoPE")
+            rope_scaling = {"rope_type": "freq_factors", "factors": rope_freqs}
         return _config(meta, shapes, arch, key, rope_scaling)
     except ValueError as e:  # an impossible size: ModelConfig's check names the key
         raise ModelLoadError(f"GGUF {source}: {e}") from None
@@ -297,7 +305,8 @@ def iter_gguf_weights(path: Path, config: ModelConfig, quantized: bool
         raise ModelLoadError(f"GGUF file not found: {path}")
     for tensor in tqdm(read_tensors(path), desc=f"Loading {path.name}", unit="tensor",
                        leave=False):
-        yield hf_name(tensor.name), read_tensor(tensor, config, quantized)
+        if tensor.name != ROPE_FREQS:  # in the config (rope_scaling), not a weight
+            yield hf_name(tensor.name), read_tensor(tensor, config, quantized)
 
 
 def quantized_types(path: Path) -> set[GGMLQuantizationType]:
@@ -339,7 +348,10 @@ def convert_gguf(gguf_path: Path, folder: Path) -> None:
 
     reader = open_gguf(gguf_path)
     meta = read_metadata(reader)
-    config = config_from_metadata(meta, {t.name: hf_shape(t) for t in reader.tensors}, gguf_path)
+    freqs = [t for t in reader.tensors if t.name == ROPE_FREQS]
+    config = config_from_metadata(meta, {t.name: hf_shape(t) for t in reader.tensors}, gguf_path,
+                                  [float(f) for f in np.asarray(freqs[0].data, np.float32)]
+                                  if freqs else None)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
     try:

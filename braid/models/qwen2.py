@@ -148,11 +148,14 @@ def scaled_frequencies(inv_freq: torch.Tensor, scaling: dict[str, Any] | None
     """The rotary frequencies under transformers' linear or llama3 RoPE scaling: linear
     divides them all by the factor; llama3 divides the low ones (wavelengths beyond the
     original context / low_freq_factor), keeps the high ones (below it / high_freq_factor)
-    and blends the ones between."""
+    and blends the ones between. A llama3 GGUF holds the same as one divisor per frequency
+    (its rope_freqs tensor: "freq_factors")."""
     kind = rope_scaling_kind(scaling)
     if kind is None:
         return inv_freq
     assert scaling is not None
+    if kind == "freq_factors":  # llama.cpp divides each frequency by its own factor
+        return inv_freq / torch.tensor(scaling["factors"], dtype=inv_freq.dtype)
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv_freq / factor

@@ -304,3 +304,42 @@ def test_a_gguf_without_a_tokenizer_loads_and_takes_one_from_the_flag(
     engine = LLMEngine(EngineConfig(model=str(bare), tokenizer=str(with_tokenizer), **options))
     assert engine.tokenizer is not None and engine.tokenizer.encode("hello the") == [
         tiny_vocab().index("hello"), tiny_vocab().index("Ġthe")]
+
+
+def test_a_llama3_gguf_s_rope_freqs_scale_rope_as_transformers_llama3(tmp_path: Path) -> None:
+    """llama.cpp stores Llama 3.x's llama3 RoPE scaling as a rope_freqs tensor, one divisor
+    per rotary frequency (its convert script's formula below): braid's rotary tables from it
+    equal those of the config.json form, which equal transformers' (test_qwen2.py); the
+    tensor was refused as "not part of a plain decoder"."""
+    import math
+
+    from braid.models.qwen2 import RotaryEmbedding
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    factors = []
+    for i in range(0, HEAD_DIM, 2):
+        wavelength = 2 * math.pi * 1e6 ** (i / HEAD_DIM)  # rope_freq_base 1e6, as hparams()
+        if wavelength < 64 / 4.0:
+            factors.append(1.0)
+        elif wavelength > 64 / 1.0:
+            factors.append(8.0)
+        else:
+            smooth = (64 / wavelength - 1.0) / (4.0 - 1.0)
+            factors.append(1 / ((1 - smooth) / 8.0 + smooth))
+    assert 1.0 in factors and 8.0 in factors and len(set(factors)) > 2  # all three bands
+    _, tensors = tiny_qwen2(tmp_path / "tiny.gguf")
+    path = write_gguf(tmp_path / "llama3.gguf", "qwen2",
+                      {**tensors, "rope_freqs.weight": (np.array(factors, np.float32), None)},
+                      hparams())
+    from braid.models.build import load_model
+
+    model, _ = load_model(str(path))  # the quantized path: the tensor is no weight
+    assert model.config.rope_scaling is not None
+    assert model.config.rope_scaling["rope_type"] == "freq_factors"
+    theirs = RotaryEmbedding(HEAD_DIM, 512, 1e6, llama3)
+    # (the factors are float32 in the file: ~1e-6 at the last positions)
+    torch.testing.assert_close(model.rotary.cos, theirs.cos, atol=1e-5, rtol=0)
+    torch.testing.assert_close(model.rotary.sin, theirs.sin, atol=1e-5, rtol=0)
+    assert not torch.allclose(model.rotary.cos, RotaryEmbedding(HEAD_DIM, 512, 1e6).cos,
+                              atol=1e-2)
