@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from braid.models.errors import read_json_object
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -217,12 +218,7 @@ def generation_defaults(folder: Path) -> dict[str, Any]:
     path = folder / "generation_config.json"
     if not path.is_file():
         return {}
-    try:
-        found = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not readable JSON ({e})") from None
-    if not isinstance(found, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(found).__name__}")
+    found = read_json_object(path)
     defaults = {ours: found[hf] for hf, ours in GENERATION_DEFAULTS.items()
                 if found.get(hf) is not None}
     try:

@@ -19,7 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 
-from braid.models.errors import ModelLoadError
+from braid.models.errors import ModelLoadError, read_json_object
 
 # Split regexes by `tokenizer.ggml.pre` (the same as transformers' Qwen2 / Llama-3 tokenizers).
 QWEN2_SPLIT = (
@@ -219,16 +219,9 @@ def _token_content(value: Any) -> str | None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    """A JSON object file's content ({} without the file); ValueError naming it otherwise."""
-    if not path.is_file():
-        return {}
-    try:
-        found = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"{path}: cannot read it ({e})") from None
-    if not isinstance(found, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(found).__name__}")
-    return found
+    """A JSON object file's content ({} without the file); ModelLoadError naming it
+    otherwise."""
+    return read_json_object(path) if path.is_file() else {}
 
 
 def _as_id_list(value: Any) -> list[int]:

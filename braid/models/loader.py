@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from braid.models.config import ModelConfig
-from braid.models.errors import ModelLoadError
+from braid.models.errors import ModelLoadError, read_json_object
 from braid.models.gguf_loader import gguf_to_hf_folder, iter_gguf_weights
 from braid.models.registry import MODELS, known_model_names, registry_gguf_path
 
@@ -69,12 +69,7 @@ def load_model_files(name_or_path: str) -> LoadedModelFiles:
 
 def load_config(folder: Path) -> ModelConfig:
     path = folder / "config.json"
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"{path}: cannot read it ({e})") from None
-    if not isinstance(d, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object")
+    d = read_json_object(path)
     try:
         return ModelConfig.from_hf_dict(d)
     except KeyError as e:
