@@ -118,10 +118,8 @@ def render_chat(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeChat
             **{"documents": body.documents, **(body.chat_template_kwargs or {})})
     except ContinuationError as e:
         raise bad_request(str(e), "continue_final_message") from None
-    except jinja2.TemplateSyntaxError as e:
-        if body.chat_template is not None:
-            raise bad_request(f"chat_template: not a valid Jinja template (line {e.lineno}: "
-                              f"{e.message})", "chat_template") from None
+    except jinja2.TemplateSyntaxError as e:  # the server's (check_template_fields compiled
+        # a request's own before this)
         raise APIError(500, f"the model's chat template does not compile (line {e.lineno}: "
                        f"{e.message}); start the server with a working --chat-template") from None
     except Exception as e:  # template errors are the conversation's fault (jinja raise_exception)
