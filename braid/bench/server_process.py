@@ -46,7 +46,7 @@ def check_serve_flags(flags: Sequence[str], option: str, model: str | None = Non
             model_flags = [] if model is None else ["--model", model]
             args = build_parser().parse_args(["serve", *model_flags, *flags])
         config = config_from_args(args)
-        sampling_defaults(config, check_before_loading(config))
+        sampling_defaults(config, check_before_loading(config).folder)
     except SystemExit:
         message = usage.getvalue().strip().splitlines()[-1:] or ["not accepted"]
         raise ValueError(f"{option} {' '.join(flags)!r}: {message[0]}") from None

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -158,13 +158,18 @@ def _generation_config(config: EngineConfig, folder: Path | None) -> dict[str, A
     return defaults
 
 
-def check_before_loading(config: EngineConfig, draft: bool = True) -> Path:
-    """The checks that need only the models' config.json files, before any weight loads:
-    --max-model-len against the model, the KV cache against --block-size and the machine's
-    memory, the draft's vocabulary against the target's (unless `draft` is False: a draft
-    model given as an object). ConfigError or ModelLoadError naming what is wrong; returns
-    the target's folder. `braid serve` runs them at start, benchmarks on the serve flags
-    they pass (`check_serve_flags`)."""
+class Checked(NamedTuple):
+    folder: Path  # the target's
+    tokenizer: Tokenizer | None  # --tokenizer's, loaded to check it
+
+
+def check_before_loading(config: EngineConfig, draft: bool = True) -> Checked:
+    """The checks that need only the models' config.json files (and --tokenizer's), before
+    any weight loads: --max-model-len against the model, the KV cache against --block-size
+    and the machine's memory, the draft's vocabulary against the target's (unless `draft` is
+    False: a draft model given as an object), --tokenizer's against the target's.
+    ConfigError or ModelLoadError naming what is wrong. `braid serve` runs them at start,
+    benchmarks on the serve flags they pass (`check_serve_flags`)."""
     from braid.models.errors import ModelLoadError
     from braid.models.loader import load_config, model_folder
 
@@ -179,9 +184,9 @@ def check_before_loading(config: EngineConfig, draft: bool = True) -> Path:
         except ModelLoadError as e:
             raise ModelLoadError(f"--speculative-config model: {e}") from None
         check_draft(config, model_config, draft_config)
-    if config.tokenizer is not None:
-        load_tokenizer(config.tokenizer, model_config.vocab_size)
-    return folder
+    tokenizer = (None if config.tokenizer is None
+                 else load_tokenizer(config.tokenizer, model_config.vocab_size))
+    return Checked(folder, tokenizer)
 
 
 def load_tokenizer(name_or_path: str, vocab_size: int) -> Tokenizer:
@@ -231,14 +236,14 @@ class LLMEngine:
         if model is None:
             from braid.models.build import load_model
 
-            folder = check_before_loading(config, draft=draft_model is None)
-            self.default_sampling = sampling_defaults(config, folder)
+            checked = check_before_loading(config, draft=draft_model is None)
+            self.default_sampling = sampling_defaults(config, checked.folder)
             model, tokenizer = load_model(config.model, config.torch_dtype, config.device,
                                           config.quantization)
-            if config.tokenizer is not None:
-                tokenizer = load_tokenizer(config.tokenizer, model.config.vocab_size)
+            if checked.tokenizer is not None:
+                tokenizer = checked.tokenizer
             elif tokenizer is None:
-                _warn_without_tokenizer(config.model, folder)
+                _warn_without_tokenizer(config.model, checked.folder)
         else:
             self.default_sampling = sampling_defaults(config, None)
         # --override-generation-config's max_new_tokens caps the server's requests (vLLM's)
