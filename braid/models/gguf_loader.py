@@ -17,7 +17,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -203,41 +203,39 @@ def config_from_metadata(
                              "supported (braid runs plain and linear RoPE)")
     if "token_embd.weight" not in shapes:
         raise ModelLoadError(f"GGUF {source} has no token_embd.weight tensor")
+    rope_scaling = None if scaling in (None, "none") else {
+        "rope_type": "linear", "factor": _f32_to_float(key("rope.scaling.factor"))}
+    if rope_freqs is not None:
+        if rope_scaling is not None:
+            raise ModelLoadError(f"GGUF {source}: rope_freqs and a linear rope.scaling cannot "
+                                 "both scale RoPE")
+        rope_scaling = {"rope_type": "freq_factors", "factors": rope_freqs}
     try:
-        rope_scaling = None if scaling in (None, "none") else {
-            "rope_type": "linear", "factor": _f32_to_float(key("rope.scaling.factor"))}
-        if rope_freqs is not None:
-            if rope_scaling is not None:
-                raise ValueError("rope_freqs and a linear rope.scaling cannot both scale RoPE")
-            rope_scaling = {"rope_type": "freq_factors", "factors": rope_freqs}
-        return _config(meta, shapes, arch, key, rope_scaling)
+        hidden, heads = int(key("embedding_length")), _single_int(key("attention.head_count"))
+        return ModelConfig(
+            architecture=arch,
+            # The embedding's rows, which may exceed the token list (padding rows), size it.
+            vocab_size=shapes["token_embd.weight"][0],
+            hidden_size=hidden,
+            intermediate_size=int(key("feed_forward_length")),
+            num_hidden_layers=int(key("block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=_single_int(key("attention.head_count_kv", heads)),
+            # (no heads: the config's own check names the key)
+            head_dim=int(key("attention.key_length", hidden // max(heads, 1))),
+            rms_norm_eps=_f32_to_float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=_f32_to_float(key("rope.freq_base", 10000.0)),
+            max_position_embeddings=int(key("context_length", 32768)),
+            tie_word_embeddings="output.weight" not in shapes,
+            attention_bias="blk.0.attn_q.bias" in shapes,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            rope_scaling=rope_scaling,
+        )
+    except ModelLoadError:  # a missing key, named already
+        raise
     except ValueError as e:  # an impossible size: ModelConfig's check names the key
         raise ModelLoadError(f"GGUF {source}: {e}") from None
-
-
-def _config(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], arch: str,
-            key: Callable[..., Any], rope_scaling: dict[str, Any] | None) -> ModelConfig:
-    hidden, heads = int(key("embedding_length")), _single_int(key("attention.head_count"))
-    return ModelConfig(
-        architecture=arch,
-        # The embedding's rows, which may exceed the token list (padding rows), size the model.
-        vocab_size=shapes["token_embd.weight"][0],
-        hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_hidden_layers=int(key("block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=_single_int(key("attention.head_count_kv", heads)),
-        # (no heads: the config's own check names the key)
-        head_dim=int(key("attention.key_length", hidden // max(heads, 1))),
-        rms_norm_eps=_f32_to_float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=_f32_to_float(key("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(key("context_length", 32768)),
-        tie_word_embeddings="output.weight" not in shapes,
-        attention_bias="blk.0.attn_q.bias" in shapes,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-        rope_scaling=rope_scaling,
-    )
 
 
 # ---------------------------------------------------------------------------------------------
