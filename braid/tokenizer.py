@@ -350,10 +350,16 @@ class Tokenizer:
             return None
         return {ch: b for b, ch in bytes_to_unicode().items()}
 
+    @property
+    def byte_level(self) -> bool:
+        """Whether the vocabulary is byte-level BPE (GPT-2's alphabet, one character a byte)."""
+        return self._byte_decoder is not None
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for. A byte-level token can be part of a UTF-8 character
         (its text alone is U+FFFD): these are its own bytes, as OpenAI's logprobs `bytes`
-        give them. Added tokens and other vocabularies: their text's UTF-8."""
+        give them (and llguidance's view of the vocabulary, braid/structured). Added tokens and
+        other vocabularies: their text's UTF-8."""
         token = self.backend.id_to_token(token_id)
         alphabet = self._byte_decoder
         if (alphabet is None or token is None or token_id in self._added_ids

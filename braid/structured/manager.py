@@ -9,7 +9,6 @@ tokenizer's llguidance view is built once, on the first structured request or by
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,13 +20,12 @@ import tokenizers
 from braid.engine.stats import GrammarStats
 from braid.sampling_params import StructuredOutputsParams
 from braid.structured.grammar import GrammarState, grammar_for
-from braid.tokenizer import Tokenizer, bytes_to_unicode
+from braid.tokenizer import Tokenizer
 
 _MAX_CACHED = 128  # compiled grammars kept, least recently used dropped first
 
 
-def grammar_tokenizer(backend: tokenizers.Tokenizer, vocab_size: int, eos: int
-                      ) -> llguidance.LLTokenizer:
+def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos: int) -> llguidance.LLTokenizer:
     """The tokenizer as llguidance sees it. Read from its JSON, llguidance takes every added
     token spelled <...> for a special one (never text) yet tokenizes text with a tokenizer
     that finds added tokens inside text: a grammar asking for the text "<tool_call>" (Qwen's
@@ -35,11 +33,11 @@ def grammar_tokenizer(backend: tokenizers.Tokenizer, vocab_size: int, eos: int
     refused it, and the request ended in an error. For byte-level BPE, braid gives it each
     token's bytes, the special tokens that really are special, and a tokenization that spells
     their text out, as the model's own special tokens never stand for text."""
-    spec = backend.to_str()  # ~0.1 s for a 150k vocabulary: once
-    if '"ByteLevel"' not in json.dumps(json.loads(spec).get("decoder")):
+    spec = tokenizer.backend.to_str()  # ~0.1 s for a 150k vocabulary: once
+    if not tokenizer.byte_level:
         return llguidance.LLTokenizer(spec, n_vocab=vocab_size, eos_token=eos)
     return llguidance.LLTokenizer(
-        llguidance.TokenizerWrapper(_ByteLevelView(backend, spec, vocab_size, eos)),
+        llguidance.TokenizerWrapper(_ByteLevelView(tokenizer, spec, vocab_size, eos)),
         n_vocab=vocab_size, eos_token=eos)
 
 
@@ -48,25 +46,15 @@ class _ByteLevelView:
     past the tokenizer's vocabulary (a model's embedding rows beyond it) are special tokens
     of their own, never text."""
 
-    def __init__(self, backend: tokenizers.Tokenizer, spec: str, vocab_size: int, eos: int
-                 ) -> None:
+    def __init__(self, tokenizer: Tokenizer, spec: str, vocab_size: int, eos: int) -> None:
         self.eos_token_id = eos
         self.bos_token_id = None
-        added = backend.get_added_tokens_decoder()
+        backend = tokenizer.backend
         known = backend.get_vocab_size(with_added_tokens=True)
-        self.special_token_ids = [i for i, token in added.items() if token.special]
+        self.special_token_ids = [i for i, token in backend.get_added_tokens_decoder().items()
+                                  if token.special]
         self.special_token_ids += range(known, vocab_size)
-        unspell = {c: b for b, c in bytes_to_unicode().items()}
-
-        def spelled(i: int) -> bytes:
-            if i in added:
-                return added[i].content.encode("utf-8")
-            name = backend.id_to_token(i) or ""
-            if all(c in unspell for c in name):
-                return bytes(unspell[c] for c in name)
-            return name.encode("utf-8")
-
-        self.tokens = [spelled(i) for i in range(known)]
+        self.tokens = [tokenizer.token_bytes(i) for i in range(known)]
         self.tokens += [f"<[{i}]>".encode() for i in range(known, vocab_size)]
         self._text = tokenizers.Tokenizer.from_str(spec)  # a copy, to change its encoding
         self._text.encode_special_tokens = True  # "<|im_end|>" in text is text
@@ -91,7 +79,7 @@ class StructuredOutputManager:
     @cached_property
     def _ll_tokenizer(self) -> llguidance.LLTokenizer:
         eos = self._tokenizer.eos_token_id
-        return grammar_tokenizer(self._tokenizer.backend, self._vocab_size,
+        return grammar_tokenizer(self._tokenizer, self._vocab_size,
                                  eos if eos is not None else min(self._eos_token_ids, default=0))
 
     def warm_up(self) -> Future[llguidance.LLTokenizer]:

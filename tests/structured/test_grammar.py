@@ -152,11 +152,12 @@ def test_added_tokens_text_is_text_in_grammars(text: str) -> None:
     from tokenizers import AddedToken
 
     from braid.structured.manager import grammar_tokenizer
+    from braid.tokenizer import Tokenizer
 
     backend = byte_tokenizer()
     backend.add_tokens([AddedToken("<tool_call>", special=False),
                         AddedToken("</tool_call>", special=False)])  # ids 259, 260
-    view = grammar_tokenizer(backend, VOCAB, EOS)
+    view = grammar_tokenizer(Tokenizer(backend, {}), VOCAB, EOS)
     for pick in (max, min):  # max: the added token where it is allowed, min: bytes
         grammar = grammar_for(StructuredOutputsParams(regex=re.escape(text)))
         g = GrammarState(llguidance.LLMatcher(view, grammar), {EOS, 258}, GrammarStats())
