@@ -345,8 +345,9 @@ class Tokenizer:
 
     @cached_property
     def _byte_decoder(self) -> dict[str, int] | None:
-        """Byte-level BPE's alphabet, character -> byte (None for other vocabularies)."""
-        if not isinstance(self.backend.decoder, decoders.ByteLevel):
+        """Byte-level BPE's alphabet, character -> byte (None for other vocabularies: no
+        ByteLevel decoder, alone or in a sequence)."""
+        if "ByteLevel" not in repr(self.backend.decoder):
             return None
         return {ch: b for b, ch in bytes_to_unicode().items()}
 
