@@ -18,7 +18,7 @@ namespace braid_kernels {
 
 // ---- formats (ggml type ids and block layouts) ----------------------------------------------
 
-enum GgmlType : int64_t { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+enum GgmlType : int64_t { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 // braid's own layout of Q4_K (not a ggml type): the same values with the 6-bit scales and mins
 // unpacked to bytes at load (repack_q4_k), so the kernel does not decode them every block.
 constexpr int64_t Q4_K_UNPACKED = 1012;
@@ -41,9 +41,15 @@ struct BlockQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[QK / 2]; };
 struct BlockQ8_0 { uint16_t d; int8_t qs[QK]; };
 struct BlockQ4_K { uint16_t d; uint16_t dmin; uint8_t scales[12]; uint8_t qs[QK_K / 2]; };
 struct BlockQ4_KU { uint16_t d; uint16_t dmin; uint8_t sc[8]; uint8_t mn[8]; uint8_t qs[QK_K / 2]; };
+// Q5_K: Q4_K's scales and nibbles plus bit 4 of every value (bit j of qh[l]: value l of the
+// j-th group of 32).
+struct BlockQ5_K {
+  uint16_t d; uint16_t dmin; uint8_t scales[12]; uint8_t qh[QK_K / 8]; uint8_t qs[QK_K / 2];
+};
 struct BlockQ6_K { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; uint16_t d; };
 static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ5_0) == 22 && sizeof(BlockQ8_0) == 34, "ggml block size");
-static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210, "ggml block size");
+static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210,
+              "ggml block size");
 static_assert(sizeof(BlockQ4_KU) == 148, "unpacked Q4_K block size");
 
 // Quantized activations.
@@ -52,7 +58,8 @@ struct ActQ8_K { float d; int16_t bsums[QK_K / 16]; int8_t qs[QK_K]; };    // bs
 static_assert(sizeof(ActQ8_0) == 40 && sizeof(ActQ8_K) == 292, "activation block size");
 
 inline bool is_k_quant(int64_t type) {
-  return value_type(type) == Q4_K || value_type(type) == Q6_K;
+  const int64_t vt = value_type(type);
+  return vt == Q4_K || vt == Q5_K || vt == Q6_K;
 }
 
 inline int64_t block_elems(int64_t type) { return is_k_quant(type) ? QK_K : QK; }
@@ -63,13 +70,15 @@ inline int64_t block_bytes(int64_t type) {
     case Q5_0: return sizeof(BlockQ5_0);
     case Q8_0: return sizeof(BlockQ8_0);
     case Q4_K: return sizeof(BlockQ4_K);
+    case Q5_K: return sizeof(BlockQ5_K);
     case Q6_K: return sizeof(BlockQ6_K);
     case Q4_K_UNPACKED: return sizeof(BlockQ4_KU);
-    // A panel holds sixteen rows' blocks: per row, the bytes of the GGUF block (Q4_K: of the
-    // unpacked one, whose scales are bytes).
+    // A panel holds sixteen rows' blocks: per row, the bytes of the GGUF block (Q4_K / Q5_K:
+    // of the unpacked one, whose scales are bytes).
     case PANEL + Q4_0: case PANEL + Q5_0: case PANEL + Q8_0: case PANEL + Q6_K:
       return block_bytes(type - PANEL);
     case PANEL + Q4_K: return sizeof(BlockQ4_KU);
+    case PANEL + Q5_K: return sizeof(BlockQ4_KU) + QK_K / 8;  // and the high bits
   }
   TORCH_CHECK(false, "unsupported GGML type ", type);
 }

@@ -15,6 +15,7 @@
 //   Q4_0 / Q5_0: d[16] fp16 | 4 x [16][4] nibble pairs | Q5_0: 8 x u64 bit masks of bit 4
 //   Q8_0:        d[16] fp16 | 8 x [16][4] values + 128
 //   Q4_K:        d[16], dmin[16] fp16 | scales[8][16] | mins[8][16] | 8 groups x 4 x [16][4] pairs
+//   Q5_K:        Q4_K's, each group followed by its 8 x u64 bit masks of bit 4
 //   Q6_K:        d[16] fp16 | scales [8][16][2] int8 | 8 groups x (4 x [16][4] pairs of the
 //                low nibbles, 2 x [16][4] bytes of four 2-bit high parts)
 
@@ -37,14 +38,27 @@ constexpr int MAX_R = 8;  // activation rows per pass over a panel block
 // One block of one row as integers (the values unsigned: Q8_0's plus 128).
 struct Ints {
   uint16_t d = 0, dmin = 0;  // fp16 bits
-  int8_t sc[16] = {};        // Q4_K: 8 6-bit scales; Q6_K: 16 int8 scales
-  uint8_t mn[8] = {};        // Q4_K: 8 6-bit mins
+  int8_t sc[16] = {};        // Q4_K / Q5_K: 8 6-bit scales; Q6_K: 16 int8 scales
+  uint8_t mn[8] = {};        // Q4_K / Q5_K: 8 6-bit mins
   uint8_t q[QK_K] = {};
 };
 
 int values_per_block(int64_t vt) { return (int)block_elems(vt); }
 
 int64_t panel_block_bytes(int64_t vt) { return PANEL_ROWS * block_bytes(PANEL + vt); }
+
+// Q4_K / Q5_K: values in groups of 32 with a 6-bit scale and min each.
+bool has_mins(int64_t vt) { return vt == Q4_K || vt == Q5_K; }
+
+// Where group `grp` (32 values) of a panel block starts: its nibble pairs, then any high bits.
+int64_t group_offset(int64_t vt, int grp) {
+  switch (vt) {
+    case Q4_K: return 320 + 256 * grp;
+    case Q5_K: return 320 + 320 * grp;
+    case Q6_K: return 64 + 416 * grp;
+  }
+  return 32;
+}
 
 // Where a value's bits sit in a panel block.
 struct Field {
@@ -57,18 +71,18 @@ Field low_field(int64_t vt, int n, int v) {
   const int g = (v % 32) / 4, b = v % 4;
   switch (vt) {
     case Q8_0: return {32 + (g * 16 + n) * 4 + b, 0, 8};
-    case Q4_0: case Q5_0: return {32 + ((g % 4) * 16 + n) * 4 + b, 4 * (g / 4), 4};
-    case Q4_K: return {320 + (((v / 32) * 4 + g % 4) * 16 + n) * 4 + b, 4 * (g / 4), 4};
-    case Q6_K: return {64 + (v / 32) * 416 + ((g % 4) * 16 + n) * 4 + b, 4 * (g / 4), 4};
+    case Q4_0: case Q5_0: case Q4_K: case Q5_K: case Q6_K:
+      return {group_offset(vt, v / 32) + ((g % 4) * 16 + n) * 4 + b, 4 * (g / 4), 4};
   }
   TORCH_CHECK(false, "no panel layout for GGML type ", vt);
 }
 
-// The bits above the low four: Q5_0's bit 4, Q6_K's bits 4-5 (none for the others).
+// The bits above the low four: Q5_0's and Q5_K's bit 4, Q6_K's bits 4-5 (none for the others).
 Field high_field(int64_t vt, int n, int v) {
   const int g = (v % 32) / 4, b = v % 4;
-  if (vt == Q5_0) return {288 + g * 8 + (n * 4 + b) / 8, (n * 4 + b) % 8, 1};
-  if (vt == Q6_K) return {64 + (v / 32) * 416 + 256 + ((g / 4) * 16 + n) * 4 + b, 2 * (g % 4), 2};
+  const int64_t base = group_offset(vt, v / 32) + 256;
+  if (vt == Q5_0 || vt == Q5_K) return {base + g * 8 + (n * 4 + b) / 8, (n * 4 + b) % 8, 1};
+  if (vt == Q6_K) return {base + ((g / 4) * 16 + n) * 4 + b, 2 * (g % 4), 2};
   return {0, 0, 0};
 }
 
@@ -89,15 +103,19 @@ void decode_plain(int64_t vt, const uint8_t* block, Ints& o) {
       o.q[j] = (uint8_t)((qs[j] & 0xF) | (((qh >> j) & 1) << 4));
       o.q[j + 16] = (uint8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
     }
-  } else if (vt == Q4_K) {
-    const auto* w = reinterpret_cast<const BlockQ4_K*>(block);
+  } else if (vt == Q4_K || vt == Q5_K) {
+    const auto* w = reinterpret_cast<const BlockQ4_K*>(block);  // Q5_K: the same up to qh
+    const uint8_t* qs = vt == Q4_K ? w->qs : reinterpret_cast<const BlockQ5_K*>(block)->qs;
+    const uint8_t* qh = vt == Q5_K ? reinterpret_cast<const BlockQ5_K*>(block)->qh : nullptr;
     o.d = w->d;
     o.dmin = w->dmin;
     q4k_scales(w->scales, reinterpret_cast<uint8_t*>(o.sc), o.mn);
     for (int j = 0; j < 4; ++j)
       for (int l = 0; l < 32; ++l) {
-        o.q[64 * j + l] = w->qs[32 * j + l] & 0xF;
-        o.q[64 * j + 32 + l] = w->qs[32 * j + l] >> 4;
+        const int h0 = qh ? ((qh[l] >> (2 * j)) & 1) << 4 : 0;
+        const int h1 = qh ? ((qh[l] >> (2 * j + 1)) & 1) << 4 : 0;
+        o.q[64 * j + l] = (uint8_t)((qs[32 * j + l] & 0xF) | h0);
+        o.q[64 * j + 32 + l] = (uint8_t)((qs[32 * j + l] >> 4) | h1);
       }
   } else if (vt == Q6_K) {
     const auto* w = reinterpret_cast<const BlockQ6_K*>(block);
@@ -121,7 +139,7 @@ void decode_plain(int64_t vt, const uint8_t* block, Ints& o) {
 // Block `o` as row n of panel block p (zeroed before its first row), and back.
 void encode_panel(int64_t vt, const Ints& o, uint8_t* p, int n) {
   std::memcpy(p + 2 * n, &o.d, 2);
-  if (vt == Q4_K) {
+  if (has_mins(vt)) {
     std::memcpy(p + 32 + 2 * n, &o.dmin, 2);
     for (int j = 0; j < 8; ++j) {
       p[64 + 16 * j + n] = (uint8_t)o.sc[j];
@@ -134,7 +152,7 @@ void encode_panel(int64_t vt, const Ints& o, uint8_t* p, int n) {
   // low_field / high_field; the tests check the two agree).
   for (int grp = 0; grp < values_per_block(vt) / 32; ++grp) {
     const uint8_t* q = o.q + 32 * grp;
-    uint8_t* base = p + (vt == Q4_K ? 320 + 256 * grp : vt == Q6_K ? 64 + 416 * grp : 32);
+    uint8_t* base = p + group_offset(vt, grp);
     for (int b = 0; b < 4; ++b) {
       if (vt == Q8_0) {
         for (int g = 0; g < 8; ++g) base[(g * 16 + n) * 4 + b] = q[4 * g + b];
@@ -148,9 +166,9 @@ void encode_panel(int64_t vt, const Ints& o, uint8_t* p, int n) {
           for (int t = 0; t < 4; ++t) bits |= ((q[4 * (4 * h + t) + b] >> 4) & 3) << (2 * t);
           base[256 + (h * 16 + n) * 4 + b] = (uint8_t)bits;
         }
-      } else if (vt == Q5_0) {  // bit n * 4 + b of mask g; the panel starts zeroed
+      } else if (vt == Q5_0 || vt == Q5_K) {  // bit n * 4 + b of mask g; the panel starts zeroed
         for (int g = 0; g < 8; ++g)
-          p[288 + 8 * g + n / 2] |= (uint8_t)(((q[4 * g + b] >> 4) & 1) << ((n % 2) * 4 + b));
+          base[256 + 8 * g + n / 2] |= (uint8_t)(((q[4 * g + b] >> 4) & 1) << ((n % 2) * 4 + b));
       }
     }
   }
@@ -158,7 +176,7 @@ void encode_panel(int64_t vt, const Ints& o, uint8_t* p, int n) {
 
 void decode_panel(int64_t vt, const uint8_t* p, int n, Ints& o) {
   std::memcpy(&o.d, p + 2 * n, 2);
-  if (vt == Q4_K) {
+  if (has_mins(vt)) {
     std::memcpy(&o.dmin, p + 32 + 2 * n, 2);
     for (int j = 0; j < 8; ++j) {
       o.sc[j] = (int8_t)p[64 + 16 * j + n];
@@ -182,7 +200,9 @@ void ints_to_floats(int64_t vt, const Ints& o, float* y) {
       case Q8_0: y[v] = d * (int8_t)(q - 128); break;
       case Q4_0: y[v] = d * (q - 8); break;
       case Q5_0: y[v] = d * (q - 16); break;
-      case Q4_K: y[v] = d * (uint8_t)o.sc[v / 32] * q - fp16_to_fp32(o.dmin) * o.mn[v / 32]; break;
+      case Q4_K: case Q5_K:
+        y[v] = d * (uint8_t)o.sc[v / 32] * q - fp16_to_fp32(o.dmin) * o.mn[v / 32];
+        break;
       case Q6_K: y[v] = d * o.sc[v / 16] * (q - 32); break;
     }
   }
@@ -192,16 +212,16 @@ void ints_to_floats(int64_t vt, const Ints& o, float* y) {
 
 // acc after block `o` times activation block `xb`.
 float dot_block(int64_t vt, const Ints& o, const uint8_t* xb, float acc) {
-  if (vt == Q4_K || vt == Q6_K) {
+  if (is_k_quant(vt)) {
     const auto* y = reinterpret_cast<const ActQ8_K*>(xb);
-    const int group = vt == Q4_K ? 32 : 16;
+    const int group = has_mins(vt) ? 32 : 16;
     int32_t sumi = 0, summ = 0;
     for (int s = 0; s < QK_K / group; ++s) {
       int32_t isum = 0;
       for (int v = s * group; v < (s + 1) * group; ++v) isum += o.q[v] * y->qs[v];
       sumi += o.sc[s] * isum;
     }
-    if (vt == Q4_K) {
+    if (has_mins(vt)) {
       for (int j = 0; j < 8; ++j) summ += o.mn[j] * (y->bsums[2 * j] + y->bsums[2 * j + 1]);
     } else {
       int32_t offset = 0;
@@ -209,7 +229,7 @@ float dot_block(int64_t vt, const Ints& o, const uint8_t* xb, float acc) {
       sumi -= 32 * offset;
     }
     acc = std::fma(y->d * fp16_to_fp32(o.d), (float)sumi, acc);
-    if (vt == Q4_K) acc = std::fma(-(y->d * fp16_to_fp32(o.dmin)), (float)summ, acc);
+    if (has_mins(vt)) acc = std::fma(-(y->d * fp16_to_fp32(o.dmin)), (float)summ, acc);
     return acc;
   }
   const auto* y = reinterpret_cast<const ActQ8_0*>(xb);
@@ -227,7 +247,7 @@ template <int64_t VT, int R>
 void panel_scalar(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
                   int64_t ld) {
   const int64_t pbytes = panel_block_bytes(VT);
-  const int64_t abytes = VT == Q4_K || VT == Q6_K ? sizeof(ActQ8_K) : sizeof(ActQ8_0);
+  const int64_t abytes = is_k_quant(VT) ? sizeof(ActQ8_K) : sizeof(ActQ8_0);
   Ints o;
   for (int n = 0; n < PANEL_ROWS; ++n) {
     float acc[R] = {};
@@ -283,10 +303,21 @@ VNNI inline __m512 half_floats(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-template <int R>
+// Adds 16 to the bytes of operand q[g] whose bit is set in group's mask g (bit 4 of the value).
+VNNI inline void add_high_bits(const uint8_t* masks, __m512i* q) {
+  for (int g = 0; g < 8; ++g) {
+    uint64_t bits;
+    std::memcpy(&bits, masks + 8 * g, 8);
+    q[g] = _mm512_mask_add_epi8(q[g], _cvtu64_mask64(bits), q[g], _mm512_set1_epi8(16));
+  }
+}
+
+// Q4_K and Q5_K (VT): the same but for Q5_K's high bits.
+template <int64_t VT, int R>
 VNNI void panel_q4_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
                      int64_t ld) {
-  constexpr int64_t PB = 16 * sizeof(BlockQ4_KU);
+  constexpr int64_t PB = 16 * (VT == Q5_K ? sizeof(BlockQ4_KU) + QK_K / 8 : sizeof(BlockQ4_KU));
+  constexpr int64_t GROUP = VT == Q5_K ? 320 : 256;  // bytes of a group of 32 values
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
@@ -296,7 +327,8 @@ VNNI void panel_q4_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb,
     for (int j = 0; j < 8; ++j) {  // 32 values each, one 6-bit scale and min per row
       prefetch_ahead<PB / 8>(p + j * (PB / 8));
       __m512i q[8];
-      nibble_pairs(p + 320 + 256 * j, q);
+      nibble_pairs(p + 320 + GROUP * j, q);
+      if constexpr (VT == Q5_K) add_high_bits(p + 320 + GROUP * j + 256, q);
       const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 64 + 16 * j)));
       for (int r = 0; r < R; ++r) {
         const int8_t* y = act<ActQ8_K>(x, xs, r, i)->qs + 32 * j;
@@ -392,13 +424,7 @@ VNNI void panel_32(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, f
       for (int g = 0; g < 8; ++g) q[g] = _mm512_loadu_si512(p + 32 + 64 * g);
     } else {
       nibble_pairs(p + 32, q);
-      if constexpr (VT == Q5_0) {
-        for (int g = 0; g < 8; ++g) {
-          uint64_t bits;
-          std::memcpy(&bits, p + 288 + 8 * g, 8);
-          q[g] = _mm512_mask_add_epi8(q[g], _cvtu64_mask64(bits), q[g], _mm512_set1_epi8(16));
-        }
-      }
+      if constexpr (VT == Q5_0) add_high_bits(p + 288, q);
     }
     const __m512 dw = half_floats(p);
     for (int r = 0; r < R; ++r) {
@@ -414,7 +440,7 @@ VNNI void panel_32(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, f
 template <int64_t VT, int R>
 VNNI void panel_vnni(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
                      int64_t ld) {
-  if constexpr (VT == Q4_K) panel_q4_k<R>(w, x, xs, nb, out, ld);
+  if constexpr (VT == Q4_K || VT == Q5_K) panel_q4_k<VT, R>(w, x, xs, nb, out, ld);
   else if constexpr (VT == Q6_K) panel_q6_k<R>(w, x, xs, nb, out, ld);
   else panel_32<VT, R>(w, x, xs, nb, out, ld);
 }
@@ -445,6 +471,7 @@ std::array<PanelFn, MAX_R> panel_fns(int64_t vt) {
     case Q5_0: return table_of<Q5_0>(g_use_vnni, rs);
     case Q8_0: return table_of<Q8_0>(g_use_vnni, rs);
     case Q4_K: return table_of<Q4_K>(g_use_vnni, rs);
+    case Q5_K: return table_of<Q5_K>(g_use_vnni, rs);
     case Q6_K: return table_of<Q6_K>(g_use_vnni, rs);
   }
   TORCH_CHECK(false, "no panel layout for GGML type ", vt);

@@ -1,7 +1,7 @@
 // Matrix products with GGUF-quantized weights on the CPU, as llama.cpp's ggml-cpu does them:
 // each activation row is quantized to int8 blocks (Q8_K: 256 values and one scale, for the
-// K-quants; Q8_0: 32 values and one scale, for Q4_0 / Q5_0 / Q8_0), and every output is an integer
-// dot product per block, scaled and summed in float.
+// K-quants Q4_K / Q5_K / Q6_K; Q8_0: 32 values and one scale, for Q4_0 / Q5_0 / Q8_0), and every
+// output is an integer dot product per block, scaled and summed in float.
 //
 // Batch invariance: output (m, n) is always computed by the same dot routine over row n of the
 // weight and row m of the quantized activations, whatever the number of rows, the tile or the
@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 
@@ -31,13 +32,24 @@ using namespace braid_kernels;
 
 // ---- scalar dot products: one weight row . one activation row ------------------------------
 
-// The (scale, min) pairs of block i of either Q4_K layout.
-inline void q4k_block_scales(const BlockQ4_K* w, int64_t i, uint8_t* sc, uint8_t* mn) {
+// Q4_K (in either layout) and Q5_K share their scales, mins and nibbles; Q5_K adds bit 4 of
+// each value. The routines below take any of the three block types.
+
+// The (scale, min) pairs of block i.
+template <typename B>
+inline void q4k_block_scales(const B* w, int64_t i, uint8_t* sc, uint8_t* mn) {
   q4k_scales(w[i].scales, sc, mn);
 }
 inline void q4k_block_scales(const BlockQ4_KU* w, int64_t i, uint8_t* sc, uint8_t* mn) {
   std::memcpy(sc, w[i].sc, 8);
   std::memcpy(mn, w[i].mn, 8);
+}
+
+// Bit 4 of value l of group g (of 32 values) of block b: Q5_K's high bit, 0 for Q4_K.
+template <typename B>
+inline int high_bit(const B& b, int g, int l) {
+  if constexpr (std::is_same_v<B, BlockQ5_K>) return ((b.qh[l] >> g) & 1) << 4;
+  else return 0;
 }
 
 template <typename B>
@@ -54,8 +66,8 @@ float dot_q4_k_scalar(const void* wv, const void* xv, int64_t nb) {
       const int8_t* y = x[i].qs + 64 * j;
       int32_t lo = 0, hi = 0;
       for (int l = 0; l < 32; ++l) {
-        lo += (q[l] & 0xF) * y[l];
-        hi += (q[l] >> 4) * y[l + 32];
+        lo += ((q[l] & 0xF) | high_bit(w[i], 2 * j, l)) * y[l];
+        hi += ((q[l] >> 4) | high_bit(w[i], 2 * j + 1, l)) * y[l + 32];
       }
       sumi += sc[2 * j] * lo + sc[2 * j + 1] * hi;
     }
@@ -179,6 +191,7 @@ AVX2 inline __m256i q4k_scales_mins(const uint8_t* s) {
 }
 
 AVX2 inline __m256i q4k_scales_mins(const BlockQ4_K& b) { return q4k_scales_mins(b.scales); }
+AVX2 inline __m256i q4k_scales_mins(const BlockQ5_K& b) { return q4k_scales_mins(b.scales); }
 
 // The unpacked layout holds the same 16 bytes already in order: one load.
 AVX2 inline __m256i q4k_scales_mins(const BlockQ4_KU& b) {
@@ -188,7 +201,8 @@ AVX2 inline __m256i q4k_scales_mins(const BlockQ4_KU& b) {
 template <typename B, int R>
 AVX2 void dot_q4_k_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t nb, float* out) {
   const auto* w = static_cast<const B*>(wv);
-  const __m256i low4 = _mm256_set1_epi8(0xF);
+  constexpr bool q5 = std::is_same_v<B, BlockQ5_K>;
+  const __m256i low4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
   __m256 acc[R];
   __m128 acc_m[R];
   for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); acc_m[r] = _mm_setzero_ps(); }
@@ -208,12 +222,19 @@ AVX2 void dot_q4_k_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t nb
       acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(y->d * dmw), _mm_cvtepi32_ps(prod), acc_m[r]);
       sumi[r] = _mm256_setzero_si256();
     }
+    __m256i qh = _mm256_setzero_si256();  // Q5_K: group 2j's high bits at bit 0, 2j + 1's at 1
+    if constexpr (q5) qh = _mm256_loadu_si256((const __m256i*)w[i].qh);
     for (int j = 0; j < 4; ++j) {
       const __m256i sc_lo = pick16(scales, 2 * j, 2 * j);
       const __m256i sc_hi = pick16(scales, 2 * j + 1, 2 * j + 1);
       const __m256i q4 = _mm256_loadu_si256((const __m256i*)(w[i].qs + 32 * j));
-      const __m256i lo = _mm256_and_si256(q4, low4);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), low4);
+      __m256i lo = _mm256_and_si256(q4, low4);
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), low4);
+      if constexpr (q5) {
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4));
+        qh = _mm256_srli_epi16(qh, 2);
+      }
       for (int r = 0; r < R; ++r) {
         const int8_t* q8 = act<ActQ8_K>(x, xs, r, i)->qs + 64 * j;
         const __m256i p0 = _mm256_madd_epi16(
@@ -373,6 +394,7 @@ template <int64_t TYPE, int R>
 AVX2 void rows_avx2(const void* w, const uint8_t* x, int64_t xs, int64_t nb, float* out) {
   if constexpr (TYPE == Q4_K) dot_q4_k_avx2<BlockQ4_K, R>(w, x, xs, nb, out);
   else if constexpr (TYPE == Q4_K_UNPACKED) dot_q4_k_avx2<BlockQ4_KU, R>(w, x, xs, nb, out);
+  else if constexpr (TYPE == Q5_K) dot_q4_k_avx2<BlockQ5_K, R>(w, x, xs, nb, out);
   else if constexpr (TYPE == Q6_K) dot_q6_k_avx2<R>(w, x, xs, nb, out);
   else dot_32_avx2<TYPE, R>(w, x, xs, nb, out);
 }
@@ -396,6 +418,7 @@ std::array<RowsFn, MAX_R> rows_fns(int64_t type) {
     switch (type) {
       case Q4_K: return avx2_table<Q4_K>();
       case Q4_K_UNPACKED: return avx2_table<Q4_K_UNPACKED>();
+      case Q5_K: return avx2_table<Q5_K>();
       case Q6_K: return avx2_table<Q6_K>();
       case Q4_0: return avx2_table<Q4_0>();
       case Q5_0: return avx2_table<Q5_0>();
@@ -406,6 +429,7 @@ std::array<RowsFn, MAX_R> rows_fns(int64_t type) {
   switch (type) {
     case Q4_K: return scalar_table<dot_q4_k_scalar<BlockQ4_K>>();
     case Q4_K_UNPACKED: return scalar_table<dot_q4_k_scalar<BlockQ4_KU>>();
+    case Q5_K: return scalar_table<dot_q4_k_scalar<BlockQ5_K>>();
     case Q6_K: return scalar_table<dot_q6_k_scalar>();
     case Q4_0: return scalar_table<dot_q4_0_scalar>();
     case Q5_0: return scalar_table<dot_q5_0_scalar>();
@@ -425,8 +449,9 @@ void dequantize_q4_k(const B* w, int64_t nb, float* y) {
     for (int j = 0; j < 4; ++j, y += 64) {
       const uint8_t* q = w[i].qs + 32 * j;
       for (int l = 0; l < 32; ++l) {
-        y[l] = d * sc[2 * j] * (q[l] & 0xF) - dmin * mn[2 * j];
-        y[l + 32] = d * sc[2 * j + 1] * (q[l] >> 4) - dmin * mn[2 * j + 1];
+        y[l] = d * sc[2 * j] * ((q[l] & 0xF) | high_bit(w[i], 2 * j, l)) - dmin * mn[2 * j];
+        y[l + 32] = d * sc[2 * j + 1] * ((q[l] >> 4) | high_bit(w[i], 2 * j + 1, l)) -
+                    dmin * mn[2 * j + 1];
       }
     }
   }
@@ -462,6 +487,8 @@ void dequantize_row(const uint8_t* row, int64_t type, int64_t k, float* y) {
     dequantize_q4_k(reinterpret_cast<const BlockQ4_K*>(row), nb, y);
   } else if (type == Q4_K_UNPACKED) {
     dequantize_q4_k(reinterpret_cast<const BlockQ4_KU*>(row), nb, y);
+  } else if (type == Q5_K) {
+    dequantize_q4_k(reinterpret_cast<const BlockQ5_K*>(row), nb, y);
   } else if (type == Q6_K) {
     const auto* w = reinterpret_cast<const BlockQ6_K*>(row);
     for (int64_t i = 0; i < nb; ++i) {

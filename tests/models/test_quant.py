@@ -73,9 +73,11 @@ def quant_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
 
 
-def quantized_gguf(path: Path, seed: int = 0) -> Path:
-    """A tiny Qwen2 GGUF whose embedding and projections are Q8_0 / Q4_0 / Q5_0 / Q4_K / Q6_K
-    blocks (norms and biases float32), with weights of std 0.2 like tests.tiny's."""
+def quantized_gguf(path: Path, seed: int = 0, down_types: tuple[Q, ...] = (Q.Q4_K, Q.Q6_K)
+                   ) -> Path:
+    """A tiny Qwen2 GGUF whose embedding and projections are Q8_0 / Q4_0 / Q5_0 blocks, and
+    each layer's down projection (the only one with rows of 256) `down_types[layer]` (norms and
+    biases float32), with weights of std 0.2 like tests.tiny's."""
     rng = np.random.default_rng(seed)
 
     def rand(*shape: int) -> np.ndarray:
@@ -87,7 +89,7 @@ def quantized_gguf(path: Path, seed: int = 0) -> Path:
     tensors = {"token_embd.weight": blocks(rand(VOCAB, HIDDEN), Q.Q8_0),
                "output_norm.weight": (1 + rand(HIDDEN), None)}
     for i in range(LAYERS):
-        down_type = Q.Q4_K if i == 0 else Q.Q6_K
+        down_type = down_types[i]
         down = random_weight(down_type, HIDDEN, FFN, seed=seed + i, std=0.2).numpy()
         tensors.update({
             f"blk.{i}.attn_norm.weight": (1 + rand(HIDDEN), None),
@@ -284,6 +286,17 @@ def test_gguf_blocks_run_as_they_are_close_to_dequantized(gguf_path: Path) -> No
     assert not quant_modules(dequantized)
     assert quantized.weight_bytes() < dequantized.weight_bytes() / 2
     # Same weight values: only the int8 activations differ.
+    assert rel_error(logits(quantized), logits(dequantized)) < ACTIVATIONS_RTOL
+
+
+def test_q5_k_blocks_run_as_they_are(tmp_path: Path) -> None:
+    """Q5_K (Q5_K_M files' main format) has its own kernels: it is not re-quantized to Q8_0,
+    and its logits are the dequantized model's up to the int8 activations."""
+    path = quantized_gguf(tmp_path / "q5_k.gguf", down_types=(Q.Q5_K, Q.Q5_K))
+    quantized, _ = load_model(str(path), quantization="auto")
+    dequantized, _ = load_model(str(path), quantization="none")
+    for layer in quantized.layers:
+        assert [w.qtype for _, w in layer.mlp.down_proj.segments] == [Q.Q5_K]
     assert rel_error(logits(quantized), logits(dequantized)) < ACTIVATIONS_RTOL
 
 
