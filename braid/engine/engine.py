@@ -239,7 +239,8 @@ class LLMEngine:
             checked = check_before_loading(config, draft=draft_model is None)
             self.default_sampling = sampling_defaults(config, checked.folder)
             model, tokenizer = load_model(config.model, config.torch_dtype, config.device,
-                                          config.quantization)
+                                          config.quantization,
+                                          with_tokenizer=checked.tokenizer is None)
             if checked.tokenizer is not None:
                 tokenizer = checked.tokenizer
             elif tokenizer is None:

@@ -27,10 +27,11 @@ Weights = Iterator[tuple[str, torch.Tensor | QuantWeight]]
 
 def load_model(
     name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-    quantization: str = "auto", dtype_given: bool = True,
+    quantization: str = "auto", dtype_given: bool = True, with_tokenizer: bool = True,
 ) -> tuple[Qwen2ForCausalLM, Tokenizer | None]:
     """Model (weights copied tensor by tensor into uninitialized parameters, so the peak is
-    one model plus one tensor) and its tokenizer (None if the folder has none).
+    one model plus one tensor) and its tokenizer (None if the folder has none, or without
+    `with_tokenizer`: a draft's, or where --tokenizer gives one, is never used).
 
     quantization: "auto" runs a GGUF's quantized blocks as they are (float checkpoints stay
     float), "none" dequantizes everything to `dtype`, "int8" / "int4" quantize a float
@@ -55,7 +56,8 @@ def load_model(
     model.load_weights(weights)
     if quant_type is None and can_pack(device, dtype):
         model.pack_linear_weights()
-    tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
+    tokenizer = (Tokenizer.from_folder(folder)
+                 if with_tokenizer and (folder / "tokenizer.json").is_file() else None)
     release_freed_memory()
     logger.info("loaded %s (%s, %.2f B params, %s, %.2f GB of weights) in %.1f s",
                 name_or_path, cfg.architecture, cfg.num_parameters() / 1e9,

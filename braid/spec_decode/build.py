@@ -63,5 +63,6 @@ def _load_draft(cfg: EngineConfig) -> Qwen2ForCausalLM:
     assert spec is not None and spec.model is not None
     dtype = resolve_draft_dtype(spec.draft_dtype, cfg.torch_dtype, cfg.device)
     draft, _ = load_model(spec.model, dtype, cfg.device, spec.quantization or cfg.quantization,
-                          dtype_given=spec.draft_dtype != "auto" or cfg.dtype != "auto")
+                          dtype_given=spec.draft_dtype != "auto" or cfg.dtype != "auto",
+                          with_tokenizer=False)
     return draft

@@ -250,6 +250,18 @@ def test_a_draft_that_cannot_draft_is_refused_before_the_weights_load(
         LLMEngine(EngineConfig(model=str(tmp_path / "m"), speculative_config=spec))
 
 
+def test_a_draft_s_tokenizer_is_not_read(tmp_path) -> None:
+    """The draft proposes token ids: its own tokenizer is never used, so it is not read (it
+    cost ~0.3 s of every start with the default pair; here it could not be read)."""
+    save_tiny_model(tmp_path / "m")
+    save_tiny_model(tmp_path / "d")
+    (tmp_path / "d" / "tokenizer.json").write_text("not a tokenizer")
+    spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": str(tmp_path / "d")}
+    engine = LLMEngine(EngineConfig(model=str(tmp_path / "m"), speculative_config=spec,
+                                    log_stats_interval=0))
+    assert engine.tokenizer is not None and engine.speculator is not None
+
+
 def test_server_port_is_checked_by_the_parser(capsys) -> None:
     from braid.cli import main
 
@@ -290,13 +302,15 @@ def test_serve_binds_its_address_before_loading(capsys) -> None:
 def test_tokenizer_flag_takes_another_tokenizer(tmp_path, capsys) -> None:
     """--tokenizer, as vLLM's: the tokenizer and chat template of a folder that holds only
     tokenizer files; one that does not exist, or has more tokens than the model's
-    vocabulary, is refused naming the flag before any weight loads."""
+    vocabulary, is refused naming the flag before any weight loads. The model's own
+    tokenizer is then not read at all (here it could not be)."""
     import json
 
     from braid.cli import main
     from tests.tiny import byte_tokenizer
 
     save_tiny_model(tmp_path / "m")
+    (tmp_path / "m" / "tokenizer.json").write_text("not a tokenizer")
     tok = tmp_path / "tok"
     tok.mkdir()
     byte_tokenizer().save(str(tok / "tokenizer.json"))
