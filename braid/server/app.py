@@ -243,7 +243,10 @@ def _check_tls(args: argparse.Namespace) -> None:
                           "CAs that sign the client certificates): without it no client "
                           "certificate can be verified")
 
+    asked = []  # whether the key is encrypted (its passphrase was asked for)
+
     def password() -> str:  # never a prompt here: uvicorn would prompt a second time
+        asked.append(True)
         if args.ssl_keyfile_password is None:
             raise ConfigError(f"--ssl-keyfile {args.ssl_keyfile} is encrypted: give its "
                               "passphrase with --ssl-keyfile-password or "
@@ -254,6 +257,9 @@ def _check_tls(args: argparse.Namespace) -> None:
     try:
         context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile, password)
     except (OSError, ssl.SSLError) as e:
+        if asked and isinstance(e, ssl.SSLError) and "PEM lib" in str(e):  # OpenSSL's only word
+            raise ConfigError(f"--ssl-keyfile {args.ssl_keyfile}: cannot decrypt it with "
+                              "--ssl-keyfile-password (wrong passphrase?)") from None
         raise ConfigError(f"--ssl-certfile {args.ssl_certfile} --ssl-keyfile "
                           f"{args.ssl_keyfile}: {e.strerror or e}") from None
     if args.ssl_ca_certs:

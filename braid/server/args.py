@@ -92,7 +92,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-request-bytes", type=positive_int, default=4 * 2**20,
                        help="largest request body accepted; larger ones get 413 (default 4 MiB)")
     group.add_argument("--api-key", default=os.environ.get("BRAID_API_KEY"),
-                       help="require `Authorization: Bearer KEY` on /v1 and /tokenize routes "
+                       help="require `Authorization: Bearer KEY` on the /v1 routes, /tokenize, "
+                            "/detokenize and /invocations "
                             "(default: $BRAID_API_KEY; none: open)")
     # TLS, as vLLM's flags (uvicorn's): https with the key and certificate given
     group.add_argument("--ssl-keyfile", default=None, help="TLS private key file (PEM)")

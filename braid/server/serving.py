@@ -121,9 +121,14 @@ def force_usage(ctx: ServerContext, body: SamplingRequest) -> None:
 
 
 def whole_vocabulary(ctx: ServerContext, body: SamplingRequest, *names: str) -> None:
-    """Logprobs fields of -1 become the vocabulary's size, as vLLM reads them."""
+    """Logprobs fields of -1 become the vocabulary's size, as vLLM reads them (400 where
+    --max-logprobs allows fewer, naming the -1 the client sent)."""
     for name in names:
         if getattr(body, name) == -1:
+            if ctx.vocab_size > ctx.max_logprobs:
+                raise bad_request(f"{name} -1 asks for the whole vocabulary ({ctx.vocab_size} "
+                                  f"tokens), more than --max-logprobs ({ctx.max_logprobs}) "
+                                  "allows; start the server with --max-logprobs -1", name)
             setattr(body, name, ctx.vocab_size)
 
 
@@ -219,13 +224,16 @@ def kept_prompt_tokens(ctx: ServerContext, truncate_prompt_tokens: int | None) -
 def make_job(prefix: str, prompts: list[list[int]], params: SamplingParams, n: int,
              request_id: str | None = None) -> Job:
     """The job of one request; `request_id` (the client's, as vLLM takes it) names the
-    response, while the engine requests keep ids of their own (a client may reuse one)."""
-    job_id = f"{prefix}-{time.time_ns():x}{next(_counter):x}"
+    response. The engine requests' ids start with the response's, so log lines
+    (--enable-log-requests) can be found by it, and are unique even where a client reuses
+    its id: "cmpl-ID-UNIQUE-CHOICE"."""
+    unique = f"{time.time_ns():x}{next(_counter):x}"
+    public = f"{prefix}-{unique}" if request_id is None else f"{prefix}-{request_id}"
+    engine_prefix = public if request_id is None else f"{public}-{unique}"
     choices, per_choice = [], []
     for index, (p, j) in enumerate(itertools.product(range(len(prompts)), range(n))):
-        choices.append(ChoiceState(index, f"{job_id}-{index}", p))
+        choices.append(ChoiceState(index, f"{engine_prefix}-{index}", p))
         per_choice.append(dataclasses.replace(params, seed=choice_seed(params.seed, j)))
-    public = job_id if request_id is None else f"{prefix}-{request_id}"
     return Job(public, prompts, choices, per_choice)
 
 

@@ -62,6 +62,14 @@ def test_bad_input_is_400_naming_the_field(server: ServerProcess, case: str) -> 
     assert error["message"]
 
 
+def test_minus_one_beyond_the_limit_is_named_as_sent(server: ServerProcess) -> None:
+    """The message names the -1 the client sent (it named the vocabulary's size instead)."""
+    r = httpx.post(f"{server.url}/v1/completions",
+                   json={"model": server.model, "prompt": "hi", "logprobs": -1}, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith("logprobs -1 asks for the whole vocabulary")
+
+
 @pytest.mark.parametrize("raw", [b'{"prompt": "hi", "max_tokens": ', b"not json", b"[1, 2]"])
 def test_malformed_body_is_400(server: ServerProcess, raw: bytes) -> None:
     r = httpx.post(f"{server.url}/v1/completions", content=raw,

@@ -4,6 +4,7 @@ odd text, huge bodies, bursts past the waiting limit, auth, token routes, shutdo
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -800,6 +801,16 @@ def test_log_requests_as_vllm(guarded: ServerProcess) -> None:
         time.sleep(0.1)
         log = guarded.log_path.read_text(errors="replace")
     assert f"Aborted request {cut['id']}-0: abort" in log
+    # A client's own id starts the engine requests' ids, so its lines can be found by it
+    # (they held an internal id only), and a reused one still names distinct requests.
+    for _ in range(2):
+        r = post(guarded, "/v1/completions", {**body, "n": 1, "request_id": "client-7"},
+                 headers=AUTH)
+        assert r.json()["id"] == "cmpl-client-7"
+    log = guarded.log_path.read_text(errors="replace")
+    finished = re.findall(r"Finished request (cmpl-client-7-\w+-0): length", log)
+    assert len(set(finished)) == 2, log[-3000:]
+    assert all(f"Received request {rid}: prompt" in log for rid in finished)
 
 
 def test_api_key_guards_v1_and_token_routes(guarded: ServerProcess) -> None:
@@ -1012,7 +1023,8 @@ def test_tls_with_an_encrypted_key(tiny_model_dir: Path, tmp_path: Path,
     assert f"--ssl-keyfile {key} is encrypted: give its passphrase with --ssl-keyfile-password" \
         in capsys.readouterr().err
     assert main(["serve", "--model", "/no/such/model", *tls, "--ssl-keyfile-password", "no"]) == 2
-    assert f"--ssl-certfile {cert} --ssl-keyfile {key}: " in capsys.readouterr().err
+    assert (f"--ssl-keyfile {key}: cannot decrypt it with --ssl-keyfile-password (wrong "
+            "passphrase?)") in capsys.readouterr().err
     server = ServerProcess(tiny_model_dir, tmp_path, *ENGINE_FLAGS, *tls,
                            "--ssl-keyfile-password", "s3cret")
     try:
