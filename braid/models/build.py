@@ -59,8 +59,10 @@ def load_model(
     tokenizer = (Tokenizer.from_folder(folder)
                  if with_tokenizer and (folder / "tokenizer.json").is_file() else None)
     release_freed_memory()
-    logger.info("loaded %s (%s, %.2f B params, %s, %.2f GB of weights) in %.1f s",
-                name_or_path, cfg.architecture, cfg.num_parameters() / 1e9,
+    params = cfg.num_parameters()
+    logger.info("loaded %s (%s, %s params, %s, %.2f GB of weights) in %.1f s",
+                name_or_path, cfg.architecture,
+                f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M",
                 "float" if quant_type is None else "quantized", model.weight_bytes() / 1e9,
                 time.perf_counter() - start)
     return model.eval(), tokenizer

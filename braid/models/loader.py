@@ -108,13 +108,15 @@ def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     with plain file reads: unlike a memory map, the file's pages never count toward this
     process's memory, so loading peaks at one model plus the largest tensor."""
     files = safetensors_files(folder)
-    with tqdm(desc="Loading weights", unit="tensor", leave=False) as bar:
+    total = sum(file.stat().st_size for file in files if file.is_file())
+    with tqdm(desc="Loading weights", total=total, unit="B", unit_scale=True,
+              leave=False) as bar:
         for file in files:
             if not file.is_file():
                 raise ModelLoadError(f"missing weights shard {file}")
             for name, tensor in _read_safetensors(file):
                 yield name, tensor
-                bar.update(1)
+                bar.update(tensor.nbytes)
 
 
 def _safetensors_header(path: Path, f: BinaryIO) -> tuple[dict[str, Any], int]:
