@@ -70,14 +70,14 @@ def time_load(model: str, quantization: str, cache_dir: str | None) -> float:
 
 
 def gguf_ratio(model: str, peak: int, kv_bytes: int) -> str:
-    """', N.NNx GGUF + KV' for a default model (the [M7] goal's measure: the file's bytes,
+    """', N.NNx GGUF + KV' for a GGUF model (the [M7] goal's measure: the file's bytes,
     embedding included, not the bytes a forward streams); '' for other models."""
-    from braid.models.registry import MODELS, registry_gguf_path
+    from braid.models.loader import resolve_model_path
 
-    if model not in MODELS:
+    path = resolve_model_path(model)
+    if not path.is_file():
         return ""
-    gguf = registry_gguf_path(model).stat().st_size
-    return f", {peak / (gguf + kv_bytes):.2f}x GGUF + KV"
+    return f", {peak / (path.stat().st_size + kv_bytes):.2f}x GGUF + KV"
 
 
 def step_ms(engine: LLMEngine, num_query_tokens: int, repeats: int = 3) -> float:
@@ -119,9 +119,9 @@ def llama_bench_rate(bin_dir: str, gguf: str) -> float:
 
 def versus_llamacpp(engine: LLMEngine, bin_dir: str, pairs: int) -> None:
     """Alternate llama-bench tg64 and braid's decode on the same GGUF; print each pair."""
-    from braid.models.registry import registry_gguf_path
+    from braid.models.loader import resolve_model_path
 
-    gguf = str(registry_gguf_path(engine.config.model))
+    gguf = str(resolve_model_path(engine.config.model))  # a default model's name or a file
     ratios = []
     for i in range(pairs):
         theirs = llama_bench_rate(bin_dir, gguf)
