@@ -18,7 +18,9 @@ namespace braid_kernels {
 
 // ---- formats (ggml type ids and block layouts) ----------------------------------------------
 
-enum GgmlType : int64_t { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum GgmlType : int64_t {
+  Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14
+};
 // braid's own layout of Q4_K (not a ggml type): the same values with the 6-bit scales and mins
 // unpacked to bytes at load (repack_q4_k), so the kernel does not decode them every block.
 constexpr int64_t Q4_K_UNPACKED = 1012;
@@ -46,9 +48,14 @@ struct BlockQ4_KU { uint16_t d; uint16_t dmin; uint8_t sc[8]; uint8_t mn[8]; uin
 struct BlockQ5_K {
   uint16_t d; uint16_t dmin; uint8_t scales[12]; uint8_t qh[QK_K / 8]; uint8_t qs[QK_K / 2];
 };
+// Q3_K: value v (0..255) is its two low bits (bits 2 (v / 32 % 4) of qs[v / 128 * 32 + v % 32])
+// plus 4 times bit v / 32 of hmask[v % 32], minus 4; sixteen 6-bit scales (minus 32) packed into
+// 12 bytes, one per 16 values.
+struct BlockQ3_K { uint8_t hmask[QK_K / 8]; uint8_t qs[QK_K / 4]; uint8_t scales[12]; uint16_t d; };
 struct BlockQ6_K { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; uint16_t d; };
 static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ5_0) == 22 && sizeof(BlockQ8_0) == 34, "ggml block size");
-static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210,
+static_assert(sizeof(BlockQ3_K) == 110 && sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 &&
+                  sizeof(BlockQ6_K) == 210,
               "ggml block size");
 static_assert(sizeof(BlockQ4_KU) == 148, "unpacked Q4_K block size");
 
@@ -59,7 +66,7 @@ static_assert(sizeof(ActQ8_0) == 40 && sizeof(ActQ8_K) == 292, "activation block
 
 inline bool is_k_quant(int64_t type) {
   const int64_t vt = value_type(type);
-  return vt == Q4_K || vt == Q5_K || vt == Q6_K;
+  return vt == Q3_K || vt == Q4_K || vt == Q5_K || vt == Q6_K;
 }
 
 inline int64_t block_elems(int64_t type) { return is_k_quant(type) ? QK_K : QK; }
@@ -69,6 +76,7 @@ inline int64_t block_bytes(int64_t type) {
     case Q4_0: return sizeof(BlockQ4_0);
     case Q5_0: return sizeof(BlockQ5_0);
     case Q8_0: return sizeof(BlockQ8_0);
+    case Q3_K: return sizeof(BlockQ3_K);
     case Q4_K: return sizeof(BlockQ4_K);
     case Q5_K: return sizeof(BlockQ5_K);
     case Q6_K: return sizeof(BlockQ6_K);
@@ -77,6 +85,7 @@ inline int64_t block_bytes(int64_t type) {
     // of the unpacked one, whose scales are bytes).
     case PANEL + Q4_0: case PANEL + Q5_0: case PANEL + Q8_0: case PANEL + Q6_K:
       return block_bytes(type - PANEL);
+    case PANEL + Q3_K: return sizeof(BlockQ3_K) + 4;  // sixteen scales as bytes, not twelve
     case PANEL + Q4_K: return sizeof(BlockQ4_KU);
     case PANEL + Q5_K: return sizeof(BlockQ4_KU) + QK_K / 8;  // and the high bits
   }
@@ -112,6 +121,21 @@ inline void q4k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
     sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
     mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
   }
+}
+
+// Q3_K: the sixteen scales (6 bits, minus 32) packed into 12 bytes: low four bits of scale j in
+// byte j % 8 (j < 8: low nibble, else high), its top two in byte 8 + j % 4 at bits 2 (j / 4).
+inline void q3k_scales(const uint8_t* s, int8_t* sc) {
+  for (int j = 0; j < 16; ++j) {
+    const int low = j < 8 ? s[j] & 0xF : s[j - 8] >> 4;
+    sc[j] = (int8_t)((low | ((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4) - 32);
+  }
+}
+
+// Q3_K value v of block b plus 4 (0..7).
+inline int q3k_value(const BlockQ3_K& b, int v) {
+  const int l = v % 32, j = v / 32;
+  return ((b.qs[32 * (j / 4) + l] >> (2 * (j % 4))) & 3) | (((b.hmask[l] >> j) & 1) << 2);
 }
 
 // Activation quantization (identical on every path: round half to even).

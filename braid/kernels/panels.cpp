@@ -18,6 +18,8 @@
 //   Q5_K:        Q4_K's, each group followed by its 8 x u64 bit masks of bit 4
 //   Q6_K:        d[16] fp16 | scales [8][16][2] int8 | 8 groups x (4 x [16][4] pairs of the
 //                low nibbles, 2 x [16][4] bytes of four 2-bit high parts)
+//   Q3_K:        d[16] fp16 | 8 groups x (scales [16][2] int8 (minus 32 applied), 2 x [16][4]
+//                bytes of four 2-bit low parts, 8 x u64 bit masks of bit 2)
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -38,7 +40,7 @@ constexpr int MAX_R = 8;  // activation rows per pass over a panel block
 // One block of one row as integers (the values unsigned: Q8_0's plus 128).
 struct Ints {
   uint16_t d = 0, dmin = 0;  // fp16 bits
-  int8_t sc[16] = {};        // Q4_K / Q5_K: 8 6-bit scales; Q6_K: 16 int8 scales
+  int8_t sc[16] = {};        // Q4_K / Q5_K: 8 6-bit scales; Q3_K / Q6_K: 16 signed scales
   uint8_t mn[8] = {};        // Q4_K / Q5_K: 8 6-bit mins
   uint8_t q[QK_K] = {};
 };
@@ -56,6 +58,7 @@ int64_t group_offset(int64_t vt, int grp) {
     case Q4_K: return 320 + 256 * grp;
     case Q5_K: return 320 + 320 * grp;
     case Q6_K: return 64 + 416 * grp;
+    case Q3_K: return 64 + 224 * grp;  // after the group's scales
   }
   return 32;
 }
@@ -66,10 +69,11 @@ struct Field {
   int shift, bits;
 };
 
-// The low four bits of value v of row n (all eight for Q8_0).
+// The low four bits of value v of row n (all eight for Q8_0, two for Q3_K).
 Field low_field(int64_t vt, int n, int v) {
   const int g = (v % 32) / 4, b = v % 4;
   switch (vt) {
+    case Q3_K: return {group_offset(vt, v / 32) + ((g / 4) * 16 + n) * 4 + b, 2 * (g % 4), 2};
     case Q8_0: return {32 + (g * 16 + n) * 4 + b, 0, 8};
     case Q4_0: case Q5_0: case Q4_K: case Q5_K: case Q6_K:
       return {group_offset(vt, v / 32) + ((g % 4) * 16 + n) * 4 + b, 4 * (g / 4), 4};
@@ -77,9 +81,11 @@ Field low_field(int64_t vt, int n, int v) {
   TORCH_CHECK(false, "no panel layout for GGML type ", vt);
 }
 
-// The bits above the low four: Q5_0's and Q5_K's bit 4, Q6_K's bits 4-5 (none for the others).
+// The bits above the low ones: Q5_0's and Q5_K's bit 4, Q6_K's bits 4-5, Q3_K's bit 2 (none
+// for the others).
 Field high_field(int64_t vt, int n, int v) {
   const int g = (v % 32) / 4, b = v % 4;
+  if (vt == Q3_K) return {group_offset(vt, v / 32) + 128 + g * 8 + (n * 4 + b) / 8, (n * 4 + b) % 8, 1};
   const int64_t base = group_offset(vt, v / 32) + 256;
   if (vt == Q5_0 || vt == Q5_K) return {base + g * 8 + (n * 4 + b) / 8, (n * 4 + b) % 8, 1};
   if (vt == Q6_K) return {base + ((g / 4) * 16 + n) * 4 + b, 2 * (g % 4), 2};
@@ -117,6 +123,11 @@ void decode_plain(int64_t vt, const uint8_t* block, Ints& o) {
         o.q[64 * j + l] = (uint8_t)((qs[32 * j + l] & 0xF) | h0);
         o.q[64 * j + 32 + l] = (uint8_t)((qs[32 * j + l] >> 4) | h1);
       }
+  } else if (vt == Q3_K) {
+    const auto* w = reinterpret_cast<const BlockQ3_K*>(block);
+    o.d = w->d;
+    q3k_scales(w->scales, o.sc);
+    for (int v = 0; v < QK_K; ++v) o.q[v] = (uint8_t)q3k_value(*w, v);
   } else if (vt == Q6_K) {
     const auto* w = reinterpret_cast<const BlockQ6_K*>(block);
     o.d = w->d;
@@ -145,8 +156,9 @@ void encode_panel(int64_t vt, const Ints& o, uint8_t* p, int n) {
       p[64 + 16 * j + n] = (uint8_t)o.sc[j];
       p[192 + 16 * j + n] = o.mn[j];
     }
-  } else if (vt == Q6_K) {
-    for (int s = 0; s < 16; ++s) p[32 + (s / 2) * 416 + n * 2 + s % 2] = (uint8_t)o.sc[s];
+  } else if (vt == Q6_K || vt == Q3_K) {  // each group's two scales just before its values
+    for (int s = 0; s < 16; ++s)
+      p[group_offset(vt, s / 2) - 32 + n * 2 + s % 2] = (uint8_t)o.sc[s];
   }
   // Row n's bytes of each 32-value group, written whole (decode_panel reads them back through
   // low_field / high_field; the tests check the two agree).
@@ -154,6 +166,16 @@ void encode_panel(int64_t vt, const Ints& o, uint8_t* p, int n) {
     const uint8_t* q = o.q + 32 * grp;
     uint8_t* base = p + group_offset(vt, grp);
     for (int b = 0; b < 4; ++b) {
+      if (vt == Q3_K) {  // operand 4h + t at bits 2t of byte h; bit 2 in mask g
+        for (int h = 0; h < 2; ++h) {
+          int bits = 0;
+          for (int t = 0; t < 4; ++t) bits |= (q[4 * (4 * h + t) + b] & 3) << (2 * t);
+          base[(h * 16 + n) * 4 + b] = (uint8_t)bits;
+        }
+        for (int g = 0; g < 8; ++g)
+          base[128 + 8 * g + n / 2] |= (uint8_t)(((q[4 * g + b] >> 2) & 1) << ((n % 2) * 4 + b));
+        continue;
+      }
       if (vt == Q8_0) {
         for (int g = 0; g < 8; ++g) base[(g * 16 + n) * 4 + b] = q[4 * g + b];
         continue;
@@ -182,12 +204,13 @@ void decode_panel(int64_t vt, const uint8_t* p, int n, Ints& o) {
       o.sc[j] = (int8_t)p[64 + 16 * j + n];
       o.mn[j] = p[192 + 16 * j + n];
     }
-  } else if (vt == Q6_K) {
-    for (int s = 0; s < 16; ++s) o.sc[s] = (int8_t)p[32 + (s / 2) * 416 + n * 2 + s % 2];
+  } else if (vt == Q6_K || vt == Q3_K) {
+    for (int s = 0; s < 16; ++s)
+      o.sc[s] = (int8_t)p[group_offset(vt, s / 2) - 32 + n * 2 + s % 2];
   }
   for (int v = 0; v < values_per_block(vt); ++v) {
-    const Field high = high_field(vt, n, v);
-    o.q[v] = (uint8_t)(get(p, low_field(vt, n, v)) | (high.bits ? get(p, high) << 4 : 0));
+    const Field low = low_field(vt, n, v), high = high_field(vt, n, v);
+    o.q[v] = (uint8_t)(get(p, low) | (high.bits ? get(p, high) << low.bits : 0));
   }
 }
 
@@ -204,6 +227,7 @@ void ints_to_floats(int64_t vt, const Ints& o, float* y) {
         y[v] = d * (uint8_t)o.sc[v / 32] * q - fp16_to_fp32(o.dmin) * o.mn[v / 32];
         break;
       case Q6_K: y[v] = d * o.sc[v / 16] * (q - 32); break;
+      case Q3_K: y[v] = d * o.sc[v / 16] * (q - 4); break;
     }
   }
 }
@@ -223,10 +247,10 @@ float dot_block(int64_t vt, const Ints& o, const uint8_t* xb, float acc) {
     }
     if (has_mins(vt)) {
       for (int j = 0; j < 8; ++j) summ += o.mn[j] * (y->bsums[2 * j] + y->bsums[2 * j + 1]);
-    } else {
+    } else {  // Q6_K's values are stored plus 32, Q3_K's plus 4
       int32_t offset = 0;
       for (int s = 0; s < 16; ++s) offset += o.sc[s] * y->bsums[s];
-      sumi -= 32 * offset;
+      sumi -= (vt == Q3_K ? 4 : 32) * offset;
     }
     acc = std::fma(y->d * fp16_to_fp32(o.d), (float)sumi, acc);
     if (has_mins(vt)) acc = std::fma(-(y->d * fp16_to_fp32(o.dmin)), (float)summ, acc);
@@ -303,12 +327,12 @@ VNNI inline __m512 half_floats(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// Adds 16 to the bytes of operand q[g] whose bit is set in group's mask g (bit 4 of the value).
-VNNI inline void add_high_bits(const uint8_t* masks, __m512i* q) {
+// Adds `high` to the bytes of operand q[g] whose bit is set in mask g (the value's top bit).
+VNNI inline void add_high_bits(const uint8_t* masks, __m512i* q, char high = 16) {
   for (int g = 0; g < 8; ++g) {
     uint64_t bits;
     std::memcpy(&bits, masks + 8 * g, 8);
-    q[g] = _mm512_mask_add_epi8(q[g], _cvtu64_mask64(bits), q[g], _mm512_set1_epi8(16));
+    q[g] = _mm512_mask_add_epi8(q[g], _cvtu64_mask64(bits), q[g], _mm512_set1_epi8(high));
   }
 }
 
@@ -407,6 +431,49 @@ VNNI void panel_q6_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb,
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ld, acc[r]);
 }
 
+template <int R>
+VNNI void panel_q3_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
+                     int64_t ld) {
+  constexpr int64_t PB = 16 * (sizeof(BlockQ3_K) + 4);
+  const __m512i three = _mm512_set1_epi8(3);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* p = w + i * PB;
+    __m512i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; ++c) {  // 32 values: scale groups 2c (operands 0-3) and 2c + 1
+      prefetch_ahead<PB / 8>(p + c * (PB / 8));
+      const uint8_t* chunk = p + 32 + 224 * c;
+      __m512i q[8];
+      for (int h = 0; h < 2; ++h) {
+        const __m512i v = _mm512_loadu_si512(chunk + 32 + 64 * h);
+        for (int t = 0; t < 4; ++t) q[4 * h + t] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * t), three);
+      }
+      add_high_bits(chunk + 160, q, 4);
+      const __m512i pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)chunk));
+      const __m512i sc0 = _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16);
+      const __m512i sc1 = _mm512_srai_epi32(pair, 16);
+      for (int r = 0; r < R; ++r) {
+        const ActQ8_K* y = act<ActQ8_K>(x, xs, r, i);
+        const int8_t* yq = y->qs + 32 * c;
+        // values are 0..7 for value + 4: subtract 4 * scale . (sum of the 16 activations)
+        const __m512i offset = _mm512_dpwssd_epi32(_mm512_setzero_si512(), pair,
+                                                   bcast4(y->bsums + 2 * c));
+        const __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(dot_ops<4>(q, yq), sc0),
+                                           _mm512_mullo_epi32(dot_ops<4>(q + 4, yq + 16), sc1));
+        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_sub_epi32(s, _mm512_slli_epi32(offset, 2)));
+      }
+    }
+    const __m512 dw = half_floats(p);
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(act<ActQ8_K>(x, xs, r, i)->d);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, dw), _mm512_cvtepi32_ps(sumi[r]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ld, acc[r]);
+}
+
 // Q4_0 / Q5_0 / Q8_0: blocks of 32, values unsigned with an offset (8, 16, 128).
 template <int64_t VT, int R>
 VNNI void panel_32(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
@@ -442,6 +509,7 @@ VNNI void panel_vnni(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb,
                      int64_t ld) {
   if constexpr (VT == Q4_K || VT == Q5_K) panel_q4_k<VT, R>(w, x, xs, nb, out, ld);
   else if constexpr (VT == Q6_K) panel_q6_k<R>(w, x, xs, nb, out, ld);
+  else if constexpr (VT == Q3_K) panel_q3_k<R>(w, x, xs, nb, out, ld);
   else panel_32<VT, R>(w, x, xs, nb, out, ld);
 }
 
@@ -473,6 +541,7 @@ std::array<PanelFn, MAX_R> panel_fns(int64_t vt) {
     case Q4_K: return table_of<Q4_K>(g_use_vnni, rs);
     case Q5_K: return table_of<Q5_K>(g_use_vnni, rs);
     case Q6_K: return table_of<Q6_K>(g_use_vnni, rs);
+    case Q3_K: return table_of<Q3_K>(g_use_vnni, rs);
   }
   TORCH_CHECK(false, "no panel layout for GGML type ", vt);
 }

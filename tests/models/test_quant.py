@@ -289,14 +289,16 @@ def test_gguf_blocks_run_as_they_are_close_to_dequantized(gguf_path: Path) -> No
     assert rel_error(logits(quantized), logits(dequantized)) < ACTIVATIONS_RTOL
 
 
-def test_q5_k_blocks_run_as_they_are(tmp_path: Path) -> None:
-    """Q5_K (Q5_K_M files' main format) has its own kernels: it is not re-quantized to Q8_0,
-    and its logits are the dequantized model's up to the int8 activations."""
-    path = quantized_gguf(tmp_path / "q5_k.gguf", down_types=(Q.Q5_K, Q.Q5_K))
+@pytest.mark.parametrize("qtype", [Q.Q3_K, Q.Q5_K], ids=["Q3_K", "Q5_K"])
+def test_q3_k_and_q5_k_blocks_run_as_they_are(tmp_path: Path, qtype: Q) -> None:
+    """Q5_K (Q5_K_M files' main format) and Q3_K (Q3_K_S/M/L's) have their own kernels:
+    they are not re-quantized to Q8_0, and the logits are the dequantized model's up to the
+    int8 activations."""
+    path = quantized_gguf(tmp_path / "k.gguf", down_types=(qtype, qtype))
     quantized, _ = load_model(str(path), quantization="auto")
     dequantized, _ = load_model(str(path), quantization="none")
     for layer in quantized.layers:
-        assert [w.qtype for _, w in layer.mlp.down_proj.segments] == [Q.Q5_K]
+        assert [w.qtype for _, w in layer.mlp.down_proj.segments] == [qtype]
     assert rel_error(logits(quantized), logits(dequantized)) < ACTIVATIONS_RTOL
 
 
