@@ -8,6 +8,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -73,10 +74,29 @@ def quant_ops() -> ModuleType | None:
                 extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
                 extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no headers, a failed build: fall back, loudly
-        logger.warning("quantized CPU kernels unavailable (%s: %s); GGUF weights are "
-                       "dequantized to float instead", type(e).__name__, str(e)[:300])
-        return None
+        module = _finished_build(build, digest)
+        if module is None:
+            logger.warning("quantized CPU kernels unavailable (%s: %s); GGUF weights are "
+                           "dequantized to float instead", type(e).__name__, str(e)[:300])
+            return None
     _choose_isa(module)
+    return module
+
+
+def _finished_build(build: Path, digest: str) -> ModuleType | None:
+    """The extension a finished build left in `build`, imported as it is (no lock, no ninja),
+    or None: a kernel folder that cannot be written (a read-only image or mount that ships
+    the built kernels) still serves them."""
+    name = f"braid_kernels_{digest}"
+    spec = importlib.util.spec_from_file_location(name, build / f"{name}.so")
+    if spec is None or spec.loader is None or not (build / f"{name}.so").is_file():
+        return None
+    try:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except Exception:
+        return None
+    logger.info("CPU kernels loaded as built from %s (the folder cannot be written)", build)
     return module
 
 

@@ -3,8 +3,10 @@ int8 activations, rows independent of the batch on both code paths, malformed in
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -430,6 +432,35 @@ def test_a_kernel_folder_that_cannot_be_made_falls_back(tmp_path,
     monkeypatch.setenv("BRAID_KERNEL_DIR", str(tmp_path / "a-file" / "kernels"))
     assert quant_ops.__wrapped__() is None
     assert "quantized CPU kernels unavailable (" in caplog.text
+
+
+def test_a_read_only_kernel_folder_with_a_finished_build_serves_it(
+        ops: ModuleType, tmp_path: Path) -> None:
+    """A kernel folder that cannot be written but holds the built extension (an image that
+    ships it) serves it: the build lock could not be opened there, and every model fell back
+    to float. Made read-only with `chattr +i` (root ignores permission bits)."""
+    import shutil
+    import subprocess
+    import sys
+
+    built = Path(ops.__file__)
+    image = tmp_path / "kernels" / built.parent.name
+    image.mkdir(parents=True)
+    shutil.copy(built, image / built.name)  # the extension alone: no lock, no ninja files
+    if subprocess.run(["chattr", "+i", str(image)], capture_output=True).returncode != 0:
+        pytest.skip("no chattr +i here")
+    try:
+        assert subprocess.run(["touch", str(image / "flock")], capture_output=True).returncode
+        code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+                "from braid.kernels import quant_ops\n"
+                "assert quant_ops() is not None")
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=120, env={**os.environ, "BRAID_KERNEL_DIR": str(
+                                 tmp_path / "kernels"), "BRAID_NO_KERNELS": "0"})
+        assert run.returncode == 0, run.stderr
+        assert "CPU kernels loaded as built from" in run.stderr
+    finally:
+        subprocess.run(["chattr", "-i", str(image)], check=True)
 
 
 def test_kernel_isa_can_be_chosen(ops: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
