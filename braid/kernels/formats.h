@@ -19,7 +19,7 @@ namespace braid_kernels {
 // ---- formats (ggml type ids and block layouts) ----------------------------------------------
 
 enum GgmlType : int64_t {
-  Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14
+  Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14
 };
 // braid's own layout of Q4_K (not a ggml type): the same values with the 6-bit scales and mins
 // unpacked to bytes at load (repack_q4_k), so the kernel does not decode them every block.
@@ -48,13 +48,16 @@ struct BlockQ4_KU { uint16_t d; uint16_t dmin; uint8_t sc[8]; uint8_t mn[8]; uin
 struct BlockQ5_K {
   uint16_t d; uint16_t dmin; uint8_t scales[12]; uint8_t qh[QK_K / 8]; uint8_t qs[QK_K / 2];
 };
+// Q2_K: value v (0..255) is d * (scale & 15) * q - dmin * (scale >> 4), q its two bits (bits
+// 2 (v / 32 % 4) of qs[v / 128 * 32 + v % 32]), scale the byte of its sixteen values.
+struct BlockQ2_K { uint8_t scales[QK_K / 16]; uint8_t qs[QK_K / 4]; uint16_t d; uint16_t dmin; };
 // Q3_K: value v (0..255) is its two low bits (bits 2 (v / 32 % 4) of qs[v / 128 * 32 + v % 32])
 // plus 4 times bit v / 32 of hmask[v % 32], minus 4; sixteen 6-bit scales (minus 32) packed into
 // 12 bytes, one per 16 values.
 struct BlockQ3_K { uint8_t hmask[QK_K / 8]; uint8_t qs[QK_K / 4]; uint8_t scales[12]; uint16_t d; };
 struct BlockQ6_K { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; uint16_t d; };
 static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ5_0) == 22 && sizeof(BlockQ8_0) == 34, "ggml block size");
-static_assert(sizeof(BlockQ3_K) == 110 && sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 &&
+static_assert(sizeof(BlockQ2_K) == 84 && sizeof(BlockQ3_K) == 110 && sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 &&
                   sizeof(BlockQ6_K) == 210,
               "ggml block size");
 static_assert(sizeof(BlockQ4_KU) == 148, "unpacked Q4_K block size");
@@ -66,7 +69,7 @@ static_assert(sizeof(ActQ8_0) == 40 && sizeof(ActQ8_K) == 292, "activation block
 
 inline bool is_k_quant(int64_t type) {
   const int64_t vt = value_type(type);
-  return vt == Q3_K || vt == Q4_K || vt == Q5_K || vt == Q6_K;
+  return vt == Q2_K || vt == Q3_K || vt == Q4_K || vt == Q5_K || vt == Q6_K;
 }
 
 inline int64_t block_elems(int64_t type) { return is_k_quant(type) ? QK_K : QK; }
@@ -76,6 +79,7 @@ inline int64_t block_bytes(int64_t type) {
     case Q4_0: return sizeof(BlockQ4_0);
     case Q5_0: return sizeof(BlockQ5_0);
     case Q8_0: return sizeof(BlockQ8_0);
+    case Q2_K: return sizeof(BlockQ2_K);
     case Q3_K: return sizeof(BlockQ3_K);
     case Q4_K: return sizeof(BlockQ4_K);
     case Q5_K: return sizeof(BlockQ5_K);
@@ -86,6 +90,7 @@ inline int64_t block_bytes(int64_t type) {
     case PANEL + Q4_0: case PANEL + Q5_0: case PANEL + Q8_0: case PANEL + Q6_K:
       return block_bytes(type - PANEL);
     case PANEL + Q3_K: return sizeof(BlockQ3_K) + 4;  // sixteen scales as bytes, not twelve
+    case PANEL + Q2_K: return sizeof(BlockQ2_K) + 16;  // scales and mins in bytes of their own
     case PANEL + Q4_K: return sizeof(BlockQ4_KU);
     case PANEL + Q5_K: return sizeof(BlockQ4_KU) + QK_K / 8;  // and the high bits
   }
@@ -132,10 +137,15 @@ inline void q3k_scales(const uint8_t* s, int8_t* sc) {
   }
 }
 
+// Bits 2 (v / 32 % 4) of qs[v / 128 * 32 + v % 32]: the two low bits of value v of a Q2_K or
+// Q3_K block.
+inline int low_pair(const uint8_t* qs, int v) {
+  return (qs[32 * (v / 128) + v % 32] >> (2 * (v % 128 / 32))) & 3;
+}
+
 // Q3_K value v of block b plus 4 (0..7).
 inline int q3k_value(const BlockQ3_K& b, int v) {
-  const int l = v % 32, j = v / 32;
-  return ((b.qs[32 * (j / 4) + l] >> (2 * (j % 4))) & 3) | (((b.hmask[l] >> j) & 1) << 2);
+  return low_pair(b.qs, v) | (((b.hmask[v % 32] >> (v / 32)) & 1) << 2);
 }
 
 // Activation quantization (identical on every path: round half to even).

@@ -18,6 +18,8 @@
 //   Q5_K:        Q4_K's, each group followed by its 8 x u64 bit masks of bit 4
 //   Q6_K:        d[16] fp16 | scales [8][16][2] int8 | 8 groups x (4 x [16][4] pairs of the
 //                low nibbles, 2 x [16][4] bytes of four 2-bit high parts)
+//   Q2_K:        d[16], dmin[16] fp16 | 8 groups x (scales [16][2], mins [16][2], 2 x [16][4]
+//                bytes of four 2-bit values)
 //   Q3_K:        d[16] fp16 | 8 groups x (scales [16][2] int8 (minus 32 applied), 2 x [16][4]
 //                bytes of four 2-bit low parts, 8 x u64 bit masks of bit 2)
 
@@ -41,7 +43,7 @@ constexpr int MAX_R = 8;  // activation rows per pass over a panel block
 struct Ints {
   uint16_t d = 0, dmin = 0;  // fp16 bits
   int8_t sc[16] = {};        // Q4_K / Q5_K: 8 6-bit scales; Q3_K / Q6_K: 16 signed scales
-  uint8_t mn[8] = {};        // Q4_K / Q5_K: 8 6-bit mins
+  uint8_t mn[16] = {};       // Q4_K / Q5_K: 8 6-bit mins; Q2_K: 16 4-bit ones
   uint8_t q[QK_K] = {};
 };
 
@@ -49,8 +51,12 @@ int values_per_block(int64_t vt) { return (int)block_elems(vt); }
 
 int64_t panel_block_bytes(int64_t vt) { return PANEL_ROWS * block_bytes(PANEL + vt); }
 
-// Q4_K / Q5_K: values in groups of 32 with a 6-bit scale and min each.
-bool has_mins(int64_t vt) { return vt == Q4_K || vt == Q5_K; }
+// Q4_K / Q5_K: values in groups of 32 with a 6-bit scale and min each; Q2_K: groups of 16
+// with a 4-bit scale and min.
+bool has_mins(int64_t vt) { return vt == Q4_K || vt == Q5_K || vt == Q2_K; }
+
+// Values per scale.
+int scale_group(int64_t vt) { return vt == Q4_K || vt == Q5_K ? 32 : 16; }
 
 // Where group `grp` (32 values) of a panel block starts: its nibble pairs, then any high bits.
 int64_t group_offset(int64_t vt, int grp) {
@@ -59,6 +65,7 @@ int64_t group_offset(int64_t vt, int grp) {
     case Q5_K: return 320 + 320 * grp;
     case Q6_K: return 64 + 416 * grp;
     case Q3_K: return 64 + 224 * grp;  // after the group's scales
+    case Q2_K: return 128 + 192 * grp;  // after the group's scales and mins
   }
   return 32;
 }
@@ -73,7 +80,8 @@ struct Field {
 Field low_field(int64_t vt, int n, int v) {
   const int g = (v % 32) / 4, b = v % 4;
   switch (vt) {
-    case Q3_K: return {group_offset(vt, v / 32) + ((g / 4) * 16 + n) * 4 + b, 2 * (g % 4), 2};
+    case Q2_K: case Q3_K:
+      return {group_offset(vt, v / 32) + ((g / 4) * 16 + n) * 4 + b, 2 * (g % 4), 2};
     case Q8_0: return {32 + (g * 16 + n) * 4 + b, 0, 8};
     case Q4_0: case Q5_0: case Q4_K: case Q5_K: case Q6_K:
       return {group_offset(vt, v / 32) + ((g % 4) * 16 + n) * 4 + b, 4 * (g / 4), 4};
@@ -123,6 +131,15 @@ void decode_plain(int64_t vt, const uint8_t* block, Ints& o) {
         o.q[64 * j + l] = (uint8_t)((qs[32 * j + l] & 0xF) | h0);
         o.q[64 * j + 32 + l] = (uint8_t)((qs[32 * j + l] >> 4) | h1);
       }
+  } else if (vt == Q2_K) {
+    const auto* w = reinterpret_cast<const BlockQ2_K*>(block);
+    o.d = w->d;
+    o.dmin = w->dmin;
+    for (int g = 0; g < 16; ++g) {
+      o.sc[g] = (int8_t)(w->scales[g] & 0xF);
+      o.mn[g] = (uint8_t)(w->scales[g] >> 4);
+    }
+    for (int v = 0; v < QK_K; ++v) o.q[v] = (uint8_t)low_pair(w->qs, v);
   } else if (vt == Q3_K) {
     const auto* w = reinterpret_cast<const BlockQ3_K*>(block);
     o.d = w->d;
@@ -150,11 +167,16 @@ void decode_plain(int64_t vt, const uint8_t* block, Ints& o) {
 // Block `o` as row n of panel block p (zeroed before its first row), and back.
 void encode_panel(int64_t vt, const Ints& o, uint8_t* p, int n) {
   std::memcpy(p + 2 * n, &o.d, 2);
-  if (has_mins(vt)) {
-    std::memcpy(p + 32 + 2 * n, &o.dmin, 2);
+  if (has_mins(vt)) std::memcpy(p + 32 + 2 * n, &o.dmin, 2);
+  if (vt == Q4_K || vt == Q5_K) {
     for (int j = 0; j < 8; ++j) {
       p[64 + 16 * j + n] = (uint8_t)o.sc[j];
       p[192 + 16 * j + n] = o.mn[j];
+    }
+  } else if (vt == Q2_K) {  // each group's scales, then its mins, just before its values
+    for (int s = 0; s < 16; ++s) {
+      p[group_offset(vt, s / 2) - 64 + n * 2 + s % 2] = (uint8_t)o.sc[s];
+      p[group_offset(vt, s / 2) - 32 + n * 2 + s % 2] = o.mn[s];
     }
   } else if (vt == Q6_K || vt == Q3_K) {  // each group's two scales just before its values
     for (int s = 0; s < 16; ++s)
@@ -166,13 +188,14 @@ void encode_panel(int64_t vt, const Ints& o, uint8_t* p, int n) {
     const uint8_t* q = o.q + 32 * grp;
     uint8_t* base = p + group_offset(vt, grp);
     for (int b = 0; b < 4; ++b) {
-      if (vt == Q3_K) {  // operand 4h + t at bits 2t of byte h; bit 2 in mask g
+      if (vt == Q2_K || vt == Q3_K) {  // operand 4h + t at bits 2t of byte h; Q3_K: bit 2 in
+        // mask g
         for (int h = 0; h < 2; ++h) {
           int bits = 0;
           for (int t = 0; t < 4; ++t) bits |= (q[4 * (4 * h + t) + b] & 3) << (2 * t);
           base[(h * 16 + n) * 4 + b] = (uint8_t)bits;
         }
-        for (int g = 0; g < 8; ++g)
+        for (int g = 0; g < 8 && vt == Q3_K; ++g)
           base[128 + 8 * g + n / 2] |= (uint8_t)(((q[4 * g + b] >> 2) & 1) << ((n % 2) * 4 + b));
         continue;
       }
@@ -198,11 +221,16 @@ void encode_panel(int64_t vt, const Ints& o, uint8_t* p, int n) {
 
 void decode_panel(int64_t vt, const uint8_t* p, int n, Ints& o) {
   std::memcpy(&o.d, p + 2 * n, 2);
-  if (has_mins(vt)) {
-    std::memcpy(&o.dmin, p + 32 + 2 * n, 2);
+  if (has_mins(vt)) std::memcpy(&o.dmin, p + 32 + 2 * n, 2);
+  if (vt == Q4_K || vt == Q5_K) {
     for (int j = 0; j < 8; ++j) {
       o.sc[j] = (int8_t)p[64 + 16 * j + n];
       o.mn[j] = p[192 + 16 * j + n];
+    }
+  } else if (vt == Q2_K) {
+    for (int s = 0; s < 16; ++s) {
+      o.sc[s] = (int8_t)p[group_offset(vt, s / 2) - 64 + n * 2 + s % 2];
+      o.mn[s] = p[group_offset(vt, s / 2) - 32 + n * 2 + s % 2];
     }
   } else if (vt == Q6_K || vt == Q3_K) {
     for (int s = 0; s < 16; ++s)
@@ -228,6 +256,7 @@ void ints_to_floats(int64_t vt, const Ints& o, float* y) {
         break;
       case Q6_K: y[v] = d * o.sc[v / 16] * (q - 32); break;
       case Q3_K: y[v] = d * o.sc[v / 16] * (q - 4); break;
+      case Q2_K: y[v] = d * o.sc[v / 16] * q - fp16_to_fp32(o.dmin) * o.mn[v / 16]; break;
     }
   }
 }
@@ -238,7 +267,7 @@ void ints_to_floats(int64_t vt, const Ints& o, float* y) {
 float dot_block(int64_t vt, const Ints& o, const uint8_t* xb, float acc) {
   if (is_k_quant(vt)) {
     const auto* y = reinterpret_cast<const ActQ8_K*>(xb);
-    const int group = has_mins(vt) ? 32 : 16;
+    const int group = scale_group(vt);
     int32_t sumi = 0, summ = 0;
     for (int s = 0; s < QK_K / group; ++s) {
       int32_t isum = 0;
@@ -246,7 +275,8 @@ float dot_block(int64_t vt, const Ints& o, const uint8_t* xb, float acc) {
       sumi += o.sc[s] * isum;
     }
     if (has_mins(vt)) {
-      for (int j = 0; j < 8; ++j) summ += o.mn[j] * (y->bsums[2 * j] + y->bsums[2 * j + 1]);
+      for (int j = 0; j < QK_K / group; ++j)
+        for (int k = j * group / 16; k < (j + 1) * group / 16; ++k) summ += o.mn[j] * y->bsums[k];
     } else {  // Q6_K's values are stored plus 32, Q3_K's plus 4
       int32_t offset = 0;
       for (int s = 0; s < 16; ++s) offset += o.sc[s] * y->bsums[s];
@@ -432,6 +462,50 @@ VNNI void panel_q6_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb,
 }
 
 template <int R>
+VNNI void panel_q2_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
+                     int64_t ld) {
+  constexpr int64_t PB = 16 * (sizeof(BlockQ2_K) + 16);
+  const __m512i three = _mm512_set1_epi8(3), low16 = _mm512_set1_epi32(0xFFFF);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* p = w + i * PB;
+    __m512i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; ++c) {  // 32 values: scale groups 2c (operands 0-3) and 2c + 1
+      prefetch_ahead<PB / 8>(p + c * (PB / 8));
+      const uint8_t* chunk = p + 64 + 192 * c;
+      __m512i q[8];
+      for (int h = 0; h < 2; ++h) {
+        const __m512i v = _mm512_loadu_si512(chunk + 64 + 64 * h);
+        for (int t = 0; t < 4; ++t) q[4 * h + t] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * t), three);
+      }
+      const __m512i pair = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)chunk));
+      const __m512i sc0 = _mm512_and_si512(pair, low16), sc1 = _mm512_srli_epi32(pair, 16);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* yq = act<ActQ8_K>(x, xs, r, i)->qs + 32 * c;
+        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_add_epi32(
+            _mm512_mullo_epi32(dot_ops<4>(q, yq), sc0),
+            _mm512_mullo_epi32(dot_ops<4>(q + 4, yq + 16), sc1)));
+      }
+    }
+    __m512i mins[8];  // int16 pairs (min 2c, min 2c + 1): dpwssd with the two 16-sums
+    for (int c = 0; c < 8; ++c)
+      mins[c] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(p + 96 + 192 * c)));
+    const __m512 dw = half_floats(p), dmin = half_floats(p + 32);
+    for (int r = 0; r < R; ++r) {
+      const ActQ8_K* y = act<ActQ8_K>(x, xs, r, i);
+      __m512i summ = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c) summ = _mm512_dpwssd_epi32(summ, mins[c], bcast4(y->bsums + 2 * c));
+      const __m512 dx = _mm512_set1_ps(y->d);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, dw), _mm512_cvtepi32_ps(sumi[r]), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(dx, dmin), _mm512_cvtepi32_ps(summ), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ld, acc[r]);
+}
+
+template <int R>
 VNNI void panel_q3_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
                      int64_t ld) {
   constexpr int64_t PB = 16 * (sizeof(BlockQ3_K) + 4);
@@ -510,6 +584,7 @@ VNNI void panel_vnni(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb,
   if constexpr (VT == Q4_K || VT == Q5_K) panel_q4_k<VT, R>(w, x, xs, nb, out, ld);
   else if constexpr (VT == Q6_K) panel_q6_k<R>(w, x, xs, nb, out, ld);
   else if constexpr (VT == Q3_K) panel_q3_k<R>(w, x, xs, nb, out, ld);
+  else if constexpr (VT == Q2_K) panel_q2_k<R>(w, x, xs, nb, out, ld);
   else panel_32<VT, R>(w, x, xs, nb, out, ld);
 }
 
@@ -542,6 +617,7 @@ std::array<PanelFn, MAX_R> panel_fns(int64_t vt) {
     case Q5_K: return table_of<Q5_K>(g_use_vnni, rs);
     case Q6_K: return table_of<Q6_K>(g_use_vnni, rs);
     case Q3_K: return table_of<Q3_K>(g_use_vnni, rs);
+    case Q2_K: return table_of<Q2_K>(g_use_vnni, rs);
   }
   TORCH_CHECK(false, "no panel layout for GGML type ", vt);
 }

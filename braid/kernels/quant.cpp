@@ -1,6 +1,6 @@
 // Matrix products with GGUF-quantized weights on the CPU, as llama.cpp's ggml-cpu does them:
 // each activation row is quantized to int8 blocks (Q8_K: 256 values and one scale, for the
-// K-quants Q3_K / Q4_K / Q5_K / Q6_K; Q8_0: 32 values and one scale, for Q4_0 / Q5_0 / Q8_0), and every
+// K-quants Q2_K / Q3_K / Q4_K / Q5_K / Q6_K; Q8_0: 32 values and one scale, for Q4_0 / Q5_0 / Q8_0), and every
 // output is an integer dot product per block, scaled and summed in float.
 //
 // Batch invariance: output (m, n) is always computed by the same dot routine over row n of the
@@ -105,6 +105,24 @@ float dot_q6_k_scalar(const void* wv, const void* xv, int64_t nb) {
     acc += x[i].d * fp16_to_fp32(w[i].d) * (float)(sumi - 32 * offset);
   }
   return acc;
+}
+
+float dot_q2_k_scalar(const void* wv, const void* xv, int64_t nb) {
+  const auto* w = static_cast<const BlockQ2_K*>(wv);
+  const auto* x = static_cast<const ActQ8_K*>(xv);
+  float acc = 0.f, acc_min = 0.f;
+  for (int64_t i = 0; i < nb; ++i) {
+    int32_t sumi = 0, summ = 0;
+    for (int g = 0; g < 16; ++g) {
+      int32_t s = 0;
+      for (int v = 16 * g; v < 16 * g + 16; ++v) s += low_pair(w[i].qs, v) * x[i].qs[v];
+      sumi += (w[i].scales[g] & 0xF) * s;
+      summ += (w[i].scales[g] >> 4) * x[i].bsums[g];
+    }
+    acc += x[i].d * fp16_to_fp32(w[i].d) * (float)sumi;
+    acc_min += x[i].d * fp16_to_fp32(w[i].dmin) * (float)summ;
+  }
+  return acc - acc_min;
 }
 
 float dot_q3_k_scalar(const void* wv, const void* xv, int64_t nb) {
@@ -321,6 +339,48 @@ AVX2 void dot_q6_k_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t nb
 }
 
 template <int R>
+AVX2 void dot_q2_k_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t nb, float* out) {
+  const auto* w = static_cast<const BlockQ2_K*>(wv);
+  const __m256i three = _mm256_set1_epi8(3);
+  const __m128i low4 = _mm_set1_epi8(0xF);
+  __m256 acc[R], acc_m[R];
+  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); acc_m[r] = _mm256_setzero_ps(); }
+  for (int64_t i = 0; i < nb; ++i) {
+    prefetch_ahead<sizeof(BlockQ2_K)>(w + i);
+    const __m128i bytes = _mm_loadu_si128((const __m128i*)w[i].scales);
+    const __m256i scl = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, low4));
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+    const float dw = h2f(w[i].d), dmw = h2f(w[i].dmin);
+    __m256i sumi[R];
+    for (int r = 0; r < R; ++r) {  // the mins: min . group sum, per pair of groups
+      const ActQ8_K* y = act<ActQ8_K>(x, xs, r, i);
+      const __m256i prod = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i*)y->bsums));
+      acc_m[r] = _mm256_fmadd_ps(_mm256_set1_ps(y->d * dmw), _mm256_cvtepi32_ps(prod), acc_m[r]);
+      sumi[r] = _mm256_setzero_si256();
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256i ql = _mm256_loadu_si256((const __m256i*)(w[i].qs + 32 * h));
+      const __m256i sc = _mm256_broadcastsi128_si256(
+          h ? _mm256_extracti128_si256(scl, 1) : _mm256_castsi256_si128(scl));
+      for (int part = 0; part < 4; ++part) {  // 32 values, two scales of 16
+        const __m256i q = _mm256_and_si256(_mm256_srli_epi16(ql, 2 * part), three);
+        const __m256i s = pick16(sc, 2 * part, 2 * part + 1);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* y = act<ActQ8_K>(x, xs, r, i)->qs + 128 * h + 32 * part;
+          const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)y));
+          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, s));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float d = act<ActQ8_K>(x, xs, r, i)->d * dw;
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) - hsum(acc_m[r]);
+}
+
+template <int R>
 AVX2 void dot_q3_k_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t nb, float* out) {
   const auto* w = static_cast<const BlockQ3_K*>(wv);
   const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
@@ -459,6 +519,7 @@ AVX2 void rows_avx2(const void* w, const uint8_t* x, int64_t xs, int64_t nb, flo
   else if constexpr (TYPE == Q5_K) dot_q4_k_avx2<BlockQ5_K, R>(w, x, xs, nb, out);
   else if constexpr (TYPE == Q6_K) dot_q6_k_avx2<R>(w, x, xs, nb, out);
   else if constexpr (TYPE == Q3_K) dot_q3_k_avx2<R>(w, x, xs, nb, out);
+  else if constexpr (TYPE == Q2_K) dot_q2_k_avx2<R>(w, x, xs, nb, out);
   else dot_32_avx2<TYPE, R>(w, x, xs, nb, out);
 }
 
@@ -484,6 +545,7 @@ std::array<RowsFn, MAX_R> rows_fns(int64_t type) {
       case Q5_K: return avx2_table<Q5_K>();
       case Q6_K: return avx2_table<Q6_K>();
       case Q3_K: return avx2_table<Q3_K>();
+      case Q2_K: return avx2_table<Q2_K>();
       case Q4_0: return avx2_table<Q4_0>();
       case Q5_0: return avx2_table<Q5_0>();
       case Q8_0: return avx2_table<Q8_0>();
@@ -496,6 +558,7 @@ std::array<RowsFn, MAX_R> rows_fns(int64_t type) {
     case Q5_K: return scalar_table<dot_q4_k_scalar<BlockQ5_K>>();
     case Q6_K: return scalar_table<dot_q6_k_scalar>();
     case Q3_K: return scalar_table<dot_q3_k_scalar>();
+    case Q2_K: return scalar_table<dot_q2_k_scalar>();
     case Q4_0: return scalar_table<dot_q4_0_scalar>();
     case Q5_0: return scalar_table<dot_q5_0_scalar>();
     case Q8_0: return scalar_table<dot_q8_0_scalar>();
@@ -554,6 +617,15 @@ void dequantize_row(const uint8_t* row, int64_t type, int64_t k, float* y) {
     dequantize_q4_k(reinterpret_cast<const BlockQ4_KU*>(row), nb, y);
   } else if (type == Q5_K) {
     dequantize_q4_k(reinterpret_cast<const BlockQ5_K*>(row), nb, y);
+  } else if (type == Q2_K) {
+    const auto* w = reinterpret_cast<const BlockQ2_K*>(row);
+    for (int64_t i = 0; i < nb; ++i, y += QK_K) {
+      const float d = fp16_to_fp32(w[i].d), dmin = fp16_to_fp32(w[i].dmin);
+      for (int v = 0; v < QK_K; ++v) {
+        const uint8_t s = w[i].scales[v / 16];
+        y[v] = d * (s & 0xF) * low_pair(w[i].qs, v) - dmin * (s >> 4);
+      }
+    }
   } else if (type == Q3_K) {
     const auto* w = reinterpret_cast<const BlockQ3_K*>(row);
     for (int64_t i = 0; i < nb; ++i, y += QK_K) {

@@ -16,8 +16,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
-K_QUANTS = (Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 N, K, M = 40, 512, 7  # 40 weight rows: two full tiles of 16 and a partial one
 # Activations are rounded to int8 with one scale (amax / 127) per block of 32 or 256 values.
 # For Gaussian rows amax is ~2.5-3 sigma, so the rounding error (step / sqrt(12)) is ~0.7% of
@@ -42,9 +42,13 @@ def random_weight(qtype: Q, rows: int = N, cols: int = K, seed: int = 0, std: fl
     # Random bytes give values d * (6-bit scale) * (nibble) - dmin * (6-bit min) for Q4_K
     # (rms ~250 d; dmin = 7.5 d centres them), the same with 5-bit values for Q5_K (rms ~530 d,
     # dmin = 15.5 d), d * (int8 scale) * (6-bit value - 32) for Q6_K (rms ~1400 d) and
-    # d * (6-bit scale - 32) * (3-bit value - 4) for Q3_K (rms ~43 d).
+    # d * (6-bit scale - 32) * (3-bit value - 4) for Q3_K (rms ~43 d) and d * (4-bit scale) *
+    # (2-bit value) - dmin * (4-bit min) for Q2_K (rms ~14 d, dmin = 1.5 d).
     d = std * rng.uniform(0.5, 1.5, (rows, cols // block, 1))
-    if qtype in (Q.Q4_K, Q.Q5_K):  # d, dmin, 12 bytes of 6-bit scales and mins, [Q5_K: 32
+    if qtype == Q.Q2_K:  # 16 bytes of 4-bit scales and mins, 64 of bit pairs, d, dmin
+        raw[..., -4:] = np.concatenate([d / 14, 1.5 * d / 14], -1).astype(np.float16).view(
+            np.uint8)
+    elif qtype in (Q.Q4_K, Q.Q5_K):  # d, dmin, 12 bytes of 6-bit scales and mins, [Q5_K: 32
         # bytes of high bits,] 128 bytes of nibbles
         rms, centre = (250, 7.5) if qtype == Q.Q4_K else (530, 15.5)
         raw[..., 0:4] = np.concatenate([d / rms, centre * d / rms], -1).astype(
@@ -203,7 +207,7 @@ def test_malformed_inputs_raise(ops: ModuleType) -> None:
 
 @pytest.mark.parametrize("qtype, cols", [(Q.Q8_0, 48), (Q.Q4_0, 16), (Q.Q4_K, 288),
                                          (Q.Q5_K, 384), (Q.Q6_K, 128),
-                                         (Q.Q3_K, 320)])
+                                         (Q.Q3_K, 320), (Q.Q2_K, 272)])
 def test_rows_of_partial_blocks_raise(ops: ModuleType, qtype: Q, cols: int) -> None:
     with pytest.raises(RuntimeError, match="not a multiple of the block"):
         ops.quantize_activations(activations(2, cols), int(qtype))

@@ -289,9 +289,9 @@ def test_gguf_blocks_run_as_they_are_close_to_dequantized(gguf_path: Path) -> No
     assert rel_error(logits(quantized), logits(dequantized)) < ACTIVATIONS_RTOL
 
 
-@pytest.mark.parametrize("qtype", [Q.Q3_K, Q.Q5_K], ids=["Q3_K", "Q5_K"])
-def test_q3_k_and_q5_k_blocks_run_as_they_are(tmp_path: Path, qtype: Q) -> None:
-    """Q5_K (Q5_K_M files' main format) and Q3_K (Q3_K_S/M/L's) have their own kernels:
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K, Q.Q5_K], ids=["Q2_K", "Q3_K", "Q5_K"])
+def test_k_quants_gguf_cannot_make_run_as_they_are(tmp_path: Path, qtype: Q) -> None:
+    """Q5_K (Q5_K_M files' main format), Q3_K (Q3_K_S/M/L's) and Q2_K have their own kernels:
     they are not re-quantized to Q8_0, and the logits are the dequantized model's up to the
     int8 activations."""
     path = quantized_gguf(tmp_path / "k.gguf", down_types=(qtype, qtype))
