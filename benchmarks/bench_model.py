@@ -121,7 +121,10 @@ def versus_llamacpp(engine: LLMEngine, bin_dir: str, pairs: int) -> None:
     """Alternate llama-bench tg64 and braid's decode on the same GGUF; print each pair."""
     from braid.models.loader import resolve_model_path
 
-    gguf = str(resolve_model_path(engine.config.model))  # a default model's name or a file
+    path = resolve_model_path(engine.config.model)  # a default model's name or a file
+    if not path.is_file():
+        raise SystemExit(f"--vs-llamacpp needs a GGUF model, not the folder {path}")
+    gguf = str(path)
     ratios = []
     for i in range(pairs):
         theirs = llama_bench_rate(bin_dir, gguf)

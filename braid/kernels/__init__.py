@@ -74,7 +74,7 @@ def quant_ops() -> ModuleType | None:
                 extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
                 extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no headers, a failed build: fall back, loudly
-        module = _finished_build(build, digest)
+        module = _finished_build(build, digest, e)
         if module is None:
             logger.warning("quantized CPU kernels unavailable (%s: %s); GGUF weights are "
                            "dequantized to float instead", type(e).__name__, str(e)[:300])
@@ -83,10 +83,10 @@ def quant_ops() -> ModuleType | None:
     return module
 
 
-def _finished_build(build: Path, digest: str) -> ModuleType | None:
+def _finished_build(build: Path, digest: str, error: Exception) -> ModuleType | None:
     """The extension a finished build left in `build`, imported as it is (no lock, no ninja),
     or None: a kernel folder that cannot be written (a read-only image or mount that ships
-    the built kernels) still serves them."""
+    the built kernels) still serves them. `error`: why the usual build-and-load failed."""
     name = f"braid_kernels_{digest}"
     spec = importlib.util.spec_from_file_location(name, build / f"{name}.so")
     if spec is None or spec.loader is None or not (build / f"{name}.so").is_file():
@@ -96,7 +96,8 @@ def _finished_build(build: Path, digest: str) -> ModuleType | None:
         spec.loader.exec_module(module)
     except Exception:
         return None
-    logger.info("CPU kernels loaded as built from %s (the folder cannot be written)", build)
+    logger.info("CPU kernels loaded as built from %s (building there failed: %s: %s)", build,
+                type(error).__name__, str(error)[:200])
     return module
 
 

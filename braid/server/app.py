@@ -256,8 +256,14 @@ def _check_tls(args: argparse.Namespace) -> None:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile, password)
+    except ConfigError:
+        raise
+    except ValueError as e:  # Python's own limit on a passphrase
+        raise ConfigError(f"--ssl-keyfile-password: {e}") from None
     except (OSError, ssl.SSLError) as e:
-        if asked and isinstance(e, ssl.SSLError) and "PEM lib" in str(e):  # OpenSSL's only word
+        if asked and isinstance(e, ssl.SSLError) and "mismatch" not in str(e):
+            # the certificate loaded and the key was encrypted: OpenSSL says "PEM lib" or
+            # "bad decrypt" for a wrong passphrase (a key that does not match: "mismatch")
             raise ConfigError(f"--ssl-keyfile {args.ssl_keyfile}: cannot decrypt it with "
                               "--ssl-keyfile-password (wrong passphrase?)") from None
         raise ConfigError(f"--ssl-certfile {args.ssl_certfile} --ssl-keyfile "

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -226,10 +227,12 @@ def make_job(prefix: str, prompts: list[list[int]], params: SamplingParams, n: i
     """The job of one request; `request_id` (the client's, as vLLM takes it) names the
     response. The engine requests' ids start with the response's, so log lines
     (--enable-log-requests) can be found by it, and are unique even where a client reuses
-    its id: "cmpl-ID-UNIQUE-CHOICE"."""
+    its id: "cmpl-ID-UNIQUE-CHOICE" (the client's ID cut to 64 characters, those that could
+    forge or break a log line replaced by "_")."""
     unique = f"{time.time_ns():x}{next(_counter):x}"
     public = f"{prefix}-{unique}" if request_id is None else f"{prefix}-{request_id}"
-    engine_prefix = public if request_id is None else f"{public}-{unique}"
+    engine_prefix = (public if request_id is None
+                     else f"{prefix}-{_UNSAFE_IN_LOGS.sub('_', request_id[:64])}-{unique}")
     choices, per_choice = [], []
     for index, (p, j) in enumerate(itertools.product(range(len(prompts)), range(n))):
         choices.append(ChoiceState(index, f"{engine_prefix}-{index}", p))
@@ -238,11 +241,17 @@ def make_job(prefix: str, prompts: list[list[int]], params: SamplingParams, n: i
 
 
 _counter = itertools.count()
+_UNSAFE_IN_LOGS = re.compile(r"[^\w.:/-]")
+_HEADER_SAFE = re.compile(r"[ -~]+")
 
 
 def request_id(body: SamplingRequest, raw: Request) -> str | None:
     """The client's id for the response, as vLLM takes it: `request_id`, else the
-    X-Request-Id header."""
+    X-Request-Id header. It goes back in the X-Request-Id header, so `request_id` must be
+    printable ASCII (a line break ended the connection without a response)."""
+    if body.request_id and not _HEADER_SAFE.fullmatch(body.request_id):
+        raise bad_request("request_id must be printable ASCII: it names the response and "
+                          "its X-Request-Id header", "request_id")
     return body.request_id or raw.headers.get("x-request-id") or None
 
 

@@ -811,6 +811,16 @@ def test_log_requests_as_vllm(guarded: ServerProcess) -> None:
     finished = re.findall(r"Finished request (cmpl-client-7-\w+-0): length", log)
     assert len(set(finished)) == 2, log[-3000:]
     assert all(f"Received request {rid}: prompt" in log for rid in finished)
+    # an id that could not be a header is refused (a line break ended the connection without
+    # a response); one with spaces or quotes cannot break a log line
+    r = post(guarded, "/v1/completions", {**body, "request_id": "x\nFinished request y"},
+             headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
+    r = post(guarded, "/v1/completions", {**body, "n": 1, "request_id": 'x "Finished" y'},
+             headers=AUTH)
+    assert r.headers["x-request-id"] == r.json()["id"] == 'cmpl-x "Finished" y'
+    log = guarded.log_path.read_text(errors="replace")
+    assert "Received request cmpl-x__Finished__y-" in log
 
 
 def test_api_key_guards_v1_and_token_routes(guarded: ServerProcess) -> None:
@@ -1025,6 +1035,11 @@ def test_tls_with_an_encrypted_key(tiny_model_dir: Path, tmp_path: Path,
     assert main(["serve", "--model", "/no/such/model", *tls, "--ssl-keyfile-password", "no"]) == 2
     assert (f"--ssl-keyfile {key}: cannot decrypt it with --ssl-keyfile-password (wrong "
             "passphrase?)") in capsys.readouterr().err
+    # beyond Python's limit: a message, not a traceback
+    assert main(["serve", "--model", "/no/such/model", *tls,
+                 "--ssl-keyfile-password", "x" * 2000]) == 2
+    assert "--ssl-keyfile-password: password cannot be longer than 1024 bytes" in \
+        capsys.readouterr().err
     server = ServerProcess(tiny_model_dir, tmp_path, *ENGINE_FLAGS, *tls,
                            "--ssl-keyfile-password", "s3cret")
     try:
