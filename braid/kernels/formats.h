@@ -19,7 +19,8 @@ namespace braid_kernels {
 // ---- formats (ggml type ids and block layouts) ----------------------------------------------
 
 enum GgmlType : int64_t {
-  Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
+  Q6_K = 14, IQ4_NL = 20
 };
 // braid's own layout of Q4_K (not a ggml type): the same values with the 6-bit scales and mins
 // unpacked to bytes at load (repack_q4_k), so the kernel does not decode them every block.
@@ -38,9 +39,17 @@ inline int64_t value_type(int64_t type) {
 constexpr int QK = 32;    // Q5_0 / Q8_0 block
 constexpr int QK_K = 256; // K-quant super-block
 
+// The 32-value formats: d first; Q4_1 / Q5_1 then a min m; Q5_0 / Q5_1 then bit 4 of each value
+// (qh); the nibbles last (value j < 16: low nibble of byte j, else high nibble of byte j - 16).
+// A value is d * q (Q4_0: q - 8, Q5_0: q - 16, IQ4_NL: IQ4_NL_VALUES[q]) or d * q + m.
 struct BlockQ4_0 { uint16_t d; uint8_t qs[QK / 2]; };
+struct BlockQ4_1 { uint16_t d; uint16_t m; uint8_t qs[QK / 2]; };
 struct BlockQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[QK / 2]; };
+struct BlockQ5_1 { uint16_t d; uint16_t m; uint8_t qh[4]; uint8_t qs[QK / 2]; };
+struct BlockIQ4_NL { uint16_t d; uint8_t qs[QK / 2]; };
 struct BlockQ8_0 { uint16_t d; int8_t qs[QK]; };
+constexpr int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                      1,    13,   25,  38,  53,  69,  89,  113};
 struct BlockQ4_K { uint16_t d; uint16_t dmin; uint8_t scales[12]; uint8_t qs[QK_K / 2]; };
 struct BlockQ4_KU { uint16_t d; uint16_t dmin; uint8_t sc[8]; uint8_t mn[8]; uint8_t qs[QK_K / 2]; };
 // Q5_K: Q4_K's scales and nibbles plus bit 4 of every value (bit j of qh[l]: value l of the
@@ -56,7 +65,9 @@ struct BlockQ2_K { uint8_t scales[QK_K / 16]; uint8_t qs[QK_K / 4]; uint16_t d; 
 // 12 bytes, one per 16 values.
 struct BlockQ3_K { uint8_t hmask[QK_K / 8]; uint8_t qs[QK_K / 4]; uint8_t scales[12]; uint16_t d; };
 struct BlockQ6_K { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; uint16_t d; };
-static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ5_0) == 22 && sizeof(BlockQ8_0) == 34, "ggml block size");
+static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ5_0) == 22 && sizeof(BlockQ8_0) == 34 &&
+                  sizeof(BlockQ4_1) == 20 && sizeof(BlockQ5_1) == 24 && sizeof(BlockIQ4_NL) == 18,
+              "ggml block size");
 static_assert(sizeof(BlockQ2_K) == 84 && sizeof(BlockQ3_K) == 110 && sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 &&
                   sizeof(BlockQ6_K) == 210,
               "ggml block size");
@@ -77,8 +88,11 @@ inline int64_t block_elems(int64_t type) { return is_k_quant(type) ? QK_K : QK; 
 inline int64_t block_bytes(int64_t type) {
   switch (type) {
     case Q4_0: return sizeof(BlockQ4_0);
+    case Q4_1: return sizeof(BlockQ4_1);
     case Q5_0: return sizeof(BlockQ5_0);
+    case Q5_1: return sizeof(BlockQ5_1);
     case Q8_0: return sizeof(BlockQ8_0);
+    case IQ4_NL: return sizeof(BlockIQ4_NL);
     case Q2_K: return sizeof(BlockQ2_K);
     case Q3_K: return sizeof(BlockQ3_K);
     case Q4_K: return sizeof(BlockQ4_K);
@@ -88,6 +102,7 @@ inline int64_t block_bytes(int64_t type) {
     // A panel holds sixteen rows' blocks: per row, the bytes of the GGUF block (Q4_K / Q5_K:
     // of the unpacked one, whose scales are bytes).
     case PANEL + Q4_0: case PANEL + Q5_0: case PANEL + Q8_0: case PANEL + Q6_K:
+    case PANEL + Q4_1: case PANEL + Q5_1: case PANEL + IQ4_NL:
       return block_bytes(type - PANEL);
     case PANEL + Q3_K: return sizeof(BlockQ3_K) + 4;  // sixteen scales as bytes, not twelve
     case PANEL + Q2_K: return sizeof(BlockQ2_K) + 16;  // scales and mins in bytes of their own
@@ -95,6 +110,39 @@ inline int64_t block_bytes(int64_t type) {
     case PANEL + Q5_K: return sizeof(BlockQ4_KU) + QK_K / 8;  // and the high bits
   }
   TORCH_CHECK(false, "unsupported GGML type ", type);
+}
+
+// ---- the 32-value formats' values ----
+
+inline bool has_min32(int64_t type) { return type == Q4_1 || type == Q5_1; }
+
+// What each value of a 32-value format has stored above its value: Q4_0 8, Q5_0 16.
+inline int offset32(int64_t type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0; }
+
+// Value j of a 4- or 5-bit 32-value block as stored: its nibble, plus bit 4 (Q5_0 / Q5_1).
+inline int stored32(int64_t type, const uint8_t* block, int j) {
+  const int64_t bytes = block_bytes(type);
+  const uint8_t* qs = block + bytes - QK / 2;
+  int q = j < 16 ? qs[j] & 0xF : qs[j - 16] >> 4;
+  if (type == Q5_0 || type == Q5_1) {
+    uint32_t qh;
+    std::memcpy(&qh, block + bytes - QK / 2 - 4, 4);
+    q |= ((qh >> j) & 1) << 4;
+  }
+  return q;
+}
+
+// Value j of a 32-value block as the integer its products use (plus offset32).
+inline int value32(int64_t type, const uint8_t* block, int j) {
+  if (type == Q8_0) return reinterpret_cast<const BlockQ8_0*>(block)->qs[j];
+  const int q = stored32(type, block, j);
+  return type == IQ4_NL ? IQ4_NL_VALUES[q] : q;
+}
+
+inline uint16_t half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return h;
 }
 
 inline float fp16_to_fp32(uint16_t h) {

@@ -13,6 +13,8 @@
 // (offsets in bytes; n = row in the panel; "pairs" = operand g in the low nibble, g + 4 in the
 // high one, where operand g is values 4g .. 4g + 3 of a 32-value group):
 //   Q4_0 / Q5_0: d[16] fp16 | 4 x [16][4] nibble pairs | Q5_0: 8 x u64 bit masks of bit 4
+//   Q4_1 / Q5_1: d[16], m[16] fp16 | the same
+//   IQ4_NL:      d[16] fp16 | 4 x [16][4] nibble pairs (indices into IQ4_NL_VALUES)
 //   Q8_0:        d[16] fp16 | 8 x [16][4] values + 128
 //   Q4_K:        d[16], dmin[16] fp16 | scales[8][16] | mins[8][16] | 8 groups x 4 x [16][4] pairs
 //   Q5_K:        Q4_K's, each group followed by its 8 x u64 bit masks of bit 4
@@ -42,9 +44,10 @@ constexpr int MAX_R = 8;  // activation rows per pass over a panel block
 // One block of one row as integers (the values unsigned: Q8_0's plus 128).
 struct Ints {
   uint16_t d = 0, dmin = 0;  // fp16 bits
+  uint16_t m = 0;            // Q4_1 / Q5_1: the min (fp16 bits)
   int8_t sc[16] = {};        // Q4_K / Q5_K: 8 6-bit scales; Q3_K / Q6_K: 16 signed scales
   uint8_t mn[16] = {};       // Q4_K / Q5_K: 8 6-bit mins; Q2_K: 16 4-bit ones
-  uint8_t q[QK_K] = {};
+  uint8_t q[QK_K] = {};      // as stored: unsigned (Q8_0: plus 128; IQ4_NL: grid indices)
 };
 
 int values_per_block(int64_t vt) { return (int)block_elems(vt); }
@@ -67,7 +70,7 @@ int64_t group_offset(int64_t vt, int grp) {
     case Q3_K: return 64 + 224 * grp;  // after the group's scales
     case Q2_K: return 128 + 192 * grp;  // after the group's scales and mins
   }
-  return 32;
+  return has_min32(vt) ? 64 : 32;
 }
 
 // Where a value's bits sit in a panel block.
@@ -83,7 +86,7 @@ Field low_field(int64_t vt, int n, int v) {
     case Q2_K: case Q3_K:
       return {group_offset(vt, v / 32) + ((g / 4) * 16 + n) * 4 + b, 2 * (g % 4), 2};
     case Q8_0: return {32 + (g * 16 + n) * 4 + b, 0, 8};
-    case Q4_0: case Q5_0: case Q4_K: case Q5_K: case Q6_K:
+    case Q4_0: case Q5_0: case Q4_1: case Q5_1: case IQ4_NL: case Q4_K: case Q5_K: case Q6_K:
       return {group_offset(vt, v / 32) + ((g % 4) * 16 + n) * 4 + b, 4 * (g / 4), 4};
   }
   TORCH_CHECK(false, "no panel layout for GGML type ", vt);
@@ -95,7 +98,8 @@ Field high_field(int64_t vt, int n, int v) {
   const int g = (v % 32) / 4, b = v % 4;
   if (vt == Q3_K) return {group_offset(vt, v / 32) + 128 + g * 8 + (n * 4 + b) / 8, (n * 4 + b) % 8, 1};
   const int64_t base = group_offset(vt, v / 32) + 256;
-  if (vt == Q5_0 || vt == Q5_K) return {base + g * 8 + (n * 4 + b) / 8, (n * 4 + b) % 8, 1};
+  if (vt == Q5_0 || vt == Q5_1 || vt == Q5_K)
+    return {base + g * 8 + (n * 4 + b) / 8, (n * 4 + b) % 8, 1};
   if (vt == Q6_K) return {base + ((g / 4) * 16 + n) * 4 + b, 2 * (g % 4), 2};
   return {0, 0, 0};
 }
@@ -107,16 +111,10 @@ void decode_plain(int64_t vt, const uint8_t* block, Ints& o) {
     const auto* w = reinterpret_cast<const BlockQ8_0*>(block);
     o.d = w->d;
     for (int v = 0; v < QK; ++v) o.q[v] = (uint8_t)(w->qs[v] + 128);
-  } else if (vt == Q4_0 || vt == Q5_0) {
-    const uint8_t* qs = vt == Q4_0 ? reinterpret_cast<const BlockQ4_0*>(block)->qs
-                                   : reinterpret_cast<const BlockQ5_0*>(block)->qs;
-    std::memcpy(&o.d, block, 2);
-    uint32_t qh = 0;
-    if (vt == Q5_0) std::memcpy(&qh, reinterpret_cast<const BlockQ5_0*>(block)->qh, 4);
-    for (int j = 0; j < 16; ++j) {
-      o.q[j] = (uint8_t)((qs[j] & 0xF) | (((qh >> j) & 1) << 4));
-      o.q[j + 16] = (uint8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
-    }
+  } else if (vt == Q4_0 || vt == Q5_0 || vt == Q4_1 || vt == Q5_1 || vt == IQ4_NL) {
+    o.d = half_at(block);
+    if (has_min32(vt)) o.m = half_at(block + 2);
+    for (int j = 0; j < QK; ++j) o.q[j] = (uint8_t)stored32(vt, block, j);
   } else if (vt == Q4_K || vt == Q5_K) {
     const auto* w = reinterpret_cast<const BlockQ4_K*>(block);  // Q5_K: the same up to qh
     const uint8_t* qs = vt == Q4_K ? w->qs : reinterpret_cast<const BlockQ5_K*>(block)->qs;
@@ -168,6 +166,7 @@ void decode_plain(int64_t vt, const uint8_t* block, Ints& o) {
 void encode_panel(int64_t vt, const Ints& o, uint8_t* p, int n) {
   std::memcpy(p + 2 * n, &o.d, 2);
   if (has_mins(vt)) std::memcpy(p + 32 + 2 * n, &o.dmin, 2);
+  if (has_min32(vt)) std::memcpy(p + 32 + 2 * n, &o.m, 2);
   if (vt == Q4_K || vt == Q5_K) {
     for (int j = 0; j < 8; ++j) {
       p[64 + 16 * j + n] = (uint8_t)o.sc[j];
@@ -211,7 +210,8 @@ void encode_panel(int64_t vt, const Ints& o, uint8_t* p, int n) {
           for (int t = 0; t < 4; ++t) bits |= ((q[4 * (4 * h + t) + b] >> 4) & 3) << (2 * t);
           base[256 + (h * 16 + n) * 4 + b] = (uint8_t)bits;
         }
-      } else if (vt == Q5_0 || vt == Q5_K) {  // bit n * 4 + b of mask g; the panel starts zeroed
+      } else if (vt == Q5_0 || vt == Q5_1 || vt == Q5_K) {  // bit n * 4 + b of mask g (the
+        // panel starts zeroed)
         for (int g = 0; g < 8; ++g)
           base[256 + 8 * g + n / 2] |= (uint8_t)(((q[4 * g + b] >> 4) & 1) << ((n % 2) * 4 + b));
       }
@@ -222,6 +222,7 @@ void encode_panel(int64_t vt, const Ints& o, uint8_t* p, int n) {
 void decode_panel(int64_t vt, const uint8_t* p, int n, Ints& o) {
   std::memcpy(&o.d, p + 2 * n, 2);
   if (has_mins(vt)) std::memcpy(&o.dmin, p + 32 + 2 * n, 2);
+  if (has_min32(vt)) std::memcpy(&o.m, p + 32 + 2 * n, 2);
   if (vt == Q4_K || vt == Q5_K) {
     for (int j = 0; j < 8; ++j) {
       o.sc[j] = (int8_t)p[64 + 16 * j + n];
@@ -251,6 +252,8 @@ void ints_to_floats(int64_t vt, const Ints& o, float* y) {
       case Q8_0: y[v] = d * (int8_t)(q - 128); break;
       case Q4_0: y[v] = d * (q - 8); break;
       case Q5_0: y[v] = d * (q - 16); break;
+      case Q4_1: case Q5_1: y[v] = d * q + fp16_to_fp32(o.m); break;
+      case IQ4_NL: y[v] = d * IQ4_NL_VALUES[q]; break;
       case Q4_K: case Q5_K:
         y[v] = d * (uint8_t)o.sc[v / 32] * q - fp16_to_fp32(o.dmin) * o.mn[v / 32];
         break;
@@ -287,10 +290,12 @@ float dot_block(int64_t vt, const Ints& o, const uint8_t* xb, float acc) {
     return acc;
   }
   const auto* y = reinterpret_cast<const ActQ8_0*>(xb);
-  const int offset = vt == Q4_0 ? 8 : vt == Q5_0 ? 16 : 128;
+  const int offset = vt == Q8_0 ? 128 : offset32(vt);  // IQ4_NL: the grid's signed values
   int32_t isum = 0;
-  for (int v = 0; v < QK; ++v) isum += o.q[v] * y->qs[v];
-  return std::fma(y->d * fp16_to_fp32(o.d), (float)(isum - offset * y->sum), acc);
+  for (int v = 0; v < QK; ++v) isum += (vt == IQ4_NL ? IQ4_NL_VALUES[o.q[v]] : o.q[v]) * y->qs[v];
+  acc = std::fma(y->d * fp16_to_fp32(o.d), (float)(isum - offset * y->sum), acc);
+  if (has_min32(vt)) acc = std::fma(y->d * fp16_to_fp32(o.m), (float)y->sum, acc);
+  return acc;
 }
 
 // One panel (w: its first block) times R activation rows -> out[r * ld + n], n < 16.
@@ -548,13 +553,19 @@ VNNI void panel_q3_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb,
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ld, acc[r]);
 }
 
-// Q4_0 / Q5_0 / Q8_0: blocks of 32, values unsigned with an offset (8, 16, 128).
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL: blocks of 32, values unsigned with an offset (8,
+// 16, 128, 128 (IQ4_NL's grid values plus 128), or none and a min).
 template <int64_t VT, int R>
 VNNI void panel_32(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
                    int64_t ld) {
-  constexpr int64_t PB = 16 * (VT == Q8_0 ? sizeof(BlockQ8_0)
-                               : VT == Q4_0 ? sizeof(BlockQ4_0) : sizeof(BlockQ5_0));
-  constexpr int offset = VT == Q4_0 ? 8 : VT == Q5_0 ? 16 : 128;
+  constexpr int64_t PB = 16 * (VT == Q8_0 ? sizeof(BlockQ8_0) : VT == Q4_1 ? sizeof(BlockQ4_1)
+                               : VT == Q5_0 ? sizeof(BlockQ5_0) : VT == Q5_1 ? sizeof(BlockQ5_1)
+                               : sizeof(BlockQ4_0));
+  constexpr int offset = VT == Q4_0 ? 8 : VT == Q5_0 ? 16 : VT == Q8_0 || VT == IQ4_NL ? 128 : 0;
+  constexpr bool has_min = VT == Q4_1 || VT == Q5_1;
+  constexpr int64_t values = has_min ? 64 : 32;  // after d (and m)
+  alignas(16) static constexpr uint8_t grid[16] = {  // IQ4_NL_VALUES + 128
+      1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
@@ -564,15 +575,22 @@ VNNI void panel_32(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, f
     if constexpr (VT == Q8_0) {
       for (int g = 0; g < 8; ++g) q[g] = _mm512_loadu_si512(p + 32 + 64 * g);
     } else {
-      nibble_pairs(p + 32, q);
-      if constexpr (VT == Q5_0) add_high_bits(p + 288, q);
+      nibble_pairs(p + values, q);
+      if constexpr (VT == Q5_0 || VT == Q5_1) add_high_bits(p + values + 256, q);
+      if constexpr (VT == IQ4_NL) {
+        const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)grid));
+        for (int g = 0; g < 8; ++g) q[g] = _mm512_shuffle_epi8(table, q[g]);
+      }
     }
-    const __m512 dw = half_floats(p);
+    const __m512 dw = half_floats(p), dm = has_min ? half_floats(p + 32) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const ActQ8_0* y = act<ActQ8_0>(x, xs, r, i);
       const __m512i isum = _mm512_sub_epi32(dot_ops<8>(q, y->qs), _mm512_set1_epi32(offset * y->sum));
-      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(y->d), dw), _mm512_cvtepi32_ps(isum),
-                               acc[r]);
+      const __m512 dx = _mm512_set1_ps(y->d);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, dw), _mm512_cvtepi32_ps(isum), acc[r]);
+      if constexpr (has_min)
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, dm), _mm512_cvtepi32_ps(_mm512_set1_epi32(y->sum)),
+                                 acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ld, acc[r]);
@@ -612,6 +630,9 @@ std::array<PanelFn, MAX_R> panel_fns(int64_t vt) {
   switch (vt) {
     case Q4_0: return table_of<Q4_0>(g_use_vnni, rs);
     case Q5_0: return table_of<Q5_0>(g_use_vnni, rs);
+    case Q4_1: return table_of<Q4_1>(g_use_vnni, rs);
+    case Q5_1: return table_of<Q5_1>(g_use_vnni, rs);
+    case IQ4_NL: return table_of<IQ4_NL>(g_use_vnni, rs);
     case Q8_0: return table_of<Q8_0>(g_use_vnni, rs);
     case Q4_K: return table_of<Q4_K>(g_use_vnni, rs);
     case Q5_K: return table_of<Q5_K>(g_use_vnni, rs);

@@ -144,45 +144,19 @@ float dot_q3_k_scalar(const void* wv, const void* xv, int64_t nb) {
   return acc;
 }
 
-float dot_q4_0_scalar(const void* wv, const void* xv, int64_t nb) {
-  const auto* w = static_cast<const BlockQ4_0*>(wv);
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL (TYPE): blocks of 32 values.
+template <int64_t TYPE>
+float dot_32_scalar(const void* wv, const void* xv, int64_t nb) {
+  const auto* w = static_cast<const uint8_t*>(wv);
   const auto* x = static_cast<const ActQ8_0*>(xv);
+  const int64_t bytes = block_bytes(TYPE);
   float acc = 0.f;
   for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* b = w + i * bytes;
     int32_t sumi = 0;
-    for (int j = 0; j < 16; ++j)
-      sumi += (w[i].qs[j] & 0xF) * x[i].qs[j] + (w[i].qs[j] >> 4) * x[i].qs[j + 16];
-    acc += fp16_to_fp32(w[i].d) * x[i].d * (float)(sumi - 8 * x[i].sum);
-  }
-  return acc;
-}
-
-float dot_q5_0_scalar(const void* wv, const void* xv, int64_t nb) {
-  const auto* w = static_cast<const BlockQ5_0*>(wv);
-  const auto* x = static_cast<const ActQ8_0*>(xv);
-  float acc = 0.f;
-  for (int64_t i = 0; i < nb; ++i) {
-    uint32_t qh;
-    std::memcpy(&qh, w[i].qh, 4);
-    int32_t sumi = 0;
-    for (int j = 0; j < 16; ++j) {
-      const int q0 = (w[i].qs[j] & 0xF) | (((qh >> j) & 1) << 4);
-      const int q1 = (w[i].qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
-      sumi += q0 * x[i].qs[j] + q1 * x[i].qs[j + 16];
-    }
-    acc += fp16_to_fp32(w[i].d) * x[i].d * (float)(sumi - 16 * x[i].sum);
-  }
-  return acc;
-}
-
-float dot_q8_0_scalar(const void* wv, const void* xv, int64_t nb) {
-  const auto* w = static_cast<const BlockQ8_0*>(wv);
-  const auto* x = static_cast<const ActQ8_0*>(xv);
-  float acc = 0.f;
-  for (int64_t i = 0; i < nb; ++i) {
-    int32_t sumi = 0;
-    for (int j = 0; j < QK; ++j) sumi += w[i].qs[j] * x[i].qs[j];
-    acc += fp16_to_fp32(w[i].d) * x[i].d * (float)sumi;
+    for (int j = 0; j < QK; ++j) sumi += value32(TYPE, b, j) * x[i].qs[j];
+    acc += fp16_to_fp32(half_at(b)) * x[i].d * (float)(sumi - offset32(TYPE) * x[i].sum);
+    if (has_min32(TYPE)) acc += fp16_to_fp32(half_at(b + 2)) * x[i].d * (float)x[i].sum;
   }
   return acc;
 }
@@ -432,56 +406,62 @@ AVX2 inline __m256i bytes_from_bits(uint32_t bits) {
   return _mm256_cmpeq_epi8(_mm256_and_si256(v, mask), mask);
 }
 
-// 32-value formats: unsigned values (Q4_0 / Q5_0, minus an offset) or signed ones (Q8_0).
+// Bytes of a 32-value block, at compile time.
 template <int64_t TYPE>
-AVX2 inline __m256i unpack32(const void* wv, int64_t i) {
-  const __m128i low4 = _mm_set1_epi8(0xF);
-  if constexpr (TYPE == Q8_0) {
-    return _mm256_loadu_si256((const __m256i*)static_cast<const BlockQ8_0*>(wv)[i].qs);
-  } else {
-    const uint8_t* qs = TYPE == Q4_0 ? static_cast<const BlockQ4_0*>(wv)[i].qs
-                                     : static_cast<const BlockQ5_0*>(wv)[i].qs;
-    const __m128i b = _mm_loadu_si128((const __m128i*)qs);
-    __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low4), _mm_and_si128(b, low4));
-    if constexpr (TYPE == Q5_0) {
-      uint32_t qh;
-      std::memcpy(&qh, static_cast<const BlockQ5_0*>(wv)[i].qh, 4);
-      q = _mm256_or_si256(q, _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(0x10)));
-    }
-    return q;
-  }
+constexpr int64_t bytes32() {
+  return TYPE == Q8_0 ? sizeof(BlockQ8_0) : TYPE == Q4_1 ? sizeof(BlockQ4_1)
+       : TYPE == Q5_0 ? sizeof(BlockQ5_0) : TYPE == Q5_1 ? sizeof(BlockQ5_1)
+       : sizeof(BlockQ4_0);  // Q4_0, IQ4_NL
 }
 
+// A 32-value block's values as bytes: unsigned (Q4_0 / Q5_0 plus their offset, Q4_1 / Q5_1)
+// or signed (Q8_0, IQ4_NL's grid values).
 template <int64_t TYPE>
-inline uint16_t scale32(const void* wv, int64_t i) {
-  if constexpr (TYPE == Q8_0) return static_cast<const BlockQ8_0*>(wv)[i].d;
-  else if constexpr (TYPE == Q4_0) return static_cast<const BlockQ4_0*>(wv)[i].d;
-  else return static_cast<const BlockQ5_0*>(wv)[i].d;
+AVX2 inline __m256i unpack32(const uint8_t* block) {
+  if constexpr (TYPE == Q8_0) {
+    return _mm256_loadu_si256((const __m256i*)reinterpret_cast<const BlockQ8_0*>(block)->qs);
+  } else {
+    constexpr int64_t bytes = bytes32<TYPE>();
+    const __m128i low4 = _mm_set1_epi8(0xF);
+    const __m128i b = _mm_loadu_si128((const __m128i*)(block + bytes - QK / 2));
+    __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low4), _mm_and_si128(b, low4));
+    if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
+      uint32_t qh;
+      std::memcpy(&qh, block + bytes - QK / 2 - 4, 4);
+      q = _mm256_or_si256(q, _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(0x10)));
+    }
+    if constexpr (TYPE == IQ4_NL)
+      q = _mm256_shuffle_epi8(
+          _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)IQ4_NL_VALUES)), q);
+    return q;
+  }
 }
 
 template <int64_t TYPE, int R>
 AVX2 void dot_32_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t nb, float* out) {
   constexpr int offset = TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : 0;
+  constexpr bool is_signed = TYPE == Q8_0 || TYPE == IQ4_NL, has_min = TYPE == Q4_1 || TYPE == Q5_1;
+  constexpr int64_t bytes = bytes32<TYPE>();
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
-  float acc_offset[R];
+  float acc_offset[R];  // offset x sum, less min x sum
   for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); acc_offset[r] = 0.f; }
-  constexpr int64_t bytes = TYPE == Q8_0 ? sizeof(BlockQ8_0) : TYPE == Q4_0 ? sizeof(BlockQ4_0)
-                                                                             : sizeof(BlockQ5_0);
   for (int64_t i = 0; i < nb; ++i) {
-    prefetch_ahead<1>(static_cast<const uint8_t*>(wv) + i * bytes);
-    const __m256i q = unpack32<TYPE>(wv, i);
-    // maddubs needs one unsigned operand: Q8_0 uses |q| and y with q's sign.
-    const __m256i uq = TYPE == Q8_0 ? _mm256_sign_epi8(q, q) : q;
-    const float dw = h2f(scale32<TYPE>(wv, i));
+    const uint8_t* block = static_cast<const uint8_t*>(wv) + i * bytes;
+    prefetch_ahead<1>(block);
+    const __m256i q = unpack32<TYPE>(block);
+    // maddubs needs one unsigned operand: signed values use |q| and y with q's sign.
+    const __m256i uq = is_signed ? _mm256_sign_epi8(q, q) : q;
+    const float dw = h2f(half_at(block)), dm = has_min ? h2f(half_at(block + 2)) : 0.f;
     for (int r = 0; r < R; ++r) {
       const ActQ8_0* y = act<ActQ8_0>(x, xs, r, i);
       __m256i yv = _mm256_loadu_si256((const __m256i*)y->qs);
-      if (TYPE == Q8_0) yv = _mm256_sign_epi8(yv, q);
+      if (is_signed) yv = _mm256_sign_epi8(yv, q);
       const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(uq, yv), ones);
       const float d = dw * y->d;
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc[r]);
       if (offset) acc_offset[r] += d * (float)(offset * y->sum);
+      if (has_min) acc_offset[r] -= dm * y->d * (float)y->sum;
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) - acc_offset[r];
@@ -547,8 +527,11 @@ std::array<RowsFn, MAX_R> rows_fns(int64_t type) {
       case Q3_K: return avx2_table<Q3_K>();
       case Q2_K: return avx2_table<Q2_K>();
       case Q4_0: return avx2_table<Q4_0>();
+      case Q4_1: return avx2_table<Q4_1>();
       case Q5_0: return avx2_table<Q5_0>();
+      case Q5_1: return avx2_table<Q5_1>();
       case Q8_0: return avx2_table<Q8_0>();
+      case IQ4_NL: return avx2_table<IQ4_NL>();
     }
   }
 #endif
@@ -559,9 +542,12 @@ std::array<RowsFn, MAX_R> rows_fns(int64_t type) {
     case Q6_K: return scalar_table<dot_q6_k_scalar>();
     case Q3_K: return scalar_table<dot_q3_k_scalar>();
     case Q2_K: return scalar_table<dot_q2_k_scalar>();
-    case Q4_0: return scalar_table<dot_q4_0_scalar>();
-    case Q5_0: return scalar_table<dot_q5_0_scalar>();
-    case Q8_0: return scalar_table<dot_q8_0_scalar>();
+    case Q4_0: return scalar_table<dot_32_scalar<Q4_0>>();
+    case Q4_1: return scalar_table<dot_32_scalar<Q4_1>>();
+    case Q5_0: return scalar_table<dot_32_scalar<Q5_0>>();
+    case Q5_1: return scalar_table<dot_32_scalar<Q5_1>>();
+    case Q8_0: return scalar_table<dot_32_scalar<Q8_0>>();
+    case IQ4_NL: return scalar_table<dot_32_scalar<IQ4_NL>>();
   }
   TORCH_CHECK(false, "unsupported GGML type ", type);
 }
@@ -587,28 +573,15 @@ void dequantize_q4_k(const B* w, int64_t nb, float* y) {
 
 void dequantize_row(const uint8_t* row, int64_t type, int64_t k, float* y) {
   const int64_t nb = k / block_elems(type);
-  if (type == Q8_0) {
-    const auto* w = reinterpret_cast<const BlockQ8_0*>(row);
-    for (int64_t i = 0; i < nb; ++i, y += QK)
-      for (int j = 0; j < QK; ++j) y[j] = fp16_to_fp32(w[i].d) * w[i].qs[j];
-  } else if (type == Q4_0) {
-    const auto* w = reinterpret_cast<const BlockQ4_0*>(row);
+  if (block_elems(type) == QK) {  // gguf's expressions: d * (q - offset), or d * q + m
+    const int64_t bytes = block_bytes(type);
     for (int64_t i = 0; i < nb; ++i, y += QK) {
-      const float d = fp16_to_fp32(w[i].d);
-      for (int j = 0; j < 16; ++j) {
-        y[j] = d * ((int)(w[i].qs[j] & 0xF) - 8);
-        y[j + 16] = d * ((int)(w[i].qs[j] >> 4) - 8);
-      }
-    }
-  } else if (type == Q5_0) {
-    const auto* w = reinterpret_cast<const BlockQ5_0*>(row);
-    for (int64_t i = 0; i < nb; ++i, y += QK) {
-      uint32_t qh;
-      std::memcpy(&qh, w[i].qh, 4);
-      const float d = fp16_to_fp32(w[i].d);
-      for (int j = 0; j < 16; ++j) {
-        y[j] = d * ((int)((w[i].qs[j] & 0xF) | (((qh >> j) & 1) << 4)) - 16);
-        y[j + 16] = d * ((int)((w[i].qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+      const uint8_t* b = row + i * bytes;
+      const float d = fp16_to_fp32(half_at(b));
+      const float m = has_min32(type) ? fp16_to_fp32(half_at(b + 2)) : 0.f;
+      for (int j = 0; j < QK; ++j) {
+        const int q = value32(type, b, j);
+        y[j] = has_min32(type) ? d * q + m : d * (q - offset32(type));
       }
     }
   } else if (type == Q4_K) {

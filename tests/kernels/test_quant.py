@@ -16,7 +16,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
+         Q.Q6_K]
 K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 N, K, M = 40, 512, 7  # 40 weight rows: two full tiles of 16 and a partial one
 # Activations are rounded to int8 with one scale (amax / 127) per block of 32 or 256 values.
@@ -34,6 +35,11 @@ def random_weight(qtype: Q, rows: int = N, cols: int = K, seed: int = 0, std: fl
     quantizer for the 32-value formats; random blocks for the K-quants (gguf cannot quantize
     to them) with small positive fp16 scales, so every value is finite."""
     rng = np.random.default_rng(seed)
+    if qtype == Q.IQ4_NL:  # random nibbles (indices into a grid of rms ~66) and d
+        raw = rng.integers(0, 256, (rows, cols // 32, 18), dtype=np.uint8)
+        d = std * rng.uniform(0.5, 1.5, (rows, cols // 32, 1)) / 66
+        raw[..., 0:2] = d.astype(np.float16).view(np.uint8)
+        return torch.from_numpy(raw.reshape(rows, -1))
     if qtype not in K_QUANTS:
         data = quantize(std * rng.standard_normal((rows, cols), dtype=np.float32), qtype)
         return torch.from_numpy(np.ascontiguousarray(data))
@@ -229,7 +235,7 @@ def test_activations_that_do_not_match_the_weight_raise(ops: ModuleType) -> None
     with pytest.raises(RuntimeError, match="col0"):
         ops.qgemm_into(q8_0, random_weight(Q.Q8_0), int(Q.Q8_0), K, torch.empty(2, N), -1)
     with pytest.raises(RuntimeError, match="unsupported GGML type"):
-        ops.quantize_activations(rows, int(Q.Q5_1))
+        ops.quantize_activations(rows, int(Q.IQ4_XS))
 
 
 @pytest.mark.parametrize("path", ["avx2", "scalar"])
@@ -453,7 +459,7 @@ def test_panels_need_whole_panels(ops: ModuleType) -> None:
     with pytest.raises(RuntimeError, match="multiple of 16 rows"):
         ops.qgemm(xq, p[:40].contiguous(), ops.PANEL + int(Q.Q8_0), K)
     with pytest.raises(RuntimeError, match="unsupported GGML type"):
-        ops.repack_panels(random_weight(Q.Q8_0, rows=48), int(Q.Q5_1), K)
+        ops.repack_panels(random_weight(Q.Q8_0, rows=48), int(Q.IQ4_XS), K)
 
 
 def test_a_kernel_folder_that_cannot_be_made_falls_back(tmp_path,

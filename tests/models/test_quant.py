@@ -247,13 +247,13 @@ def test_rows_that_do_not_fit_raise() -> None:
 
 
 def test_formats_without_a_kernel_are_requantized_to_q8_0() -> None:
-    weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
-    q5_1 = QuantWeight(torch.from_numpy(quantize(weight.numpy(), Q.Q5_1)), Q.Q5_1, 64)
-    layer = QuantLinear(64, 32)
-    layer.set_rows(0, q5_1)
+    weight = torch.randn(32, 256, generator=torch.Generator().manual_seed(0))
+    tq2_0 = QuantWeight(torch.from_numpy(quantize(weight.numpy(), Q.TQ2_0)), Q.TQ2_0, 256)
+    layer = QuantLinear(256, 32)
+    layer.set_rows(0, tq2_0)
     assert layer.segments[0][1].qtype == Q.Q8_0
-    x = torch.randn(3, 64)
-    expected = F.linear(x, torch.from_numpy(dequantize(q5_1.data.numpy(), Q.Q5_1)))
+    x = torch.randn(3, 256)
+    expected = F.linear(x, torch.from_numpy(dequantize(tq2_0.data.numpy(), Q.TQ2_0)))
     assert rel_error(layer(x), expected) < GEMM_RTOL
 
 
@@ -289,11 +289,15 @@ def test_gguf_blocks_run_as_they_are_close_to_dequantized(gguf_path: Path) -> No
     assert rel_error(logits(quantized), logits(dequantized)) < ACTIVATIONS_RTOL
 
 
-@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K, Q.Q5_K], ids=["Q2_K", "Q3_K", "Q5_K"])
-def test_k_quants_gguf_cannot_make_run_as_they_are(tmp_path: Path, qtype: Q) -> None:
-    """Q5_K (Q5_K_M files' main format), Q3_K (Q3_K_S/M/L's) and Q2_K have their own kernels:
-    they are not re-quantized to Q8_0, and the logits are the dequantized model's up to the
-    int8 activations."""
+MORE_FORMATS = [Q.Q2_K, Q.Q3_K, Q.Q5_K, Q.Q4_1, Q.Q5_1, Q.IQ4_NL]
+
+
+@pytest.mark.parametrize("qtype", MORE_FORMATS, ids=[t.name for t in MORE_FORMATS])
+def test_more_gguf_formats_run_as_they_are(tmp_path: Path, qtype: Q) -> None:
+    """Q5_K (Q5_K_M files' main format), Q3_K (Q3_K_S/M/L's), Q2_K, and Q4_1 / Q5_1 / IQ4_NL
+    (what llama.cpp stores in K-quant files for rows not a multiple of 256) have their own
+    kernels: they are not re-quantized to Q8_0, and the logits are the dequantized model's up
+    to the int8 activations."""
     path = quantized_gguf(tmp_path / "k.gguf", down_types=(qtype, qtype))
     quantized, _ = load_model(str(path), quantization="auto")
     dequantized, _ = load_model(str(path), quantization="none")
