@@ -20,7 +20,7 @@ namespace braid_kernels {
 
 enum GgmlType : int64_t {
   Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
-  Q6_K = 14, IQ4_NL = 20
+  Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23
 };
 // braid's own layout of Q4_K (not a ggml type): the same values with the 6-bit scales and mins
 // unpacked to bytes at load (repack_q4_k), so the kernel does not decode them every block.
@@ -64,12 +64,15 @@ struct BlockQ2_K { uint8_t scales[QK_K / 16]; uint8_t qs[QK_K / 4]; uint16_t d; 
 // plus 4 times bit v / 32 of hmask[v % 32], minus 4; sixteen 6-bit scales (minus 32) packed into
 // 12 bytes, one per 16 values.
 struct BlockQ3_K { uint8_t hmask[QK_K / 8]; uint8_t qs[QK_K / 4]; uint8_t scales[12]; uint16_t d; };
+// IQ4_XS: IQ4_NL's grid in 256-value blocks, a 6-bit scale (minus 32) per 32 values: value v is
+// d * scale * IQ4_NL_VALUES[nibble], the nibble as IQ4_NL's within its 32 (qs + 16 (v / 32)).
+struct BlockIQ4_XS { uint16_t d; uint16_t scales_h; uint8_t scales_l[4]; uint8_t qs[QK_K / 2]; };
 struct BlockQ6_K { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; uint16_t d; };
 static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ5_0) == 22 && sizeof(BlockQ8_0) == 34 &&
                   sizeof(BlockQ4_1) == 20 && sizeof(BlockQ5_1) == 24 && sizeof(BlockIQ4_NL) == 18,
               "ggml block size");
 static_assert(sizeof(BlockQ2_K) == 84 && sizeof(BlockQ3_K) == 110 && sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 &&
-                  sizeof(BlockQ6_K) == 210,
+                  sizeof(BlockQ6_K) == 210 && sizeof(BlockIQ4_XS) == 136,
               "ggml block size");
 static_assert(sizeof(BlockQ4_KU) == 148, "unpacked Q4_K block size");
 
@@ -80,7 +83,7 @@ static_assert(sizeof(ActQ8_0) == 40 && sizeof(ActQ8_K) == 292, "activation block
 
 inline bool is_k_quant(int64_t type) {
   const int64_t vt = value_type(type);
-  return vt == Q2_K || vt == Q3_K || vt == Q4_K || vt == Q5_K || vt == Q6_K;
+  return vt == Q2_K || vt == Q3_K || vt == Q4_K || vt == Q5_K || vt == Q6_K || vt == IQ4_XS;
 }
 
 inline int64_t block_elems(int64_t type) { return is_k_quant(type) ? QK_K : QK; }
@@ -94,6 +97,7 @@ inline int64_t block_bytes(int64_t type) {
     case Q8_0: return sizeof(BlockQ8_0);
     case IQ4_NL: return sizeof(BlockIQ4_NL);
     case Q2_K: return sizeof(BlockQ2_K);
+    case IQ4_XS: return sizeof(BlockIQ4_XS);
     case Q3_K: return sizeof(BlockQ3_K);
     case Q4_K: return sizeof(BlockQ4_K);
     case Q5_K: return sizeof(BlockQ5_K);
@@ -106,6 +110,7 @@ inline int64_t block_bytes(int64_t type) {
       return block_bytes(type - PANEL);
     case PANEL + Q3_K: return sizeof(BlockQ3_K) + 4;  // sixteen scales as bytes, not twelve
     case PANEL + Q2_K: return sizeof(BlockQ2_K) + 16;  // scales and mins in bytes of their own
+    case PANEL + IQ4_XS: return sizeof(BlockIQ4_XS) + 2;  // eight scales as bytes, not six
     case PANEL + Q4_K: return sizeof(BlockQ4_KU);
     case PANEL + Q5_K: return sizeof(BlockQ4_KU) + QK_K / 8;  // and the high bits
   }
@@ -183,6 +188,20 @@ inline void q3k_scales(const uint8_t* s, int8_t* sc) {
     const int low = j < 8 ? s[j] & 0xF : s[j - 8] >> 4;
     sc[j] = (int8_t)((low | ((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4) - 32);
   }
+}
+
+// IQ4_XS: the eight scales (6 bits, minus 32): low four bits in scales_l (two a byte, low
+// nibble first), top two in scales_h (bits 2j).
+inline void iq4xs_scales(const BlockIQ4_XS& b, int8_t* sc) {
+  for (int j = 0; j < 8; ++j)
+    sc[j] = (int8_t)((((b.scales_l[j / 2] >> (4 * (j % 2))) & 0xF) |
+                      (((b.scales_h >> (2 * j)) & 3) << 4)) - 32);
+}
+
+// IQ4_XS: the grid index of value v.
+inline int iq4xs_index(const BlockIQ4_XS& b, int v) {
+  const uint8_t byte = b.qs[16 * (v / 32) + v % 16];
+  return v % 32 < 16 ? byte & 0xF : byte >> 4;
 }
 
 // Bits 2 (v / 32 % 4) of qs[v / 128 * 32 + v % 32]: the two low bits of value v of a Q2_K or

@@ -20,6 +20,8 @@
 //   Q5_K:        Q4_K's, each group followed by its 8 x u64 bit masks of bit 4
 //   Q6_K:        d[16] fp16 | scales [8][16][2] int8 | 8 groups x (4 x [16][4] pairs of the
 //                low nibbles, 2 x [16][4] bytes of four 2-bit high parts)
+//   IQ4_XS:      d[16] fp16 | scales[8][16] int8 (minus 32 applied) | 8 groups x 4 x [16][4]
+//                pairs (indices into IQ4_NL_VALUES)
 //   Q2_K:        d[16], dmin[16] fp16 | 8 groups x (scales [16][2], mins [16][2], 2 x [16][4]
 //                bytes of four 2-bit values)
 //   Q3_K:        d[16] fp16 | 8 groups x (scales [16][2] int8 (minus 32 applied), 2 x [16][4]
@@ -59,7 +61,7 @@ int64_t panel_block_bytes(int64_t vt) { return PANEL_ROWS * block_bytes(PANEL + 
 bool has_mins(int64_t vt) { return vt == Q4_K || vt == Q5_K || vt == Q2_K; }
 
 // Values per scale.
-int scale_group(int64_t vt) { return vt == Q4_K || vt == Q5_K ? 32 : 16; }
+int scale_group(int64_t vt) { return vt == Q4_K || vt == Q5_K || vt == IQ4_XS ? 32 : 16; }
 
 // Where group `grp` (32 values) of a panel block starts: its nibble pairs, then any high bits.
 int64_t group_offset(int64_t vt, int grp) {
@@ -69,6 +71,7 @@ int64_t group_offset(int64_t vt, int grp) {
     case Q6_K: return 64 + 416 * grp;
     case Q3_K: return 64 + 224 * grp;  // after the group's scales
     case Q2_K: return 128 + 192 * grp;  // after the group's scales and mins
+    case IQ4_XS: return 160 + 256 * grp;
   }
   return has_min32(vt) ? 64 : 32;
 }
@@ -87,6 +90,7 @@ Field low_field(int64_t vt, int n, int v) {
       return {group_offset(vt, v / 32) + ((g / 4) * 16 + n) * 4 + b, 2 * (g % 4), 2};
     case Q8_0: return {32 + (g * 16 + n) * 4 + b, 0, 8};
     case Q4_0: case Q5_0: case Q4_1: case Q5_1: case IQ4_NL: case Q4_K: case Q5_K: case Q6_K:
+    case IQ4_XS:
       return {group_offset(vt, v / 32) + ((g % 4) * 16 + n) * 4 + b, 4 * (g / 4), 4};
   }
   TORCH_CHECK(false, "no panel layout for GGML type ", vt);
@@ -129,6 +133,11 @@ void decode_plain(int64_t vt, const uint8_t* block, Ints& o) {
         o.q[64 * j + l] = (uint8_t)((qs[32 * j + l] & 0xF) | h0);
         o.q[64 * j + 32 + l] = (uint8_t)((qs[32 * j + l] >> 4) | h1);
       }
+  } else if (vt == IQ4_XS) {
+    const auto* w = reinterpret_cast<const BlockIQ4_XS*>(block);
+    o.d = w->d;
+    iq4xs_scales(*w, o.sc);
+    for (int v = 0; v < QK_K; ++v) o.q[v] = (uint8_t)iq4xs_index(*w, v);
   } else if (vt == Q2_K) {
     const auto* w = reinterpret_cast<const BlockQ2_K*>(block);
     o.d = w->d;
@@ -172,6 +181,8 @@ void encode_panel(int64_t vt, const Ints& o, uint8_t* p, int n) {
       p[64 + 16 * j + n] = (uint8_t)o.sc[j];
       p[192 + 16 * j + n] = o.mn[j];
     }
+  } else if (vt == IQ4_XS) {
+    for (int j = 0; j < 8; ++j) p[32 + 16 * j + n] = (uint8_t)o.sc[j];
   } else if (vt == Q2_K) {  // each group's scales, then its mins, just before its values
     for (int s = 0; s < 16; ++s) {
       p[group_offset(vt, s / 2) - 64 + n * 2 + s % 2] = (uint8_t)o.sc[s];
@@ -228,6 +239,8 @@ void decode_panel(int64_t vt, const uint8_t* p, int n, Ints& o) {
       o.sc[j] = (int8_t)p[64 + 16 * j + n];
       o.mn[j] = p[192 + 16 * j + n];
     }
+  } else if (vt == IQ4_XS) {
+    for (int j = 0; j < 8; ++j) o.sc[j] = (int8_t)p[32 + 16 * j + n];
   } else if (vt == Q2_K) {
     for (int s = 0; s < 16; ++s) {
       o.sc[s] = (int8_t)p[group_offset(vt, s / 2) - 64 + n * 2 + s % 2];
@@ -254,6 +267,7 @@ void ints_to_floats(int64_t vt, const Ints& o, float* y) {
       case Q5_0: y[v] = d * (q - 16); break;
       case Q4_1: case Q5_1: y[v] = d * q + fp16_to_fp32(o.m); break;
       case IQ4_NL: y[v] = d * IQ4_NL_VALUES[q]; break;
+      case IQ4_XS: y[v] = d * o.sc[v / 32] * IQ4_NL_VALUES[q]; break;
       case Q4_K: case Q5_K:
         y[v] = d * (uint8_t)o.sc[v / 32] * q - fp16_to_fp32(o.dmin) * o.mn[v / 32];
         break;
@@ -274,7 +288,8 @@ float dot_block(int64_t vt, const Ints& o, const uint8_t* xb, float acc) {
     int32_t sumi = 0, summ = 0;
     for (int s = 0; s < QK_K / group; ++s) {
       int32_t isum = 0;
-      for (int v = s * group; v < (s + 1) * group; ++v) isum += o.q[v] * y->qs[v];
+      for (int v = s * group; v < (s + 1) * group; ++v)
+        isum += (vt == IQ4_XS ? IQ4_NL_VALUES[o.q[v]] : o.q[v]) * y->qs[v];
       sumi += o.sc[s] * isum;
     }
     if (has_mins(vt)) {
@@ -283,7 +298,7 @@ float dot_block(int64_t vt, const Ints& o, const uint8_t* xb, float acc) {
     } else {  // Q6_K's values are stored plus 32, Q3_K's plus 4
       int32_t offset = 0;
       for (int s = 0; s < 16; ++s) offset += o.sc[s] * y->bsums[s];
-      sumi -= (vt == Q3_K ? 4 : 32) * offset;
+      sumi -= (vt == Q3_K ? 4 : vt == Q6_K ? 32 : 0) * offset;  // IQ4_XS: signed values
     }
     acc = std::fma(y->d * fp16_to_fp32(o.d), (float)sumi, acc);
     if (has_mins(vt)) acc = std::fma(-(y->d * fp16_to_fp32(o.dmin)), (float)summ, acc);
@@ -467,6 +482,41 @@ VNNI void panel_q6_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb,
 }
 
 template <int R>
+VNNI void panel_iq4_xs(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
+                       int64_t ld) {
+  constexpr int64_t PB = 16 * (sizeof(BlockIQ4_XS) + 2);
+  alignas(16) static constexpr uint8_t grid[16] = {  // IQ4_NL_VALUES + 128
+      1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)grid));
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* p = w + i * PB;
+    __m512i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {  // 32 values, one signed scale per row
+      prefetch_ahead<PB / 8>(p + j * (PB / 8));
+      __m512i q[8];
+      nibble_pairs(p + 160 + 256 * j, q);
+      for (int g = 0; g < 8; ++g) q[g] = _mm512_shuffle_epi8(table, q[g]);  // value + 128
+      const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 32 + 16 * j)));
+      for (int r = 0; r < R; ++r) {
+        const ActQ8_K* y = act<ActQ8_K>(x, xs, r, i);
+        const __m512i offset = _mm512_set1_epi32(128 * (y->bsums[2 * j] + y->bsums[2 * j + 1]));
+        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(
+            _mm512_sub_epi32(dot_ops<8>(q, y->qs + 32 * j), offset), sc));
+      }
+    }
+    const __m512 dw = half_floats(p);
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(act<ActQ8_K>(x, xs, r, i)->d);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, dw), _mm512_cvtepi32_ps(sumi[r]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ld, acc[r]);
+}
+
+template <int R>
 VNNI void panel_q2_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
                      int64_t ld) {
   constexpr int64_t PB = 16 * (sizeof(BlockQ2_K) + 16);
@@ -603,6 +653,7 @@ VNNI void panel_vnni(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb,
   else if constexpr (VT == Q6_K) panel_q6_k<R>(w, x, xs, nb, out, ld);
   else if constexpr (VT == Q3_K) panel_q3_k<R>(w, x, xs, nb, out, ld);
   else if constexpr (VT == Q2_K) panel_q2_k<R>(w, x, xs, nb, out, ld);
+  else if constexpr (VT == IQ4_XS) panel_iq4_xs<R>(w, x, xs, nb, out, ld);
   else panel_32<VT, R>(w, x, xs, nb, out, ld);
 }
 
@@ -639,6 +690,7 @@ std::array<PanelFn, MAX_R> panel_fns(int64_t vt) {
     case Q6_K: return table_of<Q6_K>(g_use_vnni, rs);
     case Q3_K: return table_of<Q3_K>(g_use_vnni, rs);
     case Q2_K: return table_of<Q2_K>(g_use_vnni, rs);
+    case IQ4_XS: return table_of<IQ4_XS>(g_use_vnni, rs);
   }
   TORCH_CHECK(false, "no panel layout for GGML type ", vt);
 }

@@ -1,6 +1,6 @@
 // Matrix products with GGUF-quantized weights on the CPU, as llama.cpp's ggml-cpu does them:
 // each activation row is quantized to int8 blocks (Q8_K: 256 values and one scale, for the
-// K-quants Q2_K / Q3_K / Q4_K / Q5_K / Q6_K; Q8_0: 32 values and one scale, for Q4_0 / Q5_0 / Q8_0), and every
+// K-quants Q2_K / Q3_K / Q4_K / Q5_K / Q6_K and IQ4_XS; Q8_0: 32 values and one scale, for Q4_0 / Q5_0 / Q8_0), and every
 // output is an integer dot product per block, scaled and summed in float.
 //
 // Batch invariance: output (m, n) is always computed by the same dot routine over row n of the
@@ -123,6 +123,25 @@ float dot_q2_k_scalar(const void* wv, const void* xv, int64_t nb) {
     acc_min += x[i].d * fp16_to_fp32(w[i].dmin) * (float)summ;
   }
   return acc - acc_min;
+}
+
+float dot_iq4_xs_scalar(const void* wv, const void* xv, int64_t nb) {
+  const auto* w = static_cast<const BlockIQ4_XS*>(wv);
+  const auto* x = static_cast<const ActQ8_K*>(xv);
+  float acc = 0.f;
+  for (int64_t i = 0; i < nb; ++i) {
+    int8_t sc[8];
+    iq4xs_scales(w[i], sc);
+    int32_t sumi = 0;
+    for (int j = 0; j < 8; ++j) {
+      int32_t s = 0;
+      for (int v = 32 * j; v < 32 * j + 32; ++v)
+        s += IQ4_NL_VALUES[iq4xs_index(w[i], v)] * x[i].qs[v];
+      sumi += sc[j] * s;
+    }
+    acc += x[i].d * fp16_to_fp32(w[i].d) * (float)sumi;
+  }
+  return acc;
 }
 
 float dot_q3_k_scalar(const void* wv, const void* xv, int64_t nb) {
@@ -302,6 +321,40 @@ AVX2 void dot_q6_k_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t nb
           const __m256i p = _mm256_maddubs_epi16(q[part], _mm256_loadu_si256((const __m256i*)y));
           sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, s));
         }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float d = act<ActQ8_K>(x, xs, r, i)->d * h2f(w[i].d);
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+}
+
+template <int R>
+AVX2 void dot_iq4_xs_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t nb, float* out) {
+  const auto* w = static_cast<const BlockIQ4_XS*>(wv);
+  const __m128i low4 = _mm_set1_epi8(0xF);
+  const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)IQ4_NL_VALUES));
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    prefetch_ahead<sizeof(BlockIQ4_XS)>(w + i);
+    int8_t sc[8];
+    iq4xs_scales(w[i], sc);
+    __m256i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {  // 32 values: grid values, signed (|q| and y with q's sign)
+      const __m128i b = _mm_loadu_si128((const __m128i*)(w[i].qs + 16 * j));
+      const __m256i q = _mm256_shuffle_epi8(grid, _mm256_set_m128i(
+          _mm_and_si128(_mm_srli_epi16(b, 4), low4), _mm_and_si128(b, low4)));
+      const __m256i uq = _mm256_sign_epi8(q, q), s = _mm256_set1_epi32(sc[j]);
+      for (int r = 0; r < R; ++r) {
+        const __m256i yv = _mm256_sign_epi8(
+            _mm256_loadu_si256((const __m256i*)(act<ActQ8_K>(x, xs, r, i)->qs + 32 * j)), q);
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(uq, yv), ones);
+        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_mullo_epi32(p, s));
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -500,6 +553,7 @@ AVX2 void rows_avx2(const void* w, const uint8_t* x, int64_t xs, int64_t nb, flo
   else if constexpr (TYPE == Q6_K) dot_q6_k_avx2<R>(w, x, xs, nb, out);
   else if constexpr (TYPE == Q3_K) dot_q3_k_avx2<R>(w, x, xs, nb, out);
   else if constexpr (TYPE == Q2_K) dot_q2_k_avx2<R>(w, x, xs, nb, out);
+  else if constexpr (TYPE == IQ4_XS) dot_iq4_xs_avx2<R>(w, x, xs, nb, out);
   else dot_32_avx2<TYPE, R>(w, x, xs, nb, out);
 }
 
@@ -526,6 +580,7 @@ std::array<RowsFn, MAX_R> rows_fns(int64_t type) {
       case Q6_K: return avx2_table<Q6_K>();
       case Q3_K: return avx2_table<Q3_K>();
       case Q2_K: return avx2_table<Q2_K>();
+      case IQ4_XS: return avx2_table<IQ4_XS>();
       case Q4_0: return avx2_table<Q4_0>();
       case Q4_1: return avx2_table<Q4_1>();
       case Q5_0: return avx2_table<Q5_0>();
@@ -542,6 +597,7 @@ std::array<RowsFn, MAX_R> rows_fns(int64_t type) {
     case Q6_K: return scalar_table<dot_q6_k_scalar>();
     case Q3_K: return scalar_table<dot_q3_k_scalar>();
     case Q2_K: return scalar_table<dot_q2_k_scalar>();
+    case IQ4_XS: return scalar_table<dot_iq4_xs_scalar>();
     case Q4_0: return scalar_table<dot_32_scalar<Q4_0>>();
     case Q4_1: return scalar_table<dot_32_scalar<Q4_1>>();
     case Q5_0: return scalar_table<dot_32_scalar<Q5_0>>();
@@ -590,6 +646,14 @@ void dequantize_row(const uint8_t* row, int64_t type, int64_t k, float* y) {
     dequantize_q4_k(reinterpret_cast<const BlockQ4_KU*>(row), nb, y);
   } else if (type == Q5_K) {
     dequantize_q4_k(reinterpret_cast<const BlockQ5_K*>(row), nb, y);
+  } else if (type == IQ4_XS) {
+    const auto* w = reinterpret_cast<const BlockIQ4_XS*>(row);
+    for (int64_t i = 0; i < nb; ++i, y += QK_K) {
+      int8_t sc[8];
+      iq4xs_scales(w[i], sc);
+      const float d = fp16_to_fp32(w[i].d);
+      for (int v = 0; v < QK_K; ++v) y[v] = d * sc[v / 32] * IQ4_NL_VALUES[iq4xs_index(w[i], v)];
+    }
   } else if (type == Q2_K) {
     const auto* w = reinterpret_cast<const BlockQ2_K*>(row);
     for (int64_t i = 0; i < nb; ++i, y += QK_K) {

@@ -26,9 +26,9 @@ from braid.kernels import quant_ops
 Q = GGMLQuantizationType
 # Formats the kernels run; K-quants want rows of whole 256-value super-blocks.
 KERNEL_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K,
-                          Q.Q4_K, Q.Q5_K, Q.Q6_K})
+                          Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})
 # Formats whose activations are Q8_K blocks (256 values), not Q8_0 ones (32).
-K_QUANTS = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+K_QUANTS = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})
 HUGE_PAGE = 2 << 20  # bytes of a transparent huge page on x86-64 and most arm64 kernels
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 _FLOAT_QUANT = {"int8": Q.Q8_0, "int4": Q.Q4_0}

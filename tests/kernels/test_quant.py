@@ -17,8 +17,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
-         Q.Q6_K]
-K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+         Q.Q6_K, Q.IQ4_XS]
+K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)
 N, K, M = 40, 512, 7  # 40 weight rows: two full tiles of 16 and a partial one
 # Activations are rounded to int8 with one scale (amax / 127) per block of 32 or 256 values.
 # For Gaussian rows amax is ~2.5-3 sigma, so the rounding error (step / sqrt(12)) is ~0.7% of
@@ -51,7 +51,9 @@ def random_weight(qtype: Q, rows: int = N, cols: int = K, seed: int = 0, std: fl
     # d * (6-bit scale - 32) * (3-bit value - 4) for Q3_K (rms ~43 d) and d * (4-bit scale) *
     # (2-bit value) - dmin * (4-bit min) for Q2_K (rms ~14 d, dmin = 1.5 d).
     d = std * rng.uniform(0.5, 1.5, (rows, cols // block, 1))
-    if qtype == Q.Q2_K:  # 16 bytes of 4-bit scales and mins, 64 of bit pairs, d, dmin
+    if qtype == Q.IQ4_XS:  # d, 2 + 4 bytes of 6-bit scales, 128 of grid indices: ~1200 d
+        raw[..., 0:2] = (d / 1200).astype(np.float16).view(np.uint8)
+    elif qtype == Q.Q2_K:  # 16 bytes of 4-bit scales and mins, 64 of bit pairs, d, dmin
         raw[..., -4:] = np.concatenate([d / 14, 1.5 * d / 14], -1).astype(np.float16).view(
             np.uint8)
     elif qtype in (Q.Q4_K, Q.Q5_K):  # d, dmin, 12 bytes of 6-bit scales and mins, [Q5_K: 32
@@ -235,7 +237,7 @@ def test_activations_that_do_not_match_the_weight_raise(ops: ModuleType) -> None
     with pytest.raises(RuntimeError, match="col0"):
         ops.qgemm_into(q8_0, random_weight(Q.Q8_0), int(Q.Q8_0), K, torch.empty(2, N), -1)
     with pytest.raises(RuntimeError, match="unsupported GGML type"):
-        ops.quantize_activations(rows, int(Q.IQ4_XS))
+        ops.quantize_activations(rows, int(Q.IQ3_S))
 
 
 @pytest.mark.parametrize("path", ["avx2", "scalar"])
@@ -459,7 +461,7 @@ def test_panels_need_whole_panels(ops: ModuleType) -> None:
     with pytest.raises(RuntimeError, match="multiple of 16 rows"):
         ops.qgemm(xq, p[:40].contiguous(), ops.PANEL + int(Q.Q8_0), K)
     with pytest.raises(RuntimeError, match="unsupported GGML type"):
-        ops.repack_panels(random_weight(Q.Q8_0, rows=48), int(Q.IQ4_XS), K)
+        ops.repack_panels(random_weight(Q.Q8_0, rows=48), int(Q.IQ3_S), K)
 
 
 def test_a_kernel_folder_that_cannot_be_made_falls_back(tmp_path,

@@ -289,13 +289,13 @@ def test_gguf_blocks_run_as_they_are_close_to_dequantized(gguf_path: Path) -> No
     assert rel_error(logits(quantized), logits(dequantized)) < ACTIVATIONS_RTOL
 
 
-MORE_FORMATS = [Q.Q2_K, Q.Q3_K, Q.Q5_K, Q.Q4_1, Q.Q5_1, Q.IQ4_NL]
+MORE_FORMATS = [Q.Q2_K, Q.Q3_K, Q.Q5_K, Q.Q4_1, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS]
 
 
 @pytest.mark.parametrize("qtype", MORE_FORMATS, ids=[t.name for t in MORE_FORMATS])
 def test_more_gguf_formats_run_as_they_are(tmp_path: Path, qtype: Q) -> None:
-    """Q5_K (Q5_K_M files' main format), Q3_K (Q3_K_S/M/L's), Q2_K, and Q4_1 / Q5_1 / IQ4_NL
-    (what llama.cpp stores in K-quant files for rows not a multiple of 256) have their own
+    """Q5_K (Q5_K_M files' main format), Q3_K (Q3_K_S/M/L's), Q2_K, IQ4_XS, and Q4_1 / Q5_1 /
+    IQ4_NL (what llama.cpp stores in K-quant files for rows not a multiple of 256) have their own
     kernels: they are not re-quantized to Q8_0, and the logits are the dequantized model's up
     to the int8 activations."""
     path = quantized_gguf(tmp_path / "k.gguf", down_types=(qtype, qtype))
