@@ -45,11 +45,12 @@ constexpr int MAX_R = 8;  // activation rows per pass over a panel block
 
 // One block of one row as integers (the values unsigned: Q8_0's plus 128).
 struct Ints {
-  uint16_t d = 0, dmin = 0;  // fp16 bits
-  uint16_t m = 0;            // Q4_1 / Q5_1: the min (fp16 bits)
-  int8_t sc[16] = {};        // Q4_K / Q5_K: 8 6-bit scales; Q3_K / Q6_K: 16 signed scales
+  uint16_t d = 0, dmin = 0;  // fp16 bits (Q4_1 / Q5_1: dmin holds the min m)
+  int8_t sc[16] = {};        // Q4_K / Q5_K: 8 6-bit scales; IQ4_XS: 8 signed; Q2_K: 16 4-bit;
+                             // Q3_K / Q6_K: 16 signed
   uint8_t mn[16] = {};       // Q4_K / Q5_K: 8 6-bit mins; Q2_K: 16 4-bit ones
-  uint8_t q[QK_K] = {};      // as stored: unsigned (Q8_0: plus 128; IQ4_NL: grid indices)
+  uint8_t q[QK_K] = {};      // as stored: unsigned (Q8_0: plus 128; IQ4_NL / IQ4_XS: grid
+                             // indices)
 };
 
 int values_per_block(int64_t vt) { return (int)block_elems(vt); }
@@ -117,7 +118,7 @@ void decode_plain(int64_t vt, const uint8_t* block, Ints& o) {
     for (int v = 0; v < QK; ++v) o.q[v] = (uint8_t)(w->qs[v] + 128);
   } else if (vt == Q4_0 || vt == Q5_0 || vt == Q4_1 || vt == Q5_1 || vt == IQ4_NL) {
     o.d = half_at(block);
-    if (has_min32(vt)) o.m = half_at(block + 2);
+    if (has_min32(vt)) o.dmin = half_at(block + 2);  // m: the min itself
     for (int j = 0; j < QK; ++j) o.q[j] = (uint8_t)stored32(vt, block, j);
   } else if (vt == Q4_K || vt == Q5_K) {
     const auto* w = reinterpret_cast<const BlockQ4_K*>(block);  // Q5_K: the same up to qh
@@ -174,8 +175,7 @@ void decode_plain(int64_t vt, const uint8_t* block, Ints& o) {
 // Block `o` as row n of panel block p (zeroed before its first row), and back.
 void encode_panel(int64_t vt, const Ints& o, uint8_t* p, int n) {
   std::memcpy(p + 2 * n, &o.d, 2);
-  if (has_mins(vt)) std::memcpy(p + 32 + 2 * n, &o.dmin, 2);
-  if (has_min32(vt)) std::memcpy(p + 32 + 2 * n, &o.m, 2);
+  if (has_mins(vt) || has_min32(vt)) std::memcpy(p + 32 + 2 * n, &o.dmin, 2);
   if (vt == Q4_K || vt == Q5_K) {
     for (int j = 0; j < 8; ++j) {
       p[64 + 16 * j + n] = (uint8_t)o.sc[j];
@@ -232,8 +232,7 @@ void encode_panel(int64_t vt, const Ints& o, uint8_t* p, int n) {
 
 void decode_panel(int64_t vt, const uint8_t* p, int n, Ints& o) {
   std::memcpy(&o.d, p + 2 * n, 2);
-  if (has_mins(vt)) std::memcpy(&o.dmin, p + 32 + 2 * n, 2);
-  if (has_min32(vt)) std::memcpy(&o.m, p + 32 + 2 * n, 2);
+  if (has_mins(vt) || has_min32(vt)) std::memcpy(&o.dmin, p + 32 + 2 * n, 2);
   if (vt == Q4_K || vt == Q5_K) {
     for (int j = 0; j < 8; ++j) {
       o.sc[j] = (int8_t)p[64 + 16 * j + n];
@@ -265,7 +264,7 @@ void ints_to_floats(int64_t vt, const Ints& o, float* y) {
       case Q8_0: y[v] = d * (int8_t)(q - 128); break;
       case Q4_0: y[v] = d * (q - 8); break;
       case Q5_0: y[v] = d * (q - 16); break;
-      case Q4_1: case Q5_1: y[v] = d * q + fp16_to_fp32(o.m); break;
+      case Q4_1: case Q5_1: y[v] = d * q + fp16_to_fp32(o.dmin); break;
       case IQ4_NL: y[v] = d * IQ4_NL_VALUES[q]; break;
       case IQ4_XS: y[v] = d * o.sc[v / 32] * IQ4_NL_VALUES[q]; break;
       case Q4_K: case Q5_K:
@@ -309,7 +308,7 @@ float dot_block(int64_t vt, const Ints& o, const uint8_t* xb, float acc) {
   int32_t isum = 0;
   for (int v = 0; v < QK; ++v) isum += (vt == IQ4_NL ? IQ4_NL_VALUES[o.q[v]] : o.q[v]) * y->qs[v];
   acc = std::fma(y->d * fp16_to_fp32(o.d), (float)(isum - offset * y->sum), acc);
-  if (has_min32(vt)) acc = std::fma(y->d * fp16_to_fp32(o.m), (float)y->sum, acc);
+  if (has_min32(vt)) acc = std::fma(y->d * fp16_to_fp32(o.dmin), (float)y->sum, acc);
   return acc;
 }
 
