@@ -36,7 +36,7 @@ inline int64_t value_type(int64_t type) {
   return is_panel(type) ? type - PANEL : type == Q4_K_UNPACKED ? Q4_K : type;
 }
 
-constexpr int QK = 32;    // Q5_0 / Q8_0 block
+constexpr int QK = 32;    // Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL block
 constexpr int QK_K = 256; // K-quant super-block
 
 // The 32-value formats: d first; Q4_1 / Q5_1 then a min m; Q5_0 / Q5_1 then bit 4 of each value
@@ -124,24 +124,26 @@ inline bool has_min32(int64_t type) { return type == Q4_1 || type == Q5_1; }
 // What each value of a 32-value format has stored above its value: Q4_0 8, Q5_0 16.
 inline int offset32(int64_t type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0; }
 
-// Value j of a 4- or 5-bit 32-value block as stored: its nibble, plus bit 4 (Q5_0 / Q5_1).
-inline int stored32(int64_t type, const uint8_t* block, int j) {
-  const int64_t bytes = block_bytes(type);
-  const uint8_t* qs = block + bytes - QK / 2;
-  int q = j < 16 ? qs[j] & 0xF : qs[j - 16] >> 4;
-  if (type == Q5_0 || type == Q5_1) {
-    uint32_t qh;
-    std::memcpy(&qh, block + bytes - QK / 2 - 4, 4);
-    q |= ((qh >> j) & 1) << 4;
+// The 32 values of a 4- or 5-bit block as stored: nibbles, plus bit 4 (Q5_0 / Q5_1).
+inline void stored32(int64_t type, const uint8_t* block, int* q) {
+  const uint8_t* qs = block + block_bytes(type) - QK / 2;
+  uint32_t qh = 0;
+  if (type == Q5_0 || type == Q5_1) std::memcpy(&qh, qs - 4, 4);
+  for (int j = 0; j < 16; ++j) {
+    q[j] = (qs[j] & 0xF) | (((qh >> j) & 1) << 4);
+    q[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
   }
-  return q;
 }
 
-// Value j of a 32-value block as the integer its products use (plus offset32).
-inline int value32(int64_t type, const uint8_t* block, int j) {
-  if (type == Q8_0) return reinterpret_cast<const BlockQ8_0*>(block)->qs[j];
-  const int q = stored32(type, block, j);
-  return type == IQ4_NL ? IQ4_NL_VALUES[q] : q;
+// The 32 values of a block as the integers its products use (plus offset32).
+inline void values32(int64_t type, const uint8_t* block, int* q) {
+  if (type == Q8_0) {
+    for (int j = 0; j < QK; ++j) q[j] = reinterpret_cast<const BlockQ8_0*>(block)->qs[j];
+    return;
+  }
+  stored32(type, block, q);
+  if (type == IQ4_NL)
+    for (int j = 0; j < QK; ++j) q[j] = IQ4_NL_VALUES[q[j]];
 }
 
 inline uint16_t half_at(const uint8_t* p) {

@@ -97,8 +97,8 @@ Field low_field(int64_t vt, int n, int v) {
   TORCH_CHECK(false, "no panel layout for GGML type ", vt);
 }
 
-// The bits above the low ones: Q5_0's and Q5_K's bit 4, Q6_K's bits 4-5, Q3_K's bit 2 (none
-// for the others).
+// The bits above the low ones: Q5_0's, Q5_1's and Q5_K's bit 4, Q6_K's bits 4-5, Q3_K's bit 2
+// (none for the others).
 Field high_field(int64_t vt, int n, int v) {
   const int g = (v % 32) / 4, b = v % 4;
   if (vt == Q3_K) return {group_offset(vt, v / 32) + 128 + g * 8 + (n * 4 + b) / 8, (n * 4 + b) % 8, 1};
@@ -119,7 +119,9 @@ void decode_plain(int64_t vt, const uint8_t* block, Ints& o) {
   } else if (vt == Q4_0 || vt == Q5_0 || vt == Q4_1 || vt == Q5_1 || vt == IQ4_NL) {
     o.d = half_at(block);
     if (has_min32(vt)) o.dmin = half_at(block + 2);  // m: the min itself
-    for (int j = 0; j < QK; ++j) o.q[j] = (uint8_t)stored32(vt, block, j);
+    int q[QK];
+    stored32(vt, block, q);
+    for (int j = 0; j < QK; ++j) o.q[j] = (uint8_t)q[j];
   } else if (vt == Q4_K || vt == Q5_K) {
     const auto* w = reinterpret_cast<const BlockQ4_K*>(block);  // Q5_K: the same up to qh
     const uint8_t* qs = vt == Q4_K ? w->qs : reinterpret_cast<const BlockQ5_K*>(block)->qs;

@@ -1,7 +1,8 @@
 // Matrix products with GGUF-quantized weights on the CPU, as llama.cpp's ggml-cpu does them:
 // each activation row is quantized to int8 blocks (Q8_K: 256 values and one scale, for the
-// K-quants Q2_K / Q3_K / Q4_K / Q5_K / Q6_K and IQ4_XS; Q8_0: 32 values and one scale, for Q4_0 / Q5_0 / Q8_0), and every
-// output is an integer dot product per block, scaled and summed in float.
+// K-quants Q2_K / Q3_K / Q4_K / Q5_K / Q6_K and IQ4_XS; Q8_0: 32 values and one scale, for the
+// 32-value formats Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL), and every output is an integer
+// dot product per block, scaled and summed in float.
 //
 // Batch invariance: output (m, n) is always computed by the same dot routine over row n of the
 // weight and row m of the quantized activations, whatever the number of rows, the tile or the
@@ -172,8 +173,10 @@ float dot_32_scalar(const void* wv, const void* xv, int64_t nb) {
   float acc = 0.f;
   for (int64_t i = 0; i < nb; ++i) {
     const uint8_t* b = w + i * bytes;
+    int q[QK];
+    values32(TYPE, b, q);
     int32_t sumi = 0;
-    for (int j = 0; j < QK; ++j) sumi += value32(TYPE, b, j) * x[i].qs[j];
+    for (int j = 0; j < QK; ++j) sumi += q[j] * x[i].qs[j];
     acc += fp16_to_fp32(half_at(b)) * x[i].d * (float)(sumi - offset32(TYPE) * x[i].sum);
     if (has_min32(TYPE)) acc += fp16_to_fp32(half_at(b + 2)) * x[i].d * (float)x[i].sum;
   }
@@ -635,10 +638,10 @@ void dequantize_row(const uint8_t* row, int64_t type, int64_t k, float* y) {
       const uint8_t* b = row + i * bytes;
       const float d = fp16_to_fp32(half_at(b));
       const float m = has_min32(type) ? fp16_to_fp32(half_at(b + 2)) : 0.f;
-      for (int j = 0; j < QK; ++j) {
-        const int q = value32(type, b, j);
-        y[j] = has_min32(type) ? d * q + m : d * (q - offset32(type));
-      }
+      int q[QK];
+      values32(type, b, q);
+      for (int j = 0; j < QK; ++j)
+        y[j] = has_min32(type) ? d * q[j] + m : d * (q[j] - offset32(type));
     }
   } else if (type == Q4_K) {
     dequantize_q4_k(reinterpret_cast<const BlockQ4_K*>(row), nb, y);
