@@ -439,10 +439,16 @@ VNNI inline __m512i high_part(__m512i qh, int t) {
   }
 }
 
-template <int R>
+// Q6_K and Q3_K (VT): a signed scale per 16 values, the values stored plus 32 (six bits: the
+// low nibbles and two high bits) or plus 4 (three bits: two low bits and one high bit).
+template <int64_t VT, int R>
 VNNI void panel_q6_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
                      int64_t ld) {
-  constexpr int64_t PB = 16 * sizeof(BlockQ6_K);
+  constexpr bool q3 = VT == Q3_K;
+  constexpr int64_t PB = 16 * (q3 ? sizeof(BlockQ3_K) + 4 : sizeof(BlockQ6_K));
+  constexpr int64_t GROUP = q3 ? 224 : 416;  // a group's scales and values
+  constexpr int SHIFT = q3 ? 2 : 5;          // times the offset, 4 or 32
+  const __m512i three = _mm512_set1_epi8(3);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
@@ -452,11 +458,21 @@ VNNI void panel_q6_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb,
     for (int c = 0; c < 8; ++c) {  // 32 values: scale groups 2c (operands 0-3) and 2c + 1
       prefetch_ahead<PB / 8>(p + c * (PB / 8));
       __m512i q[8];
-      const uint8_t* chunk = p + 32 + 416 * c;
-      nibble_pairs(chunk + 32, q);
-      for (int h = 0; h < 2; ++h) {
-        const __m512i qh = _mm512_loadu_si512(chunk + 288 + 64 * h);
-        for (int t = 0; t < 4; ++t) q[4 * h + t] = _mm512_or_si512(q[4 * h + t], high_part(qh, t));
+      const uint8_t* chunk = p + 32 + GROUP * c;
+      if constexpr (q3) {
+        for (int h = 0; h < 2; ++h) {
+          const __m512i v = _mm512_loadu_si512(chunk + 32 + 64 * h);
+          for (int t = 0; t < 4; ++t)
+            q[4 * h + t] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * t), three);
+        }
+        add_high_bits(chunk + 160, q, 4);
+      } else {
+        nibble_pairs(chunk + 32, q);
+        for (int h = 0; h < 2; ++h) {
+          const __m512i qh = _mm512_loadu_si512(chunk + 288 + 64 * h);
+          for (int t = 0; t < 4; ++t)
+            q[4 * h + t] = _mm512_or_si512(q[4 * h + t], high_part(qh, t));
+        }
       }
       // int16 pairs (scale 2c, scale 2c + 1) per row, and each as int32.
       const __m512i pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)chunk));
@@ -465,12 +481,12 @@ VNNI void panel_q6_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb,
       for (int r = 0; r < R; ++r) {
         const ActQ8_K* y = act<ActQ8_K>(x, xs, r, i);
         const int8_t* yq = y->qs + 32 * c;
-        // values are 0..63 for value - 32: subtract 32 * scale . (sum of the 16 activations)
+        // values stored plus 32 (4): subtract 32 (4) x scale . (sum of the 16 activations)
         const __m512i offset = _mm512_dpwssd_epi32(_mm512_setzero_si512(), pair,
                                                    bcast4(y->bsums + 2 * c));
         const __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(dot_ops<4>(q, yq), sc0),
                                            _mm512_mullo_epi32(dot_ops<4>(q + 4, yq + 16), sc1));
-        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_sub_epi32(s, _mm512_slli_epi32(offset, 5)));
+        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_sub_epi32(s, _mm512_slli_epi32(offset, SHIFT)));
       }
     }
     const __m512 dw = half_floats(p);
@@ -561,49 +577,6 @@ VNNI void panel_q2_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb,
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ld, acc[r]);
 }
 
-template <int R>
-VNNI void panel_q3_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
-                     int64_t ld) {
-  constexpr int64_t PB = 16 * (sizeof(BlockQ3_K) + 4);
-  const __m512i three = _mm512_set1_epi8(3);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < nb; ++i) {
-    const uint8_t* p = w + i * PB;
-    __m512i sumi[R];
-    for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
-    for (int c = 0; c < 8; ++c) {  // 32 values: scale groups 2c (operands 0-3) and 2c + 1
-      prefetch_ahead<PB / 8>(p + c * (PB / 8));
-      const uint8_t* chunk = p + 32 + 224 * c;
-      __m512i q[8];
-      for (int h = 0; h < 2; ++h) {
-        const __m512i v = _mm512_loadu_si512(chunk + 32 + 64 * h);
-        for (int t = 0; t < 4; ++t) q[4 * h + t] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * t), three);
-      }
-      add_high_bits(chunk + 160, q, 4);
-      const __m512i pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)chunk));
-      const __m512i sc0 = _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16);
-      const __m512i sc1 = _mm512_srai_epi32(pair, 16);
-      for (int r = 0; r < R; ++r) {
-        const ActQ8_K* y = act<ActQ8_K>(x, xs, r, i);
-        const int8_t* yq = y->qs + 32 * c;
-        // values are 0..7 for value + 4: subtract 4 * scale . (sum of the 16 activations)
-        const __m512i offset = _mm512_dpwssd_epi32(_mm512_setzero_si512(), pair,
-                                                   bcast4(y->bsums + 2 * c));
-        const __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(dot_ops<4>(q, yq), sc0),
-                                           _mm512_mullo_epi32(dot_ops<4>(q + 4, yq + 16), sc1));
-        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_sub_epi32(s, _mm512_slli_epi32(offset, 2)));
-      }
-    }
-    const __m512 dw = half_floats(p);
-    for (int r = 0; r < R; ++r) {
-      const __m512 dx = _mm512_set1_ps(act<ActQ8_K>(x, xs, r, i)->d);
-      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, dw), _mm512_cvtepi32_ps(sumi[r]), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ld, acc[r]);
-}
-
 // Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL: blocks of 32, values unsigned with an offset (8,
 // 16, 128, 128 (IQ4_NL's grid values plus 128), or none and a min).
 template <int64_t VT, int R>
@@ -651,8 +624,7 @@ template <int64_t VT, int R>
 VNNI void panel_vnni(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
                      int64_t ld) {
   if constexpr (VT == Q4_K || VT == Q5_K) panel_q4_k<VT, R>(w, x, xs, nb, out, ld);
-  else if constexpr (VT == Q6_K) panel_q6_k<R>(w, x, xs, nb, out, ld);
-  else if constexpr (VT == Q3_K) panel_q3_k<R>(w, x, xs, nb, out, ld);
+  else if constexpr (VT == Q6_K || VT == Q3_K) panel_q6_k<VT, R>(w, x, xs, nb, out, ld);
   else if constexpr (VT == Q2_K) panel_q2_k<R>(w, x, xs, nb, out, ld);
   else if constexpr (VT == IQ4_XS) panel_iq4_xs<R>(w, x, xs, nb, out, ld);
   else panel_32<VT, R>(w, x, xs, nb, out, ld);

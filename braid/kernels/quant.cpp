@@ -285,38 +285,57 @@ AVX2 void dot_q4_k_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t nb
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) - hsum128(acc_m[r]);
 }
 
-template <int R>
+// Q6_K and Q3_K (TYPE): a signed scale per 16 values, the values stored plus 32 (six bits: low
+// nibbles and two high bits) or plus 4 (three bits: two low bits and one high bit).
+template <int64_t TYPE, int R>
 AVX2 void dot_q6_k_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t nb, float* out) {
-  const auto* w = static_cast<const BlockQ6_K*>(wv);
-  const __m256i low4 = _mm256_set1_epi8(0xF), two = _mm256_set1_epi8(3);
+  constexpr bool q3 = TYPE == Q3_K;
+  using B = std::conditional_t<q3, BlockQ3_K, BlockQ6_K>;
+  constexpr int SHIFT = q3 ? 2 : 5;  // times the offset, 4 or 32
+  const auto* w = static_cast<const B*>(wv);
+  const __m256i low4 = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
+  const __m256i one = _mm256_set1_epi8(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
-    prefetch_ahead<sizeof(BlockQ6_K)>(w + i);
-    const __m256i scl = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)w[i].scales));
+    prefetch_ahead<sizeof(B)>(w + i);
+    int8_t sc8[16];
+    if constexpr (q3) q3k_scales(w[i].scales, sc8);
+    else std::memcpy(sc8, w[i].scales, 16);
+    const __m256i scl = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)sc8));
     __m256i sumi[R];
-    for (int r = 0; r < R; ++r) {  // the -32 offset: 32 * sum of scale x group sum
+    for (int r = 0; r < R; ++r) {  // the offset: 32 (4) x sum of scale x group sum
       const __m256i bs = _mm256_loadu_si256((const __m256i*)act<ActQ8_K>(x, xs, r, i)->bsums);
       sumi[r] = _mm256_sub_epi32(_mm256_setzero_si256(),
-                                 _mm256_slli_epi32(_mm256_madd_epi16(bs, scl), 5));
+                                 _mm256_slli_epi32(_mm256_madd_epi16(bs, scl), SHIFT));
     }
+    __m256i hm = _mm256_setzero_si256();  // Q3_K: group j's high bits at bit 0
+    if constexpr (q3) hm = _mm256_loadu_si256((const __m256i*)w[i].hmask);
     for (int h = 0; h < 2; ++h) {
-      const uint8_t* ql = w[i].ql + 64 * h;
       const __m256i sc = _mm256_broadcastsi128_si256(
           h ? _mm256_extracti128_si256(scl, 1) : _mm256_castsi256_si128(scl));
-      const __m256i qh = _mm256_loadu_si256((const __m256i*)(w[i].qh + 32 * h));
-      const __m256i l0 = _mm256_loadu_si256((const __m256i*)ql);
-      const __m256i l1 = _mm256_loadu_si256((const __m256i*)(ql + 32));
-      const __m256i q[4] = {
-          _mm256_or_si256(_mm256_and_si256(l0, low4),
-                          _mm256_slli_epi16(_mm256_and_si256(qh, two), 4)),
-          _mm256_or_si256(_mm256_and_si256(l1, low4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), two), 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), two), 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), two), 4)),
-      };
+      __m256i q[4];  // group 4h + part: 32 values, two scales of 16
+      if constexpr (q3) {
+        const __m256i ql = _mm256_loadu_si256((const __m256i*)(w[i].qs + 32 * h));
+        for (int part = 0; part < 4; ++part) {
+          q[part] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, 2 * part), three),
+                                    _mm256_slli_epi16(_mm256_and_si256(hm, one), 2));
+          hm = _mm256_srli_epi16(hm, 1);
+        }
+      } else {
+        const uint8_t* ql = w[i].ql + 64 * h;
+        const __m256i qh = _mm256_loadu_si256((const __m256i*)(w[i].qh + 32 * h));
+        const __m256i l0 = _mm256_loadu_si256((const __m256i*)ql);
+        const __m256i l1 = _mm256_loadu_si256((const __m256i*)(ql + 32));
+        q[0] = _mm256_or_si256(_mm256_and_si256(l0, low4),
+                               _mm256_slli_epi16(_mm256_and_si256(qh, three), 4));
+        q[1] = _mm256_or_si256(_mm256_and_si256(l1, low4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), three), 4));
+        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), three), 4));
+        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), three), 4));
+      }
       for (int part = 0; part < 4; ++part) {
         const __m256i s = pick16(sc, 2 * part, 2 * part + 1);
         for (int r = 0; r < R; ++r) {
@@ -408,49 +427,6 @@ AVX2 void dot_q2_k_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t nb
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) - hsum(acc_m[r]);
-}
-
-template <int R>
-AVX2 void dot_q3_k_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t nb, float* out) {
-  const auto* w = static_cast<const BlockQ3_K*>(wv);
-  const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < nb; ++i) {
-    prefetch_ahead<sizeof(BlockQ3_K)>(w + i);
-    int8_t sc8[16];
-    q3k_scales(w[i].scales, sc8);
-    const __m256i scl = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)sc8));
-    __m256i sumi[R];
-    for (int r = 0; r < R; ++r) {  // values as 0..7: the -4 offset, 4 x scale . group sum
-      const __m256i bs = _mm256_loadu_si256((const __m256i*)act<ActQ8_K>(x, xs, r, i)->bsums);
-      sumi[r] = _mm256_sub_epi32(_mm256_setzero_si256(),
-                                 _mm256_slli_epi32(_mm256_madd_epi16(bs, scl), 2));
-    }
-    __m256i hm = _mm256_loadu_si256((const __m256i*)w[i].hmask);  // group j's bits at bit 0
-    for (int h = 0; h < 2; ++h) {
-      const __m256i ql = _mm256_loadu_si256((const __m256i*)(w[i].qs + 32 * h));
-      const __m256i sc = _mm256_broadcastsi128_si256(
-          h ? _mm256_extracti128_si256(scl, 1) : _mm256_castsi256_si128(scl));
-      for (int part = 0; part < 4; ++part) {  // group 4h + part: 32 values, two scales of 16
-        const __m256i q = _mm256_or_si256(
-            _mm256_and_si256(_mm256_srli_epi16(ql, 2 * part), three),
-            _mm256_slli_epi16(_mm256_and_si256(hm, one), 2));
-        hm = _mm256_srli_epi16(hm, 1);
-        const __m256i s = pick16(sc, 2 * part, 2 * part + 1);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* y = act<ActQ8_K>(x, xs, r, i)->qs + 128 * h + 32 * part;
-          const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)y));
-          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, s));
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const float d = act<ActQ8_K>(x, xs, r, i)->d * h2f(w[i].d);
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
 
 // Byte j of the result is 0xFF where bit j of `bits` is set.
@@ -553,8 +529,7 @@ AVX2 void rows_avx2(const void* w, const uint8_t* x, int64_t xs, int64_t nb, flo
   if constexpr (TYPE == Q4_K) dot_q4_k_avx2<BlockQ4_K, R>(w, x, xs, nb, out);
   else if constexpr (TYPE == Q4_K_UNPACKED) dot_q4_k_avx2<BlockQ4_KU, R>(w, x, xs, nb, out);
   else if constexpr (TYPE == Q5_K) dot_q4_k_avx2<BlockQ5_K, R>(w, x, xs, nb, out);
-  else if constexpr (TYPE == Q6_K) dot_q6_k_avx2<R>(w, x, xs, nb, out);
-  else if constexpr (TYPE == Q3_K) dot_q3_k_avx2<R>(w, x, xs, nb, out);
+  else if constexpr (TYPE == Q6_K || TYPE == Q3_K) dot_q6_k_avx2<TYPE, R>(w, x, xs, nb, out);
   else if constexpr (TYPE == Q2_K) dot_q2_k_avx2<R>(w, x, xs, nb, out);
   else if constexpr (TYPE == IQ4_XS) dot_iq4_xs_avx2<R>(w, x, xs, nb, out);
   else dot_32_avx2<TYPE, R>(w, x, xs, nb, out);
