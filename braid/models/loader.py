@@ -117,6 +117,7 @@ def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in _read_safetensors(file):
                 yield name, tensor
                 bar.update(tensor.nbytes)
+        bar.update(total - bar.n)  # the files' headers: the bar ends at 100%
 
 
 def _safetensors_header(path: Path, f: BinaryIO) -> tuple[dict[str, Any], int]:
