@@ -355,6 +355,15 @@ VNNI inline void nibble_pairs(const uint8_t* p, __m512i* q) {
   }
 }
 
+// Operands 0..7 from two 64-byte loads of four 2-bit parts (operand 4h + t: bits 2t of load h).
+VNNI inline void bit_pairs(const uint8_t* p, __m512i* q) {
+  const __m512i three = _mm512_set1_epi8(3);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i v = _mm512_loadu_si512(p + 64 * h);
+    for (int t = 0; t < 4; ++t) q[4 * h + t] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * t), three);
+  }
+}
+
 // s + operand q . the four activations at y, in each row lane: vpdpbusd with the four bytes
 // broadcast from memory inside the instruction (compilers issue a separate broadcast for
 // _mm512_set1_epi32, one more instruction per four values and row).
@@ -376,6 +385,44 @@ VNNI inline __m512i dot_ops(const __m512i* q, const int8_t* y) {
 
 VNNI inline __m512 half_floats(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Two int8 scales per row ([16][2] at p: 32 values' two groups of 16), as int16 pairs and each
+// as int32.
+struct ScalePairs {
+  __m512i pair, first, second;
+};
+
+VNNI inline ScalePairs scale_pairs(const uint8_t* p) {
+  const __m512i pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
+  return {pair, _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16), _mm512_srai_epi32(pair, 16)};
+}
+
+// Per row lane: operands 0-3 . y times the first scale, plus operands 4-7 . y + 16 times the
+// second (a group of 32 values with a scale per 16).
+VNNI inline __m512i dot_scaled_halves(const __m512i* q, const int8_t* y, const ScalePairs& sc) {
+  return _mm512_add_epi32(_mm512_mullo_epi32(dot_ops<4>(q, y), sc.first),
+                          _mm512_mullo_epi32(dot_ops<4>(q + 4, y + 16), sc.second));
+}
+
+// The end of a K-quant panel block (p): acc[r] += dx dw sumi[r], dw the rows' d at p; with
+// `mins` (per 32 values, int16 pairs of the mins of its two groups of 16; dmin at p + 32),
+// then acc[r] -= dx dmin (mins . the activations' 16-sums).
+template <int R>
+VNNI inline void finish_k_block(__m512* acc, const __m512i* sumi, const uint8_t* p,
+                                const __m512i* mins, const uint8_t* x, int64_t xs, int64_t i) {
+  const __m512 dw = half_floats(p);
+  const __m512 dmin = mins != nullptr ? half_floats(p + 32) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    const ActQ8_K* y = act<ActQ8_K>(x, xs, r, i);
+    const __m512 dx = _mm512_set1_ps(y->d);
+    acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, dw), _mm512_cvtepi32_ps(sumi[r]), acc[r]);
+    if (mins != nullptr) {
+      __m512i summ = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c) summ = _mm512_dpwssd_epi32(summ, mins[c], bcast4(y->bsums + 2 * c));
+      acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(dx, dmin), _mm512_cvtepi32_ps(summ), acc[r]);
+    }
+  }
 }
 
 // Adds `high` to the bytes of operand q[g] whose bit is set in mask g (the value's top bit).
@@ -410,20 +457,12 @@ VNNI void panel_q4_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb,
         sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(dot_ops<8>(q, y), sc));
       }
     }
-    __m512i mins[8];  // int16 pairs (min, min): dpwssd with the activations' two 16-sums
+    __m512i mins[8];  // int16 pairs (min, min): one min for both 16-sums
     for (int j = 0; j < 8; ++j) {
       const __m512i m = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 192 + 16 * j)));
       mins[j] = _mm512_or_si512(m, _mm512_slli_epi32(m, 16));
     }
-    const __m512 dw = half_floats(p), dmin = half_floats(p + 32);
-    for (int r = 0; r < R; ++r) {
-      const ActQ8_K* y = act<ActQ8_K>(x, xs, r, i);
-      __m512i summ = _mm512_setzero_si512();
-      for (int j = 0; j < 8; ++j) summ = _mm512_dpwssd_epi32(summ, mins[j], bcast4(y->bsums + 2 * j));
-      const __m512 dx = _mm512_set1_ps(y->d);
-      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, dw), _mm512_cvtepi32_ps(sumi[r]), acc[r]);
-      acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(dx, dmin), _mm512_cvtepi32_ps(summ), acc[r]);
-    }
+    finish_k_block<R>(acc, sumi, p, mins, x, xs, i);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ld, acc[r]);
 }
@@ -448,7 +487,6 @@ VNNI void panel_q6_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb,
   constexpr int64_t PB = 16 * (q3 ? sizeof(BlockQ3_K) + 4 : sizeof(BlockQ6_K));
   constexpr int64_t GROUP = q3 ? 224 : 416;  // a group's scales and values
   constexpr int SHIFT = q3 ? 2 : 5;          // times the offset, 4 or 32
-  const __m512i three = _mm512_set1_epi8(3);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
@@ -460,11 +498,7 @@ VNNI void panel_q6_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb,
       __m512i q[8];
       const uint8_t* chunk = p + 32 + GROUP * c;
       if constexpr (q3) {
-        for (int h = 0; h < 2; ++h) {
-          const __m512i v = _mm512_loadu_si512(chunk + 32 + 64 * h);
-          for (int t = 0; t < 4; ++t)
-            q[4 * h + t] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * t), three);
-        }
+        bit_pairs(chunk + 32, q);
         add_high_bits(chunk + 160, q, 4);
       } else {
         nibble_pairs(chunk + 32, q);
@@ -474,26 +508,17 @@ VNNI void panel_q6_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb,
             q[4 * h + t] = _mm512_or_si512(q[4 * h + t], high_part(qh, t));
         }
       }
-      // int16 pairs (scale 2c, scale 2c + 1) per row, and each as int32.
-      const __m512i pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)chunk));
-      const __m512i sc0 = _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16);
-      const __m512i sc1 = _mm512_srai_epi32(pair, 16);
+      const ScalePairs sc = scale_pairs(chunk);  // scales 2c and 2c + 1
       for (int r = 0; r < R; ++r) {
         const ActQ8_K* y = act<ActQ8_K>(x, xs, r, i);
-        const int8_t* yq = y->qs + 32 * c;
         // values stored plus 32 (4): subtract 32 (4) x scale . (sum of the 16 activations)
-        const __m512i offset = _mm512_dpwssd_epi32(_mm512_setzero_si512(), pair,
+        const __m512i offset = _mm512_dpwssd_epi32(_mm512_setzero_si512(), sc.pair,
                                                    bcast4(y->bsums + 2 * c));
-        const __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(dot_ops<4>(q, yq), sc0),
-                                           _mm512_mullo_epi32(dot_ops<4>(q + 4, yq + 16), sc1));
-        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_sub_epi32(s, _mm512_slli_epi32(offset, SHIFT)));
+        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_sub_epi32(dot_scaled_halves(q, y->qs + 32 * c, sc),
+                                                             _mm512_slli_epi32(offset, SHIFT)));
       }
     }
-    const __m512 dw = half_floats(p);
-    for (int r = 0; r < R; ++r) {
-      const __m512 dx = _mm512_set1_ps(act<ActQ8_K>(x, xs, r, i)->d);
-      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, dw), _mm512_cvtepi32_ps(sumi[r]), acc[r]);
-    }
+    finish_k_block<R>(acc, sumi, p, nullptr, x, xs, i);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ld, acc[r]);
 }
@@ -524,11 +549,7 @@ VNNI void panel_iq4_xs(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t n
             _mm512_sub_epi32(dot_ops<8>(q, y->qs + 32 * j), offset), sc));
       }
     }
-    const __m512 dw = half_floats(p);
-    for (int r = 0; r < R; ++r) {
-      const __m512 dx = _mm512_set1_ps(act<ActQ8_K>(x, xs, r, i)->d);
-      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, dw), _mm512_cvtepi32_ps(sumi[r]), acc[r]);
-    }
+    finish_k_block<R>(acc, sumi, p, nullptr, x, xs, i);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ld, acc[r]);
 }
@@ -537,7 +558,6 @@ template <int R>
 VNNI void panel_q2_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
                      int64_t ld) {
   constexpr int64_t PB = 16 * (sizeof(BlockQ2_K) + 16);
-  const __m512i three = _mm512_set1_epi8(3), low16 = _mm512_set1_epi32(0xFFFF);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
@@ -548,31 +568,16 @@ VNNI void panel_q2_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb,
       prefetch_ahead<PB / 8>(p + c * (PB / 8));
       const uint8_t* chunk = p + 64 + 192 * c;
       __m512i q[8];
-      for (int h = 0; h < 2; ++h) {
-        const __m512i v = _mm512_loadu_si512(chunk + 64 + 64 * h);
-        for (int t = 0; t < 4; ++t) q[4 * h + t] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * t), three);
-      }
-      const __m512i pair = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)chunk));
-      const __m512i sc0 = _mm512_and_si512(pair, low16), sc1 = _mm512_srli_epi32(pair, 16);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* yq = act<ActQ8_K>(x, xs, r, i)->qs + 32 * c;
-        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_add_epi32(
-            _mm512_mullo_epi32(dot_ops<4>(q, yq), sc0),
-            _mm512_mullo_epi32(dot_ops<4>(q + 4, yq + 16), sc1)));
-      }
+      bit_pairs(chunk + 64, q);
+      const ScalePairs sc = scale_pairs(chunk);  // 4-bit scales 2c and 2c + 1 (as int8: the same)
+      for (int r = 0; r < R; ++r)
+        sumi[r] = _mm512_add_epi32(sumi[r],
+                                   dot_scaled_halves(q, act<ActQ8_K>(x, xs, r, i)->qs + 32 * c, sc));
     }
-    __m512i mins[8];  // int16 pairs (min 2c, min 2c + 1): dpwssd with the two 16-sums
+    __m512i mins[8];  // int16 pairs (min 2c, min 2c + 1)
     for (int c = 0; c < 8; ++c)
       mins[c] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(p + 96 + 192 * c)));
-    const __m512 dw = half_floats(p), dmin = half_floats(p + 32);
-    for (int r = 0; r < R; ++r) {
-      const ActQ8_K* y = act<ActQ8_K>(x, xs, r, i);
-      __m512i summ = _mm512_setzero_si512();
-      for (int c = 0; c < 8; ++c) summ = _mm512_dpwssd_epi32(summ, mins[c], bcast4(y->bsums + 2 * c));
-      const __m512 dx = _mm512_set1_ps(y->d);
-      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, dw), _mm512_cvtepi32_ps(sumi[r]), acc[r]);
-      acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(dx, dmin), _mm512_cvtepi32_ps(summ), acc[r]);
-    }
+    finish_k_block<R>(acc, sumi, p, mins, x, xs, i);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ld, acc[r]);
 }
