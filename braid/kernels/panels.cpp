@@ -425,6 +425,14 @@ VNNI inline void finish_k_block(__m512* acc, const __m512i* sumi, const uint8_t*
   }
 }
 
+// IQ4_NL's grid values plus 128 (unsigned, as vpdpbusd takes them) for the indices in q[0..8).
+VNNI inline void grid_values(__m512i* q) {
+  alignas(16) static constexpr uint8_t grid[16] = {  // IQ4_NL_VALUES + 128
+      1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)grid));
+  for (int g = 0; g < 8; ++g) q[g] = _mm512_shuffle_epi8(table, q[g]);
+}
+
 // Adds `high` to the bytes of operand q[g] whose bit is set in mask g (the value's top bit).
 VNNI inline void add_high_bits(const uint8_t* masks, __m512i* q, char high = 16) {
   for (int g = 0; g < 8; ++g) {
@@ -527,9 +535,6 @@ template <int R>
 VNNI void panel_iq4_xs(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
                        int64_t ld) {
   constexpr int64_t PB = 16 * (sizeof(BlockIQ4_XS) + 2);
-  alignas(16) static constexpr uint8_t grid[16] = {  // IQ4_NL_VALUES + 128
-      1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
-  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)grid));
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
@@ -540,7 +545,7 @@ VNNI void panel_iq4_xs(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t n
       prefetch_ahead<PB / 8>(p + j * (PB / 8));
       __m512i q[8];
       nibble_pairs(p + 160 + 256 * j, q);
-      for (int g = 0; g < 8; ++g) q[g] = _mm512_shuffle_epi8(table, q[g]);  // value + 128
+      grid_values(q);
       const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 32 + 16 * j)));
       for (int r = 0; r < R; ++r) {
         const ActQ8_K* y = act<ActQ8_K>(x, xs, r, i);
@@ -593,8 +598,6 @@ VNNI void panel_32(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, f
   constexpr int offset = VT == Q4_0 ? 8 : VT == Q5_0 ? 16 : VT == Q8_0 || VT == IQ4_NL ? 128 : 0;
   constexpr bool has_min = VT == Q4_1 || VT == Q5_1;
   constexpr int64_t values = has_min ? 64 : 32;  // after d (and m)
-  alignas(16) static constexpr uint8_t grid[16] = {  // IQ4_NL_VALUES + 128
-      1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
@@ -606,10 +609,7 @@ VNNI void panel_32(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, f
     } else {
       nibble_pairs(p + values, q);
       if constexpr (VT == Q5_0 || VT == Q5_1) add_high_bits(p + values + 256, q);
-      if constexpr (VT == IQ4_NL) {
-        const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)grid));
-        for (int g = 0; g < 8; ++g) q[g] = _mm512_shuffle_epi8(table, q[g]);
-      }
+      if constexpr (VT == IQ4_NL) grid_values(q);
     }
     const __m512 dw = half_floats(p), dm = has_min ? half_floats(p + 32) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {

@@ -353,11 +353,21 @@ AVX2 void dot_q6_k_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t nb
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
 
+// 32 values from 16 bytes of nibbles (value j < 16: low nibble of byte j, else high of j - 16).
+AVX2 inline __m256i nibbles32(const uint8_t* qs) {
+  const __m128i low4 = _mm_set1_epi8(0xF), b = _mm_loadu_si128((const __m128i*)qs);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low4), _mm_and_si128(b, low4));
+}
+
+// IQ4_NL's grid values (signed) for the indices in q.
+AVX2 inline __m256i iq4_grid(__m256i q) {
+  return _mm256_shuffle_epi8(
+      _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)IQ4_NL_VALUES)), q);
+}
+
 template <int R>
 AVX2 void dot_iq4_xs_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t nb, float* out) {
   const auto* w = static_cast<const BlockIQ4_XS*>(wv);
-  const __m128i low4 = _mm_set1_epi8(0xF);
-  const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)IQ4_NL_VALUES));
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -368,9 +378,7 @@ AVX2 void dot_iq4_xs_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t 
     __m256i sumi[R];
     for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {  // 32 values: grid values, signed (|q| and y with q's sign)
-      const __m128i b = _mm_loadu_si128((const __m128i*)(w[i].qs + 16 * j));
-      const __m256i q = _mm256_shuffle_epi8(grid, _mm256_set_m128i(
-          _mm_and_si128(_mm_srli_epi16(b, 4), low4), _mm_and_si128(b, low4)));
+      const __m256i q = iq4_grid(nibbles32(w[i].qs + 16 * j));
       const __m256i uq = _mm256_sign_epi8(q, q), s = _mm256_set1_epi32(sc[j]);
       for (int r = 0; r < R; ++r) {
         const __m256i yv = _mm256_sign_epi8(
@@ -454,17 +462,13 @@ AVX2 inline __m256i unpack32(const uint8_t* block) {
     return _mm256_loadu_si256((const __m256i*)reinterpret_cast<const BlockQ8_0*>(block)->qs);
   } else {
     constexpr int64_t bytes = bytes32<TYPE>();
-    const __m128i low4 = _mm_set1_epi8(0xF);
-    const __m128i b = _mm_loadu_si128((const __m128i*)(block + bytes - QK / 2));
-    __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low4), _mm_and_si128(b, low4));
+    __m256i q = nibbles32(block + bytes - QK / 2);
     if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
       uint32_t qh;
       std::memcpy(&qh, block + bytes - QK / 2 - 4, 4);
       q = _mm256_or_si256(q, _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(0x10)));
     }
-    if constexpr (TYPE == IQ4_NL)
-      q = _mm256_shuffle_epi8(
-          _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)IQ4_NL_VALUES)), q);
+    if constexpr (TYPE == IQ4_NL) q = iq4_grid(q);
     return q;
   }
 }
