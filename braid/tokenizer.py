@@ -75,8 +75,8 @@ class NoUsableTokenizer(ModelLoadError):
 def gguf_backend(meta: dict[str, Any]) -> tokenizers.Tokenizer:
     model = meta.get("tokenizer.ggml.model")
     if model != "gpt2":
-        raise NoUsableTokenizer(f"unsupported GGUF tokenizer model {model!r}: only byte-level BPE "
-                             "('gpt2') is supported")
+        raise NoUsableTokenizer(f"unsupported GGUF tokenizer model {model!r}: only byte-level "
+                                "BPE ('gpt2') is supported")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     alphabet = set(bytes_to_unicode().values())
     vocab = {_spell(t, alphabet): i for i, t in enumerate(tokens)}

@@ -88,10 +88,12 @@ def _finished_build(build: Path, digest: str, error: Exception) -> ModuleType | 
     or None: a kernel folder that cannot be written (a read-only image or mount that ships
     the built kernels) still serves them. `error`: why the usual build-and-load failed."""
     name = f"braid_kernels_{digest}"
-    spec = importlib.util.spec_from_file_location(name, build / f"{name}.so")
-    if spec is None or spec.loader is None or not (build / f"{name}.so").is_file():
+    built = build / f"{name}.so"
+    if not built.is_file():
         return None
     try:
+        spec = importlib.util.spec_from_file_location(name, built)
+        assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     except Exception:

@@ -492,8 +492,8 @@ class Qwen2ForCausalLM(nn.Module):
     def _quantized(self, tensor: torch.Tensor | QuantWeight, projection: bool) -> QuantWeight:
         """Float tensors as `quant_type` blocks; GGUF blocks as they are, except a decoder
         layer's projection stored in a wider format than `quant_type` (`--quantization int4`
-        on a GGUF: its Q5_0 / Q5_K / Q6_K / Q8_0 layers become Q4_0; the embedding and the LM head
-        keep the file's format)."""
+        on a GGUF: its layers in formats of more bits a value than Q4_0, Q4_1 to Q8_0, become
+        Q4_0; the embedding and the LM head keep the file's format)."""
         assert self.quant_type is not None
         if not isinstance(tensor, QuantWeight):
             return quantize_float(tensor, self.quant_type)
