@@ -88,7 +88,9 @@ inline bool is_k_quant(int64_t type) {
 
 inline int64_t block_elems(int64_t type) { return is_k_quant(type) ? QK_K : QK; }
 
-inline int64_t block_bytes(int64_t type) {
+// Bytes of a block of `type` (a panel layout: one row's share of a panel block); 0 for a type
+// without kernels. Kernels size their blocks with it at compile time.
+constexpr int64_t block_size(int64_t type) {
   switch (type) {
     case Q4_0: return sizeof(BlockQ4_0);
     case Q4_1: return sizeof(BlockQ4_1);
@@ -107,14 +109,20 @@ inline int64_t block_bytes(int64_t type) {
     // of the unpacked one, whose scales are bytes).
     case PANEL + Q4_0: case PANEL + Q5_0: case PANEL + Q8_0: case PANEL + Q6_K:
     case PANEL + Q4_1: case PANEL + Q5_1: case PANEL + IQ4_NL:
-      return block_bytes(type - PANEL);
+      return block_size(type - PANEL);
     case PANEL + Q3_K: return sizeof(BlockQ3_K) + 4;  // sixteen scales as bytes, not twelve
     case PANEL + Q2_K: return sizeof(BlockQ2_K) + 16;  // scales and mins in bytes of their own
     case PANEL + IQ4_XS: return sizeof(BlockIQ4_XS) + 2;  // eight scales as bytes, not six
     case PANEL + Q4_K: return sizeof(BlockQ4_KU);
     case PANEL + Q5_K: return sizeof(BlockQ4_KU) + QK_K / 8;  // and the high bits
   }
-  TORCH_CHECK(false, "unsupported GGML type ", type);
+  return 0;
+}
+
+inline int64_t block_bytes(int64_t type) {
+  const int64_t bytes = block_size(type);
+  TORCH_CHECK(bytes > 0, "unsupported GGML type ", type);
+  return bytes;
 }
 
 // ---- the 32-value formats' values ----

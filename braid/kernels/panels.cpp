@@ -446,7 +446,7 @@ VNNI inline void add_high_bits(const uint8_t* masks, __m512i* q, char high = 16)
 template <int64_t VT, int R>
 VNNI void panel_q4_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
                      int64_t ld) {
-  constexpr int64_t PB = 16 * (VT == Q5_K ? sizeof(BlockQ4_KU) + QK_K / 8 : sizeof(BlockQ4_KU));
+  constexpr int64_t PB = PANEL_ROWS * block_size(PANEL + VT);
   constexpr int64_t GROUP = VT == Q5_K ? 320 : 256;  // bytes of a group of 32 values
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -492,7 +492,7 @@ template <int64_t VT, int R>
 VNNI void panel_q6_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
                      int64_t ld) {
   constexpr bool q3 = VT == Q3_K;
-  constexpr int64_t PB = 16 * (q3 ? sizeof(BlockQ3_K) + 4 : sizeof(BlockQ6_K));
+  constexpr int64_t PB = PANEL_ROWS * block_size(PANEL + VT);
   constexpr int64_t GROUP = q3 ? 224 : 416;  // a group's scales and values
   constexpr int SHIFT = q3 ? 2 : 5;          // times the offset, 4 or 32
   __m512 acc[R];
@@ -534,7 +534,7 @@ VNNI void panel_q6_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb,
 template <int R>
 VNNI void panel_iq4_xs(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
                        int64_t ld) {
-  constexpr int64_t PB = 16 * (sizeof(BlockIQ4_XS) + 2);
+  constexpr int64_t PB = PANEL_ROWS * block_size(PANEL + IQ4_XS);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
@@ -562,7 +562,7 @@ VNNI void panel_iq4_xs(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t n
 template <int R>
 VNNI void panel_q2_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
                      int64_t ld) {
-  constexpr int64_t PB = 16 * (sizeof(BlockQ2_K) + 16);
+  constexpr int64_t PB = PANEL_ROWS * block_size(PANEL + Q2_K);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
@@ -592,9 +592,7 @@ VNNI void panel_q2_k(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb,
 template <int64_t VT, int R>
 VNNI void panel_32(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb, float* out,
                    int64_t ld) {
-  constexpr int64_t PB = 16 * (VT == Q8_0 ? sizeof(BlockQ8_0) : VT == Q4_1 ? sizeof(BlockQ4_1)
-                               : VT == Q5_0 ? sizeof(BlockQ5_0) : VT == Q5_1 ? sizeof(BlockQ5_1)
-                               : sizeof(BlockQ4_0));
+  constexpr int64_t PB = PANEL_ROWS * block_size(PANEL + VT);
   constexpr int offset = VT == Q4_0 ? 8 : VT == Q5_0 ? 16 : VT == Q8_0 || VT == IQ4_NL ? 128 : 0;
   constexpr bool has_min = VT == Q4_1 || VT == Q5_1;
   constexpr int64_t values = has_min ? 64 : 32;  // after d (and m)

@@ -446,14 +446,6 @@ AVX2 inline __m256i bytes_from_bits(uint32_t bits) {
   return _mm256_cmpeq_epi8(_mm256_and_si256(v, mask), mask);
 }
 
-// Bytes of a 32-value block, at compile time.
-template <int64_t TYPE>
-constexpr int64_t bytes32() {
-  return TYPE == Q8_0 ? sizeof(BlockQ8_0) : TYPE == Q4_1 ? sizeof(BlockQ4_1)
-       : TYPE == Q5_0 ? sizeof(BlockQ5_0) : TYPE == Q5_1 ? sizeof(BlockQ5_1)
-       : sizeof(BlockQ4_0);  // Q4_0, IQ4_NL
-}
-
 // A 32-value block's values as bytes: unsigned (Q4_0 / Q5_0 plus their offset, Q4_1 / Q5_1)
 // or signed (Q8_0, IQ4_NL's grid values).
 template <int64_t TYPE>
@@ -461,7 +453,7 @@ AVX2 inline __m256i unpack32(const uint8_t* block) {
   if constexpr (TYPE == Q8_0) {
     return _mm256_loadu_si256((const __m256i*)reinterpret_cast<const BlockQ8_0*>(block)->qs);
   } else {
-    constexpr int64_t bytes = bytes32<TYPE>();
+    constexpr int64_t bytes = block_size(TYPE);
     __m256i q = nibbles32(block + bytes - QK / 2);
     if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
       uint32_t qh;
@@ -477,7 +469,7 @@ template <int64_t TYPE, int R>
 AVX2 void dot_32_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t nb, float* out) {
   constexpr int offset = TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : 0;
   constexpr bool is_signed = TYPE == Q8_0 || TYPE == IQ4_NL, has_min = TYPE == Q4_1 || TYPE == Q5_1;
-  constexpr int64_t bytes = bytes32<TYPE>();
+  constexpr int64_t bytes = block_size(TYPE);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   float acc_offset[R];  // offset x sum, less min x sum
