@@ -23,6 +23,7 @@ _TOKEN_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 
                   10000.0, 20000.0, 50000.0, 100000.0)  # vLLM's 1-2-5 series
 _STEP_TOKEN_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0,
                        8192.0, 16384.0)
+_N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)  # vLLM's request_params_n buckets
 _ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                 2.5, 5.0, 10.0, 20.0)
 
@@ -150,6 +151,12 @@ class ServerMetrics:
         self.inference_time = self._histogram(
             "braid:request_inference_time_seconds", "First admission to finish",
             _LATENCY_BUCKETS)
+        self.request_params_n = self._histogram(
+            "braid:request_params_n", "n (choices per prompt) of each admitted request's "
+            "prompts", _N_BUCKETS)
+        self.request_params_max_tokens = self._histogram(
+            "braid:request_params_max_tokens", "max_tokens of each admitted engine request "
+            "(where unset, what the model length leaves after the prompt)", _TOKEN_BUCKETS)
         self.time_per_output_token = self._histogram(
             "braid:request_time_per_output_token_seconds",
             "Decode time over the tokens after the first, per finished request", _ITL_BUCKETS)
@@ -173,7 +180,19 @@ class ServerMetrics:
             "braid:spec_decode_lookup_acceptance_estimate",
             "Global per-draft acceptance estimate of prompt lookups beside the draft model")
 
+    def set_cache_config(self, info: dict[str, object]) -> None:
+        """vLLM's cache_config_info: a gauge at 1 whose labels are the KV cache's settings."""
+        Gauge("braid:cache_config_info", "Information of the KV cache's configuration",
+              list(info), registry=self.registry).labels(*map(str, info.values())).set(1)
+
     # ---- updates (engine thread) -------------------------------------------------------
+
+    def record_admitted(self, n: int, max_tokens: list[int]) -> None:
+        """One request's prompts (n choices each) and the max_tokens of its engine requests."""
+        for _ in range(len(max_tokens) // n):
+            self.request_params_n.observe(n)
+        for m in max_tokens:
+            self.request_params_max_tokens.observe(m)
 
     def set_load(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
         self.running.set(num_running)

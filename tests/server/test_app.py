@@ -357,6 +357,8 @@ def test_metrics_counters_move(server: ServerProcess, client: openai.OpenAI) -> 
         assert delta(f"braid:request_{name}_seconds_count") == 1, name
     assert delta("braid:request_inference_time_seconds_sum") <= delta(
         "braid:e2e_request_latency_seconds_sum")
+    assert delta("braid:request_params_n_count") == delta("braid:request_params_n_sum") == 1
+    assert delta("braid:request_params_max_tokens_sum") == 9
     assert delta("braid:iteration_tokens_total_count") >= 9  # a step per token at least
     assert delta("braid:iteration_tokens_total_sum") >= 9
     assert after["braid:num_requests_waiting"] == 0
@@ -370,6 +372,34 @@ def test_metrics_counters_move(server: ServerProcess, client: openai.OpenAI) -> 
     after = scrape(server.url)
     assert again.usage is not None and delta("braid:prefix_cache_hits_total") > 0
     assert delta("braid:prompt_tokens_total") == again.usage.prompt_tokens
+
+
+def test_request_params_and_cache_config_metrics(server: ServerProcess) -> None:
+    """vLLM's request_params_n and request_params_max_tokens (an unset max_tokens is what the
+    model length leaves), and cache_config_info's labels."""
+    before = scrape(server.url)
+    body = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "n": 2,
+            "max_tokens": 3}
+    res = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert res.status_code == 200, res.text
+    del body["max_tokens"], body["n"]
+    res = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert res.status_code == 200, res.text
+    prompt_tokens = res.json()["usage"]["prompt_tokens"]
+    after = scrape(server.url)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("braid:request_params_n_count") == 2  # one per prompt
+    assert delta("braid:request_params_n_sum") == 3
+    assert delta("braid:request_params_n_bucket{le=2.0}") == 2
+    assert delta("braid:request_params_max_tokens_count") == 3  # one per engine request
+    assert delta("braid:request_params_max_tokens_sum") == 2 * 3 + 256 - prompt_tokens
+    [info] = [k for k in after if k.startswith("braid:cache_config_info{")]
+    assert after[info] == 1
+    assert ("block_size=4,cache_dtype=float32,enable_prefix_caching=True,kv_cache_gib=2.0,"
+            "num_gpu_blocks=256,num_kv_blocks=256}") in info
 
 
 def test_chat_template_from_chat_template_jinja(tmp_path: Path) -> None:
