@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from braid.outputs import CompletionOutput, Logprob, RequestOutput
-from braid.sampling_params import SamplingParams
+from braid.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from braid.llm import LLM
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "RequestOutputKind",
+           "SamplingParams"]
 
 
 def __getattr__(name: str) -> object:

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from braid.config import DEFAULT_TARGET, EngineConfig
 from braid.engine.engine import LLMEngine
 from braid.outputs import RequestOutput
-from braid.sampling_params import SamplingParams, choice_seed
+from braid.sampling_params import RequestOutputKind, SamplingParams, choice_seed
 from braid.server.protocol import ChatMessage
 
 # A text, token ids, or vLLM's TextPrompt / TokensPrompt dicts ({"prompt": ...} or
@@ -115,9 +115,13 @@ class LLM:
 
 
 def _fan_out(params: SamplingParams) -> list[SamplingParams]:
+    """The engine requests of one prompt, each returning only its final output (as vLLM's
+    LLM takes any output_kind): the engine makes no output of an unfinished one."""
     if params.n == 1:
-        return [params]
-    return [replace(params, n=1, seed=choice_seed(params.seed, j)) for j in range(params.n)]
+        return [params if params.output_kind == RequestOutputKind.FINAL_ONLY
+                else replace(params, output_kind=RequestOutputKind.FINAL_ONLY)]
+    return [replace(params, n=1, seed=choice_seed(params.seed, j),
+                    output_kind=RequestOutputKind.FINAL_ONLY) for j in range(params.n)]
 
 
 def _merge(outs: list[RequestOutput]) -> RequestOutput:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -45,6 +46,15 @@ class StructuredOutputsParams:
                 and getattr(self, f.name) not in (None, False)]
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request carries (vLLM's): everything so far, only what
+    is new since its last output, or nothing until it finishes (then everything)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick the tokens of one request.
@@ -58,7 +68,10 @@ class SamplingParams:
     a word's last token is refused where the output so far ends with the rest of it. After
     `__post_init__`, `stop` and `stop_token_ids` are always lists (possibly empty).
     `structured_outputs` constrains the output to a grammar (braid/structured/); the request
-    finishes when the grammar is complete.
+    finishes when the grammar is complete. `detokenize=False` leaves the outputs' text empty
+    (and logprobs' decoded tokens None) and skips the detokenizer; stop strings need it.
+    `output_kind` (a RequestOutputKind) shapes what the engine's outputs carry; `LLM`
+    always returns whole outputs.
     """
 
     n: int = 1
@@ -90,6 +103,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -131,7 +146,7 @@ class SamplingParams:
             if value is not None and not is_int(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-                     "include_stop_str_in_output"):
+                     "include_stop_str_in_output", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -172,6 +187,14 @@ class SamplingParams:
                              f"where the output ends), got {self.min_tokens}")
         if any(not s for s in self.stop_strings):
             raise ValueError(f"stop must not contain empty strings, got {self.stop!r}")
+        if self.stop_strings and not self.detokenize:
+            raise ValueError(f"stop strings need the output's text: set detokenize=True or "
+                             f"use stop_token_ids, got stop={self.stop!r}")
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise ValueError("output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or "
+                             f"FINAL_ONLY), got {self.output_kind!r}") from None
         if any(t < 0 for t in self.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
         if self.allowed_token_ids is not None and (

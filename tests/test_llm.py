@@ -408,3 +408,86 @@ def test_generate_warns_of_a_max_tokens_past_the_context(tmp_path, capsys, caplo
     assert ("--max-tokens 100: the prompt's 6 tokens leave room for 26 in --max-model-len 32"
             in caplog.text)
     assert "[26 tokens, finish_reason=length" in capsys.readouterr().err
+
+
+def _collect(engine, requests: dict) -> dict[str, list]:  # noqa: ANN001
+    """Every output of each request, step by step, until all finish."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    seen: dict[str, list] = {rid: [] for rid in requests}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    return seen
+
+
+def test_output_kinds_when_the_engine_is_driven_directly(tmp_path) -> None:
+    """vLLM's RequestOutputKind, with and without speculation (windows emit several tokens
+    a step) and a stop string the text is held back for: DELTA outputs add up to the
+    CUMULATIVE one (text, tokens, logprobs; prompt logprobs once; cumulative_logprob
+    running), FINAL_ONLY gives the finished output alone; LLM.generate returns whole
+    outputs whatever the kind."""
+    from dataclasses import replace
+
+    from braid import LLM, RequestOutputKind, SamplingParams
+    from tests.tiny import save_tiny_model
+
+    folder = save_tiny_model(tmp_path)
+    base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2,
+                          prompt_logprobs=1)
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3,
+                        "prompt_lookup_min": 1}):
+        llm = LLM(str(folder), num_kv_blocks=256, block_size=4, max_model_len=256,
+                  log_stats_interval=0, speculative_config=spec)
+        prompt = "abcabcabcabc abc"
+        reference = llm.generate(prompt, base, use_tqdm=False)[0].outputs[0]
+        stop = reference.text[12:14]
+        params = replace(base, stop=[stop])
+        kinds = {kind.name: replace(params, output_kind=kind) for kind in RequestOutputKind}
+        seen = _collect(llm.engine, {name: (prompt, p) for name, p in kinds.items()})
+        final = seen["CUMULATIVE"][-1]
+        whole = final.outputs[0]
+        assert final.finished and whole.finish_reason == "stop" and whole.stop_reason == stop
+        assert len(seen["CUMULATIVE"]) > 1 and all(
+            not o.finished for o in seen["CUMULATIVE"][:-1])
+        deltas = seen["DELTA"]
+        assert len(deltas) == len(seen["CUMULATIVE"]) and deltas[-1].finished
+        assert "".join(o.outputs[0].text for o in deltas) == whole.text
+        assert sum((o.outputs[0].token_ids for o in deltas), []) == whole.token_ids
+        logprobs = sum((o.outputs[0].logprobs for o in deltas), [])
+        assert [sorted(e) for e in logprobs] == [sorted(e) for e in whole.logprobs]
+        assert deltas[-1].outputs[0].cumulative_logprob == whole.cumulative_logprob
+        assert [o.prompt_logprobs is not None for o in deltas].count(True) == 1
+        assert next(o.prompt_logprobs for o in deltas if o.prompt_logprobs) == \
+            final.prompt_logprobs
+        [only] = seen["FINAL_ONLY"]
+        assert only.finished and only.outputs[0].text == whole.text
+        assert only.outputs[0].token_ids == whole.token_ids
+        if spec is not None:
+            assert llm.engine.stats.spec_stats.num_accepted_tokens > 0
+            assert any(len(o.outputs[0].token_ids) > 1 for o in deltas)
+        for kind in kinds.values():  # the engine went idle; LLM makes each kind whole
+            out = llm.generate(prompt, kind, use_tqdm=False)[0].outputs[0]
+            assert (out.text, out.token_ids) == (whole.text, whole.token_ids)
+
+
+def test_detokenize_false_gives_token_ids_only(tmp_path) -> None:
+    from braid import LLM, SamplingParams
+    from tests.tiny import save_tiny_model
+
+    llm = LLM(str(save_tiny_model(tmp_path)), num_kv_blocks=256, block_size=4,
+              max_model_len=256, log_stats_interval=0)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1,
+                            stop_token_ids=[7])
+    texts, ids = llm.generate(["one", "two"], params, use_tqdm=False), []
+    bare = llm.generate(["one", "two"], SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, logprobs=1, stop_token_ids=[7],
+        detokenize=False), use_tqdm=False)
+    for with_text, without in zip(texts, bare, strict=True):
+        a, b = with_text.outputs[0], without.outputs[0]
+        ids.append(b.token_ids)
+        assert a.text and b.text == ""
+        assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason)
+        assert all(lp.decoded_token is None for e in b.logprobs for lp in e.values())
+        assert all(lp.decoded_token is not None for e in a.logprobs for lp in e.values())
+    assert ids[0] != ids[1]

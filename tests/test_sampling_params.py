@@ -96,3 +96,17 @@ def test_seed_range() -> None:
     SamplingParams(seed=-(2**63))
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(seed=2**64)
+
+
+def test_detokenize_and_output_kind_are_checked() -> None:
+    from braid import RequestOutputKind
+
+    with pytest.raises(ValueError, match="stop strings need the output's text: set "
+                       "detokenize=True or use stop_token_ids, got stop=\\['x'\\]"):
+        SamplingParams(stop="x", detokenize=False)
+    with pytest.raises(ValueError, match="detokenize must be true or false, got 'no'"):
+        SamplingParams(detokenize="no")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind"):
+        SamplingParams(output_kind=7)  # type: ignore[arg-type]
+    assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA  # type: ignore[arg-type]
+    assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE

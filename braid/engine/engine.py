@@ -27,6 +27,7 @@ from braid.outputs import RequestOutput
 from braid.sample.step import StepSample, StepSampler, score_prompts
 from braid.sampling_params import (
     GENERATION_DEFAULTS,
+    RequestOutputKind,
     SamplingParams,
     bad_words_token_ids,
     generation_defaults,
@@ -524,6 +525,8 @@ class LLMEngine:
             self.stats.add_generated(u.num_new_tokens)
             if u.finish_reason is not None:
                 self._release(req)
+            elif req.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY:
+                continue
             out = self.outputs.make_output(req)
             if out.metrics.spec_stats and self.speculator is not None:
                 out.metrics.spec_stats.update(self.speculator.request_figures(req))

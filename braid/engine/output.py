@@ -6,10 +6,22 @@ this module keeps each request's text and judges its stop conditions."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from braid.engine.request import Request
 from braid.outputs import CompletionOutput, RequestMetrics, RequestOutput, SampleLogprobs
+from braid.sampling_params import RequestOutputKind
 from braid.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(slots=True)
+class _Sent:
+    """What a DELTA request's outputs carried so far."""
+
+    text: int = 0
+    tokens: int = 0
+    logprobs: int = 0
+    prompt_logprobs: bool = False
 
 
 class OutputProcessor:
@@ -20,10 +32,13 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._text: dict[str, str] = {}
+        self._sent: dict[str, _Sent] = {}
 
     def add(self, req: Request) -> None:
         self._text[req.request_id] = ""
-        if self.tokenizer is not None:
+        if req.sampling_params.output_kind == RequestOutputKind.DELTA:
+            self._sent[req.request_id] = _Sent()
+        if self.tokenizer is not None and req.sampling_params.detokenize:
             self._detok[req.request_id] = IncrementalDetokenizer(
                 self.tokenizer, req.prompt_token_ids, req.sampling_params.skip_special_tokens)
 
@@ -44,16 +59,16 @@ class OutputProcessor:
         tokens = req.output_token_ids[len(req.output_token_ids) - len(logprobs):]
         req.cumulative_logprob += sum(entry[token].logprob
                                       for entry, token in zip(logprobs, tokens, strict=True))
-        req.logprobs += self._decoded(logprobs)
+        req.logprobs += self._decoded(req, logprobs)
 
     def add_prompt_logprobs(self, req: Request, logprobs: SampleLogprobs) -> None:
         """Logprobs of the prompt tokens a step scored (the next ones in order)."""
-        req.prompt_logprobs += self._decoded(logprobs)
+        req.prompt_logprobs += self._decoded(req, logprobs)
 
-    def _decoded(self, logprobs: SampleLogprobs) -> SampleLogprobs:
+    def _decoded(self, req: Request, logprobs: SampleLogprobs) -> SampleLogprobs:
         """The entries with each token's text (special tokens included), where there is a
-        tokenizer."""
-        if self.tokenizer is not None:
+        tokenizer and the request is detokenized."""
+        if self.tokenizer is not None and req.sampling_params.detokenize:
             for entry in logprobs:
                 for token, lp in entry.items():
                     lp.decoded_token = self.tokenizer.decode([token], skip_special_tokens=False)
@@ -106,6 +121,9 @@ class OutputProcessor:
             self._text[req.request_id] += detok.flush()
 
     def make_output(self, req: Request) -> RequestOutput:
+        """The request's output now: everything so far, or with output_kind DELTA what is
+        new since its last one (prompt logprobs once, in the first output that has them;
+        cumulative_logprob stays the running sum, as vLLM's)."""
         text = self._text[req.request_id]
         if req.is_finished:
             self._text.pop(req.request_id, None)
@@ -113,13 +131,23 @@ class OutputProcessor:
             text = text[: len(text) - _partial_stop_len(text, req.sampling_params.stop_strings)]
         scored = _prompt_scored(req)
         with_logprobs = req.sampling_params.logprobs is not None
+        tokens, logprobs = req.output_token_ids, req.logprobs
+        sent = (self._sent.pop(req.request_id, None) if req.is_finished
+                else self._sent.get(req.request_id))
+        if sent is not None:
+            text, tokens, logprobs = (text[sent.text:], tokens[sent.tokens:],
+                                      logprobs[sent.logprobs:])
+            sent.text += len(text)
+            sent.tokens += len(tokens)
+            sent.logprobs += len(logprobs)
+            scored, sent.prompt_logprobs = scored and not sent.prompt_logprobs, scored
         completion = CompletionOutput(
             index=0,
             text=text,
-            token_ids=list(req.output_token_ids),
+            token_ids=list(tokens),
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
-            logprobs=list(req.logprobs) if with_logprobs else None,
+            logprobs=list(logprobs) if with_logprobs else None,
             cumulative_logprob=req.cumulative_logprob if with_logprobs else None,
         )
         return RequestOutput(
