@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import numbers
 from collections.abc import Sequence
 from dataclasses import replace
@@ -17,6 +18,9 @@ from braid.outputs import RequestOutput
 from braid.sampling_params import RequestOutputKind, SamplingParams, choice_seed
 from braid.server.protocol import ChatMessage
 
+logger = logging.getLogger("braid")
+# vLLM options with nothing to do in braid (see LLM.__init__)
+_VLLM_NO_OPS = ("trust_remote_code", "enforce_eager")
 # A text, token ids, or vLLM's TextPrompt / TokensPrompt dicts ({"prompt": ...} or
 # {"prompt_token_ids": [...]})
 Prompt = str | list[int] | dict[str, Any]
@@ -26,8 +30,26 @@ class LLM:
     """Loads a model once and generates for batches of prompts with continuous batching."""
 
     def __init__(self, model: str = DEFAULT_TARGET, **engine_options: Any) -> None:
+        """`engine_options` are EngineConfig's fields. vLLM's options that change nothing
+        on one CPU are accepted so vLLM scripts run unchanged: `trust_remote_code` and
+        `enforce_eager` (as `braid serve` takes them), `tensor_parallel_size` and
+        `pipeline_parallel_size` of 1, and `gpu_memory_utilization` (ignored: `kv_cache_gib`
+        sizes the KV cache)."""
+        for name in _VLLM_NO_OPS:
+            engine_options.pop(name, None)
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if engine_options.pop(name, 1) != 1:
+                raise ValueError(f"{name} must be 1: braid runs one model on one machine")
+        if engine_options.pop("gpu_memory_utilization", None) is not None:
+            logger.info("gpu_memory_utilization is ignored: braid runs on the CPU, and "
+                        "kv_cache_gib sizes the KV cache")
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self._ids = itertools.count()
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for `engine`."""
+        return self.engine
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -43,10 +65,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: None = None,
     ) -> list[RequestOutput]:
         """One output per prompt, in prompt order. One SamplingParams for all, or one each;
         `n > 1` gives n completions per prompt (n engine requests; seeds seed, seed + 1, ...).
-        `priority`, one per prompt, counts under scheduling_policy="priority"."""
+        `priority`, one per prompt, counts under scheduling_policy="priority". braid has no
+        LoRA adapters: `lora_request` may only be None."""
+        if lora_request is not None:
+            raise ValueError("lora_request must be None: braid has no LoRA adapters")
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(self.get_default_sampling_params() if sampling_params is None
                                  else sampling_params, len(prompt_list))
@@ -88,6 +114,13 @@ class LLM:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none")
+        if not isinstance(messages, list | tuple) or not all(
+                isinstance(m, dict) or (isinstance(m, list | tuple)
+                                        and all(isinstance(x, dict) for x in m))
+                for m in messages):
+            raise ValueError("messages must be a conversation (a list of message dicts with "
+                             "'role' and 'content') or a list of conversations, got "
+                             f"{messages!r:.80}")
         conversations: Sequence[Any] = (
             [messages] if messages and isinstance(messages[0], dict) else messages)
         # as the server renders them: content parts joined, a missing content empty
@@ -103,15 +136,41 @@ class LLM:
         return outputs
 
     def _run(self, groups: list[list[str]], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every engine request finished; the bar counts prompts (a prompt's n
+        completions finish it together), as vLLM's."""
         finished: dict[str, RequestOutput] = {}
-        total = sum(len(g) for g in groups)
-        with tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm) as bar:
-            while len(finished) < total:
+        prompt_of = {rid: i for i, g in enumerate(groups) for rid in g}
+        left = [len(g) for g in groups]  # unfinished engine requests of each prompt
+        with tqdm(total=len(groups), desc="Generating", unit="prompt",
+                  disable=not use_tqdm) as bar:
+            while len(finished) < len(prompt_of):
                 for out in self.engine.step():
                     if out.finished:
                         finished[out.request_id] = out
-                        bar.update(1)
+                        left[prompt_of[out.request_id]] -= 1
+                        if left[prompt_of[out.request_id]] == 0:
+                            bar.update(1)
         return [_merge([finished[i] for i in g]) for g in groups]
+
+    def _unsupported(self, method: str) -> None:
+        raise NotImplementedError(f"LLM.{method}: braid runs generative models only (no "
+                                  "pooling, embedding, scoring or beam search); use generate "
+                                  "or chat")
+
+    def encode(self, *args: Any, **kwargs: Any) -> None:
+        self._unsupported("encode")
+
+    def embed(self, *args: Any, **kwargs: Any) -> None:
+        self._unsupported("embed")
+
+    def classify(self, *args: Any, **kwargs: Any) -> None:
+        self._unsupported("classify")
+
+    def score(self, *args: Any, **kwargs: Any) -> None:
+        self._unsupported("score")
+
+    def beam_search(self, *args: Any, **kwargs: Any) -> None:
+        self._unsupported("beam_search")
 
 
 def _fan_out(params: SamplingParams) -> list[SamplingParams]:
@@ -134,11 +193,14 @@ def _merge(outs: list[RequestOutput]) -> RequestOutput:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+    if not isinstance(prompts, str | dict | list | tuple | np.ndarray):
+        raise ValueError("prompts must be a prompt (a text, token ids or a dict) or a list "
+                         f"of them, got {prompts!r:.80}")
     if isinstance(prompts, str | dict):
         return [_prompt_of(prompts)]
     items = list(prompts)
     if items and all(_is_token_id(t) for t in items):
-        return [[int(t) for t in items]]  # type: ignore[arg-type]
+        return [[int(t) for t in items]]
     return [_prompt_of(p) for p in items]
 
 
@@ -174,6 +236,10 @@ def _as_params_list(
 ) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * n
+    if not isinstance(params, list | tuple) or not all(
+            isinstance(p, SamplingParams) for p in params):
+        raise ValueError("sampling_params must be a SamplingParams or a list of them (one "
+                         f"per prompt), got {params!r:.80}")
     if len(params) != n:
         raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
     return list(params)

@@ -34,6 +34,9 @@ class CompletionOutput:
     # With logprobs: the sum of the generated tokens' logprobs (vLLM's, e.g. to rank n samples)
     cumulative_logprob: float | None = None
 
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestMetrics:

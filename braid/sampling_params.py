@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 from collections.abc import Callable, Sequence
@@ -111,14 +112,24 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, list | tuple) and all(isinstance(s, str) for s in self.stop):
             self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list | tuple | None) or not all(
+                is_int(t) for t in self.stop_token_ids or []):
+            raise ValueError("stop_token_ids must be a list of token ids (integers), got "
+                             f"{self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
         if self.structured_outputs is not None:
             from braid.structured.grammar import grammar_for
 
             grammar_for(self.structured_outputs)  # ValueError naming the field if invalid
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's)."""
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:

@@ -380,12 +380,15 @@ class Tokenizer:
         *,
         chat_template: str | None = None,
         continue_final_message: bool = False,
+        tokenize: bool = False,
         **kwargs: Any,
-    ) -> str:
+    ) -> Any:
         """The conversation as text, like transformers' apply_chat_template: through
         `chat_template` (default: the model's), with `kwargs` as more template variables.
         `continue_final_message` ends the text with the last message's content, open, for
-        the model to continue (an assistant prefill) instead of closing its turn."""
+        the model to continue (an assistant prefill) instead of closing its turn. Unlike
+        transformers' defaults, the text comes back (`tokenize=True`: its token ids) and a
+        generation prompt is added (add_generation_prompt=False leaves it out)."""
         template = chat_template or self.chat_template
         if not template:
             raise ValueError("this tokenizer has no chat template")
@@ -397,7 +400,49 @@ class Tokenizer:
         text = compile_chat_template(template).render({
             **special, **kwargs, "messages": messages, "tools": tools,
             "add_generation_prompt": add_generation_prompt})
-        return _open_final_message(text, messages) if continue_final_message else text
+        text = _open_final_message(text, messages) if continue_final_message else text
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    # transformers' names, for code written against the Hugging Face tokenizer vLLM returns
+
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True
+                 ) -> dict[str, Any]:
+        """{"input_ids": ids (a list of them for a list of texts)}."""
+        if isinstance(text, str):
+            return {"input_ids": self.encode(text, add_special_tokens)}
+        return {"input_ids": [self.encode(t, add_special_tokens) for t in text]}
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.backend.get_vocab(with_added_tokens=True))
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
+        if isinstance(tokens, str):
+            return self.token_to_id(tokens)
+        return [self.token_to_id(t) for t in tokens]
+
+    def batch_decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = True
+                     ) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._special["eos"]
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._special["bos"]
+
+    @property
+    def pad_token(self) -> str | None:
+        return self._special["pad"]
+
+    @property
+    def pad_token_id(self) -> int | None:
+        pad = self.pad_token
+        return self.token_to_id(pad) if pad else None
 
 
 # ---------------------------------------------------------------------------------------------

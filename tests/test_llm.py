@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 
 def test_n_completions_per_prompt(tmp_path) -> None:
     from braid import LLM, SamplingParams
@@ -491,3 +493,66 @@ def test_detokenize_false_gives_token_ids_only(tmp_path) -> None:
         assert all(lp.decoded_token is None for e in b.logprobs for lp in e.values())
         assert all(lp.decoded_token is not None for e in a.logprobs for lp in e.values())
     assert ids[0] != ids[1]
+
+
+def test_vllm_script_idioms(tmp_path, capsys) -> None:
+    """What vLLM scripts pass and call: options that change nothing on one CPU, vLLM's
+    names, clear errors for what braid lacks or a wrongly typed argument, a progress bar
+    counting prompts."""
+    import braid
+    from braid import LLM, SamplingParams
+    from tests.tiny import save_tiny_model
+
+    folder = str(save_tiny_model(tmp_path))
+    llm = LLM(folder, num_kv_blocks=256, block_size=4, max_model_len=256, log_stats_interval=0,
+              trust_remote_code=True, enforce_eager=True, tensor_parallel_size=1,
+              pipeline_parallel_size=1, gpu_memory_utilization=0.5)
+    assert llm.llm_engine is llm.engine and isinstance(llm.engine, braid.LLMEngine)
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        with pytest.raises(ValueError, match=f"{name} must be 1"):
+            LLM(folder, **{name: 2})
+    params = SamplingParams(temperature=0, max_tokens=3, n=3, ignore_eos=True)
+    out = llm.generate(["a", "b"], params, lora_request=None)
+    assert all(c.finished() for o in out for c in o.outputs)
+    assert "2/2" in capsys.readouterr().err  # prompts, not the 6 engine requests
+    with pytest.raises(ValueError, match="lora_request must be None"):
+        llm.generate("a", params, lora_request=object())  # type: ignore[arg-type]
+    for method in ("encode", "embed", "classify", "score", "beam_search"):
+        with pytest.raises(NotImplementedError, match=f"LLM.{method}: braid runs generative"):
+            getattr(llm, method)("a")
+    for prompts in (None, 5):
+        with pytest.raises(ValueError, match="prompts must be a prompt"):
+            llm.generate(prompts, params)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="sampling_params must be a SamplingParams or a list"):
+        llm.generate(["a"], {"temperature": 0})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="messages must be a conversation"):
+        llm.chat("hi")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="stop must be a string or a list of strings"):
+        llm.generate("a", SamplingParams(stop=[1]))  # type: ignore[list-item]
+    assert not llm.engine.has_unfinished_requests()
+    clone = params.clone()
+    assert clone == params and clone is not params
+
+
+def test_the_tokenizer_answers_to_transformers_names(tmp_path) -> None:
+    from braid import LLM
+    from tests.tiny import save_tiny_model
+
+    llm = LLM(str(save_tiny_model(tmp_path)), num_kv_blocks=64, log_stats_interval=0)
+    tok = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "hi"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert isinstance(text, str) and ids == tok.encode(text, add_special_tokens=False)
+    # an argument, not a template variable (it used to reach the template as one)
+    assert tok.apply_chat_template(messages, chat_template="{{ tokenize }}",
+                                   tokenize=False) == ""
+    out = llm.generate({"prompt_token_ids": ids}, use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids
+    assert tok("hi") == {"input_ids": tok.encode("hi")}
+    assert tok(["hi", "yo"])["input_ids"] == [tok.encode("hi"), tok.encode("yo")]
+    assert len(tok) == tok.vocab_size == len(tok.get_vocab())
+    assert tok.convert_tokens_to_ids(tok.eos_token) == tok.eos_token_id
+    assert tok.convert_tokens_to_ids(["<nope>"]) == [None]
+    assert tok.batch_decode([tok.encode("hi"), tok.encode("yo")]) == ["hi", "yo"]
+    assert tok.pad_token_id == (tok.token_to_id(tok.pad_token) if tok.pad_token else None)

@@ -110,3 +110,17 @@ def test_detokenize_and_output_kind_are_checked() -> None:
         SamplingParams(output_kind=7)  # type: ignore[arg-type]
     assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA  # type: ignore[arg-type]
     assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"stop": [1]}, "stop must be a string or a list of strings, got \\[1\\]"),
+    ({"stop": 5}, "stop must be a string or a list of strings, got 5"),
+    ({"stop_token_ids": [1.5]}, "stop_token_ids must be a list of token ids \\(integers\\)"),
+    ({"stop_token_ids": ["a"]}, "stop_token_ids must be a list of token ids"),
+    ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids"),
+])
+def test_stop_fields_of_the_wrong_type_are_refused(fields: dict, message: str) -> None:
+    """They used to pass and fail inside the engine's step (the request ended "error")."""
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**fields)
+    assert SamplingParams(stop=("a", "b"), stop_token_ids=(3,)).stop == ["a", "b"]
