@@ -343,3 +343,38 @@ def test_a_llama3_gguf_s_rope_freqs_scale_rope_as_transformers_llama3(tmp_path: 
     torch.testing.assert_close(model.rotary.sin, theirs.sin, atol=1e-5, rtol=0)
     assert not torch.allclose(model.rotary.cos, RotaryEmbedding(HEAD_DIM, 512, 1e6).cos,
                               atol=1e-2)
+
+
+def test_a_float_gguf_gets_a_hint_toward_int8(tmp_path: Path, caplog) -> None:
+    """F16 / F32 tensors only: `auto` keeps them float (float32, 4 bytes a value) and says
+    that --quantization int8 runs them on the quantized kernels; int8 does."""
+    import logging
+
+    from braid.kernels import quant_ops
+    from braid.models.build import load_model
+    from braid.models.quant import QuantLinear
+
+    tensors = {"token_embd.weight": (rand(len(tiny_vocab()), HIDDEN), None),
+               "output_norm.weight": (rand(HIDDEN), None)}
+    shapes = {"attn_q": (HEADS * HEAD_DIM, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
+              "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
+              "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+    for i in range(LAYERS):
+        for name in ("attn_norm", "ffn_norm"):
+            tensors[f"blk.{i}.{name}.weight"] = (rand(HIDDEN), None)
+        for name, shape in shapes.items():  # the matrices as F16, their biases F32
+            tensors[f"blk.{i}.{name}.weight"] = (rand(*shape).astype(np.float16), None)
+            if name in ("attn_q", "attn_k", "attn_v"):
+                tensors[f"blk.{i}.{name}.bias"] = (rand(shape[0]), None)
+    path = write_gguf(tmp_path / "float.gguf", "qwen2", tensors, hparams())
+    with caplog.at_level(logging.INFO, logger="braid"):
+        model, _ = load_model(str(path))
+    hinted = "float.gguf holds float weights (F16/BF16/F32), which run as float32" in caplog.text
+    assert hinted == (quant_ops() is not None)
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+    if quant_ops() is not None:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="braid"):
+            model, _ = load_model(str(path), quantization="int8")
+        assert "holds float weights" not in caplog.text
+        assert any(isinstance(m, QuantLinear) for m in model.modules())
