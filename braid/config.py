@@ -250,6 +250,11 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be auto, float32 (float), bfloat16 or float16 "
                               f"(half), got {self.dtype!r}")
+        if self.kv_cache_dtype.startswith("fp8"):
+            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: braid has no 8-bit KV "
+                              "cache; with no scale per block, fp8 raised the default model's "
+                              "perplexity by a third (docs/benchmarks.md, section 5, run 17). "
+                              "float16 or bfloat16 halve the cache")
         if self.kv_cache_dtype not in DTYPES:
             raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(DTYPES)}, got "
                               f"{self.kv_cache_dtype!r}")

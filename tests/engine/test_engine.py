@@ -334,9 +334,13 @@ def test_tokenizer_flag_takes_another_tokenizer(tmp_path, capsys) -> None:
 def test_serve_names_a_bad_kv_cache_dtype(capsys) -> None:
     from braid.cli import main
 
-    assert main(["serve", "--kv-cache-dtype", "fp8", "--model", "/no/such/model"]) == 2
+    assert main(["serve", "--kv-cache-dtype", "int8", "--model", "/no/such/model"]) == 2
     assert ("braid: error: --kv-cache-dtype must be one of auto, float32, bfloat16, float16, "
-            "got 'fp8'") in capsys.readouterr().err
+            "got 'int8'") in capsys.readouterr().err
+    assert main(["serve", "--kv-cache-dtype", "fp8", "--model", "/no/such/model"]) == 2
+    assert ("braid: error: --kv-cache-dtype fp8: braid has no 8-bit KV cache; with no scale "
+            "per block, fp8 raised the default model's perplexity by a third"
+            ) in capsys.readouterr().err
 
 
 def test_memory_limit_is_the_container_s_where_lower(tmp_path, caplog) -> None:

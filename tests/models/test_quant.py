@@ -599,8 +599,11 @@ def test_dtype_takes_vllm_s_names() -> None:
 
 def test_bad_kv_cache_dtype_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="--kv-cache-dtype must be one of auto, float32, "
-                       "bfloat16, float16, got 'fp8'"):
-        EngineConfig(model="tiny", kv_cache_dtype="fp8")
+                       "bfloat16, float16, got 'int8'"):
+        EngineConfig(model="tiny", kv_cache_dtype="int8")
+    for fp8 in ("fp8", "fp8_e4m3", "fp8_e5m2"):  # vLLM's names: why braid has none
+        with pytest.raises(ConfigError, match=f"--kv-cache-dtype {fp8}: braid has no 8-bit"):
+            EngineConfig(model="tiny", kv_cache_dtype=fp8)
 
 
 @pytest.fixture
