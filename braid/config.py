@@ -253,8 +253,8 @@ class EngineConfig:
         if self.kv_cache_dtype.startswith("fp8"):
             raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: braid has no 8-bit KV "
                               "cache; with no scale per block, fp8 raised the default model's "
-                              "perplexity by a third (docs/benchmarks.md, section 5, run 17). "
-                              "float16 or bfloat16 halve the cache")
+                              "perplexity by a third (e4m3) to tenfold (e5m2) (docs/"
+                              "benchmarks.md, run 17). float16 or bfloat16 halve the cache")
         if self.kv_cache_dtype not in DTYPES:
             raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(DTYPES)}, got "
                               f"{self.kv_cache_dtype!r}")

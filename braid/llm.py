@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -124,10 +124,15 @@ class LLM:
         conversations: Sequence[Any] = (
             [messages] if messages and isinstance(messages[0], dict) else messages)
         # as the server renders them: content parts joined, a missing content empty
+        # chat_template_kwargs over the arguments of the same names, as vLLM's; the text is
+        # tokenized here, so a `tokenize` among them goes
+        options = {"add_generation_prompt": add_generation_prompt, "tools": tools,
+                   "chat_template": chat_template,
+                   "continue_final_message": continue_final_message,
+                   **(chat_template_kwargs or {})}
+        options.pop("tokenize", None)
         texts = [tokenizer.apply_chat_template(
-            [ChatMessage.model_validate(m).as_template_dict() for m in c],
-            add_generation_prompt, tools, chat_template=chat_template,
-            continue_final_message=continue_final_message, **chat_template_kwargs or {})
+            [ChatMessage.model_validate(m).as_template_dict() for m in c], **options)
             for c in conversations]
         prompts: list[Prompt] = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
         outputs = self.generate(prompts, sampling_params, use_tqdm)
@@ -145,7 +150,7 @@ class LLM:
                   disable=not use_tqdm) as bar:
             while len(finished) < len(prompt_of):
                 for out in self.engine.step():
-                    if out.finished:
+                    if out.finished and out.request_id in prompt_of:  # not another caller's
                         finished[out.request_id] = out
                         left[prompt_of[out.request_id]] -= 1
                         if left[prompt_of[out.request_id]] == 0:
@@ -193,14 +198,14 @@ def _merge(outs: list[RequestOutput]) -> RequestOutput:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
-    if not isinstance(prompts, str | dict | list | tuple | np.ndarray):
+    if isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
         raise ValueError("prompts must be a prompt (a text, token ids or a dict) or a list "
                          f"of them, got {prompts!r:.80}")
     if isinstance(prompts, str | dict):
         return [_prompt_of(prompts)]
     items = list(prompts)
     if items and all(_is_token_id(t) for t in items):
-        return [[int(t) for t in items]]
+        return [[int(t) for t in items]]  # type: ignore[arg-type]
     return [_prompt_of(p) for p in items]
 
 

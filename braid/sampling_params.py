@@ -121,6 +121,10 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be a list of token ids (integers), got "
                              f"{self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if not is_int(self.output_kind) or self.output_kind not in set(RequestOutputKind):
+            raise ValueError("output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or "
+                             f"FINAL_ONLY), got {self.output_kind!r}")
+        self.output_kind = RequestOutputKind(self.output_kind)
         self._validate()
         if self.structured_outputs is not None:
             from braid.structured.grammar import grammar_for
@@ -201,11 +205,6 @@ class SamplingParams:
         if self.stop_strings and not self.detokenize:
             raise ValueError(f"stop strings need the output's text: set detokenize=True or "
                              f"use stop_token_ids, got stop={self.stop!r}")
-        try:
-            self.output_kind = RequestOutputKind(self.output_kind)
-        except ValueError:
-            raise ValueError("output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or "
-                             f"FINAL_ONLY), got {self.output_kind!r}") from None
         if any(t < 0 for t in self.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
         if self.allowed_token_ids is not None and (

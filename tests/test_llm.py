@@ -456,8 +456,7 @@ def test_output_kinds_when_the_engine_is_driven_directly(tmp_path) -> None:
         assert len(deltas) == len(seen["CUMULATIVE"]) and deltas[-1].finished
         assert "".join(o.outputs[0].text for o in deltas) == whole.text
         assert sum((o.outputs[0].token_ids for o in deltas), []) == whole.token_ids
-        logprobs = sum((o.outputs[0].logprobs for o in deltas), [])
-        assert [sorted(e) for e in logprobs] == [sorted(e) for e in whole.logprobs]
+        assert sum((o.outputs[0].logprobs for o in deltas), []) == whole.logprobs
         assert deltas[-1].outputs[0].cumulative_logprob == whole.cumulative_logprob
         assert [o.prompt_logprobs is not None for o in deltas].count(True) == 1
         assert next(o.prompt_logprobs for o in deltas if o.prompt_logprobs) == \
@@ -530,6 +529,15 @@ def test_vllm_script_idioms(tmp_path, capsys) -> None:
     with pytest.raises(ValueError, match="stop must be a string or a list of strings"):
         llm.generate("a", SamplingParams(stop=[1]))  # type: ignore[list-item]
     assert not llm.engine.has_unfinished_requests()
+    # prompts as any iterable (a generator, a dataset column)
+    assert len(llm.generate((p for p in ("x", "y")), params, use_tqdm=False)) == 2
+    # the engine driven directly takes one completion a request; LLM ignores requests it
+    # did not add
+    from braid.engine.engine import RequestError
+    with pytest.raises(RequestError, match="n must be 1 for one engine request, got 3"):
+        llm.engine.add_request("mine", "a", params)
+    llm.engine.add_request("mine", "a", SamplingParams(max_tokens=2))
+    assert len(llm.generate(["a"], params, use_tqdm=False)[0].outputs) == 3
     clone = params.clone()
     assert clone == params and clone is not params
 
@@ -555,4 +563,12 @@ def test_the_tokenizer_answers_to_transformers_names(tmp_path) -> None:
     assert tok.convert_tokens_to_ids(tok.eos_token) == tok.eos_token_id
     assert tok.convert_tokens_to_ids(["<nope>"]) == [None]
     assert tok.batch_decode([tok.encode("hi"), tok.encode("yo")]) == ["hi", "yo"]
-    assert tok.pad_token_id == (tok.token_to_id(tok.pad_token) if tok.pad_token else None)
+    assert tok.eos_token == "<|endoftext|>" and tok.pad_token is tok.pad_token_id is None
+    # chat_template_kwargs over chat's arguments, as vLLM's; tokenize among them is dropped
+    # (the text is tokenized by chat itself)
+    plain = llm.chat(messages, use_tqdm=False)[0].prompt_token_ids
+    assert llm.chat(messages, use_tqdm=False, chat_template_kwargs={"tokenize": True}
+                    )[0].prompt_token_ids == plain == ids
+    assert llm.chat(messages, use_tqdm=False, chat_template_kwargs={
+        "add_generation_prompt": False})[0].prompt_token_ids == tok.apply_chat_template(
+            messages, add_generation_prompt=False, tokenize=True)

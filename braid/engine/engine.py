@@ -319,6 +319,9 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
+        if params.n != 1:
+            raise RequestError(f"n must be 1 for one engine request, got {params.n}: add one "
+                               "request per completion (LLM.generate and the server do)")
         if not is_int(priority):
             raise RequestError(f"priority must be an integer, got {priority!r}")
         if priority != 0 and not self.scheduler.priority:

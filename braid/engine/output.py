@@ -23,6 +23,16 @@ class _Sent:
     logprobs: int = 0
     prompt_logprobs: bool = False
 
+    def take(self, text: str, tokens: list[int], logprobs: SampleLogprobs, scored: bool
+             ) -> tuple[str, list[int], SampleLogprobs, bool]:
+        """The parts of the request's output so far that no earlier output carried (prompt
+        logprobs: whether they go in this one), counted as carried."""
+        new = text[self.text:], tokens[self.tokens:], logprobs[self.logprobs:]
+        self.text, self.tokens, self.logprobs = len(text), len(tokens), len(logprobs)
+        first_scored = scored and not self.prompt_logprobs
+        self.prompt_logprobs = scored
+        return (*new, first_scored)
+
 
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int],
@@ -135,12 +145,7 @@ class OutputProcessor:
         sent = (self._sent.pop(req.request_id, None) if req.is_finished
                 else self._sent.get(req.request_id))
         if sent is not None:
-            text, tokens, logprobs = (text[sent.text:], tokens[sent.tokens:],
-                                      logprobs[sent.logprobs:])
-            sent.text += len(text)
-            sent.tokens += len(tokens)
-            sent.logprobs += len(logprobs)
-            scored, sent.prompt_logprobs = scored and not sent.prompt_logprobs, scored
+            text, tokens, logprobs, scored = sent.take(text, tokens, logprobs, scored)
         completion = CompletionOutput(
             index=0,
             text=text,

@@ -85,11 +85,12 @@ def _weights(path: Path, cfg: ModelConfig, quantization: str, device: str | torc
                       if quantization != "none" and quantized_types(path) else None)
         if quantization in ("int8", "int4"):
             quant_type = float_quant_type(quantization)
-        elif quant_type is None and quantization == "auto" and quant_ops() is not None:
-            logger.info("%s holds float weights (F16/BF16/F32), which run as float32 (4 bytes "
-                        "a value); --quantization int8 runs them as Q8_0 blocks on the "
+        elif (quant_type is None and quantization == "auto"
+              and torch.device(device).type == "cpu" and quant_ops() is not None):
+            logger.info("%s holds float weights (F16/BF16/F32), which run as floats of "
+                        "--dtype; --quantization int8 runs them as Q8_0 blocks on the "
                         "quantized kernels instead (~1 byte a value, decode several times "
-                        "faster)", path.name)
+                        "faster than float32)", path.name)
     else:
         quant_type = float_quant_type(quantization)
     if quant_type is not None and not _kernels_for(device):

@@ -194,12 +194,13 @@ def run_server(args: argparse.Namespace) -> int:
     assert engine.structured is not None
     engine.structured.warm_up()  # the grammar engine's tokenizer view, before any request
     names = list(dict.fromkeys(args.served_model_name or [config.model]))  # each name once
-    metrics = ServerMetrics(names[0])
-    metrics.set_cache_config({
-        "block_size": config.block_size, "cache_dtype": str(engine.runner.kv_cache.dtype)[6:],
+    cache = engine.runner.kv_cache
+    metrics = ServerMetrics(names[0], cache_config={
+        "block_size": config.block_size,
+        "cache_dtype": str(cache.dtype).removeprefix("torch."),
         "num_gpu_blocks": engine.blocks.num_blocks,  # vLLM's name for the cache's blocks
         "enable_prefix_caching": config.enable_prefix_caching,
-        "kv_cache_gib": config.kv_cache_gib, "num_kv_blocks": config.num_kv_blocks})
+        "kv_cache_gib": f"{cache.nbytes / 2**30:.4g}"})  # the target's, as allocated
     ctx = ServerContext(AsyncEngine(engine, metrics, args.enable_log_requests),
                         engine.tokenizer, names,
                         config.max_model_len, args.max_waiting_requests,

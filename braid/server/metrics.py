@@ -54,9 +54,14 @@ class _Seen:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, cache_config: dict[str, object] | None = None) -> None:
+        """cache_config: the KV cache's settings, vLLM's cache_config_info labels."""
         self.registry = CollectorRegistry()
         self._model = model_name
+        if cache_config is not None:
+            Gauge("braid:cache_config_info", "Information of the KV cache's configuration",
+                  list(cache_config), registry=self.registry).labels(
+                      *map(str, cache_config.values())).set(1)
         self._build_gauges()
         self._build_counters()
         self._build_histograms()
@@ -180,19 +185,17 @@ class ServerMetrics:
             "braid:spec_decode_lookup_acceptance_estimate",
             "Global per-draft acceptance estimate of prompt lookups beside the draft model")
 
-    def set_cache_config(self, info: dict[str, object]) -> None:
-        """vLLM's cache_config_info: a gauge at 1 whose labels are the KV cache's settings."""
-        Gauge("braid:cache_config_info", "Information of the KV cache's configuration",
-              list(info), registry=self.registry).labels(*map(str, info.values())).set(1)
+    # ---- updates (the event loop) ------------------------------------------------------
 
-    # ---- updates (engine thread) -------------------------------------------------------
-
-    def record_admitted(self, n: int, max_tokens: list[int]) -> None:
-        """One request's prompts (n choices each) and the max_tokens of its engine requests."""
-        for _ in range(len(max_tokens) // n):
+    def record_admitted(self, num_prompts: int, n: int, max_tokens: list[int]) -> None:
+        """One admitted request: its prompts (n choices each) and the max_tokens of its
+        engine requests."""
+        for _ in range(num_prompts):
             self.request_params_n.observe(n)
         for m in max_tokens:
             self.request_params_max_tokens.observe(m)
+
+    # ---- updates (engine thread) -------------------------------------------------------
 
     def set_load(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
         self.running.set(num_running)

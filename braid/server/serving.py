@@ -281,7 +281,7 @@ async def submit(ctx: ServerContext, job: Job, prompt_field: str = "prompt",
         abort_unfinished(ctx, job)
         raise _admission_error(errors[0], prompt_field)
     if ctx.engine.metrics is not None:
-        ctx.engine.metrics.record_admitted(len(job.choices) // len(job.prompts), [
+        ctx.engine.metrics.record_admitted(len(job.prompts), len(job.choices) // len(job.prompts), [
             ctx.max_model_len - len(job.prompts[c.prompt_index]) if p.max_tokens is None
             else p.max_tokens for c, p in zip(job.choices, job.params, strict=True)])
     if ctx.log_requests:

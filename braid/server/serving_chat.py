@@ -142,6 +142,7 @@ def check_template_fields(body: ChatCompletionRequest | TokenizeChatRequest,
     or one that is not Jinja. (Both continue_final_message and add_generation_prompt is the
     tokenizer's ContinuationError, a 400 from render_chat.)"""
     kwargs = dict(body.chat_template_kwargs or {})
+    kwargs.pop("tokenize", None)  # as vLLM drops it: the server tokenizes the text itself
     if "messages" in kwargs:
         raise bad_request("chat_template_kwargs: 'messages' is the request's own field, not a "
                           "template variable", "chat_template_kwargs")
