@@ -40,6 +40,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
+    """A request's times (time.monotonic() seconds) and figures, with vLLM's names."""
+
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None
@@ -47,6 +49,18 @@ class RequestMetrics:
     first_scheduled_time: float | None = None  # its first admission: queueing ends
     # Speculation figures of this request (drafts, draft tokens, accepted, ...), once present.
     spec_stats: dict[str, Any] = field(default_factory=dict)
+    last_token_time: float | None = None  # when its latest tokens came
+
+    @property
+    def finished_time(self) -> float | None:
+        return self.finish_time
+
+    @property
+    def time_in_queue(self) -> float | None:
+        """Arrival to first admission."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
 
 
 @dataclass

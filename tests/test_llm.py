@@ -513,6 +513,10 @@ def test_vllm_script_idioms(tmp_path, capsys) -> None:
     params = SamplingParams(temperature=0, max_tokens=3, n=3, ignore_eos=True)
     out = llm.generate(["a", "b"], params, lora_request=None)
     assert all(c.finished() for o in out for c in o.outputs)
+    m = out[0].metrics  # vLLM's names for a request's times
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time
+    assert m.first_token_time < m.last_token_time <= m.finished_time == m.finish_time
+    assert m.time_in_queue == m.first_scheduled_time - m.arrival_time
     assert "2/2" in capsys.readouterr().err  # prompts, not the 6 engine requests
     with pytest.raises(ValueError, match="lora_request must be None"):
         llm.generate("a", params, lora_request=object())  # type: ignore[arg-type]

@@ -511,8 +511,9 @@ class LLMEngine:
         outputs = []
         for u in updates:
             req = u.request
+            req.last_token_time = time.monotonic()
             if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
+                req.first_token_time = req.last_token_time
                 self.stats.prompt_tokens += req.num_prompt_tokens
             if (lp := logprobs[id(req)]) is not None:
                 self.outputs.add_logprobs(req, lp[: u.num_new_tokens])

@@ -169,6 +169,7 @@ class OutputProcessor:
                 finish_time=req.finish_time,
                 num_preemptions=req.num_preemptions,
                 first_scheduled_time=req.first_scheduled_time,
+                last_token_time=req.last_token_time,
                 spec_stats=req.spec_stats.as_dict() if req.spec_stats.num_drafts else {},
             ),
         )

@@ -47,6 +47,7 @@ class Request:
     seed: int = 0
     first_scheduled_time: float | None = None  # its first admission (the end of its queueing)
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
     # Prompt tokens found in the prefix cache at the first admission (None until admitted).
