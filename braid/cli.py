@@ -55,11 +55,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from braid.engine.engine import LLMEngine
 
+    if "log_stats_interval" not in vars(args):  # the periodic stats would cut into the text
+        args.log_stats_interval = 0.0
     config = config_from_args(args)
     if args.raw and args.system is not None:
         raise ConfigError("--system goes into the chat template, which --raw leaves out")
     _sampling_params(args, {})  # a bad flag fails before the weights load
-    text = args.prompt if args.prompt is not None else _stdin_or(DEMO_PROMPT)
+    # --raw completes the text exactly as given (indentation and newlines included)
+    text = args.prompt if args.prompt is not None else _stdin_or(DEMO_PROMPT, strip=not args.raw)
+    if not text.strip():
+        raise ConfigError("the prompt is empty")
     engine = LLMEngine(config)
     params = _sampling_params(args, engine.default_sampling)
     if engine.tokenizer is None:
@@ -83,14 +88,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "the output stops there", params.max_tokens, len(prompt), room,
             engine.config.max_model_len)
     engine.add_request("cli", prompt, params)
-    shown = 0
-    for out in engine.run_until_done():
-        completion = out.outputs[0]
-        sys.stdout.write(completion.text[shown:])
-        sys.stdout.flush()
-        shown = len(completion.text)
-        if out.finished:
-            _report(out)
+    text, reader_gone = "", False
+    try:
+        for out in engine.run_until_done():
+            completion = out.outputs[0]
+            new = completion.text[len(text):]
+            text = completion.text
+            if out.finished and not text.endswith("\n"):  # the answer ends its line
+                new, text = new + "\n", text + "\n"
+            sys.stdout.write(new)
+            sys.stdout.flush()
+            if out.finished:
+                _report(out)
+    except BrokenPipeError:  # piped into `head`: end quietly, as Unix tools do (128 + SIGPIPE)
+        reader_gone = True
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush
+        return 141
+    finally:  # interrupted: the shell's prompt starts on a line of its own
+        if text and not reader_gone and not text.endswith("\n"):
+            sys.stdout.write("\n")
+            sys.stdout.flush()
     return 0
 
 
@@ -122,21 +139,22 @@ def _report(out) -> None:  # noqa: ANN001 - RequestOutput
     decode = (m.finish_time or 0) - (m.first_token_time or 0)
     rate = (len(c.token_ids) - 1) / decode if decode > 0 else float("nan")
     print(
-        f"\n\n[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}, "
+        f"\n[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}, "
         f"TTFT {(m.first_token_time or 0) - m.arrival_time:.2f} s, {rate:.2f} tok/s decode, "
         f"{total:.1f} s total]",
         file=sys.stderr,
     )
 
 
-def _stdin_or(default: str) -> str:
-    """The prompt piped in on stdin; `default` when stdin is a terminal (or closed)."""
+def _stdin_or(default: str, strip: bool = True) -> str:
+    """The prompt piped in on stdin (stripped of surrounding whitespace unless not `strip`);
+    `default` when stdin is a terminal (or closed)."""
     if sys.stdin is None or sys.stdin.isatty():
         return default
-    data = sys.stdin.read().strip()
-    if not data:
+    data = sys.stdin.read()
+    if not data.strip():
         raise ConfigError("stdin is empty: give the prompt as an argument or pipe it in")
-    return data
+    return data.strip() if strip else data
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,11 +177,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _dashed(arg: str) -> str:
+    """--max_model_len=8 -> --max-model-len=8: flag names with underscores, as vLLM's parser
+    takes them (the value after "=" stays as it is)."""
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
                         stream=sys.stderr)
-    args = build_parser().parse_args(argv)
-    args.command_line = ["braid", *(sys.argv[1:] if argv is None else argv)]
+    given = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args([_dashed(a) for a in given])
+    args.command_line = ["braid", *given]
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

@@ -102,8 +102,11 @@ class SpecConfig:
         if unknown:
             raise ConfigError(f"--speculative-config: unknown key {unknown[0]!r} "
                               f"(known: {', '.join(sorted(known))})")
+        if "method" not in d and "model" in d:  # as vLLM: a draft model names its method
+            d = {**d, "method": "draft_model"}
         if "method" not in d or "num_speculative_tokens" not in d:
-            raise ConfigError("--speculative-config needs 'method' and 'num_speculative_tokens'")
+            raise ConfigError("--speculative-config needs 'method' (or a draft 'model') and "
+                              "'num_speculative_tokens'")
         if d["method"] == "ngram" and (draft_only := sorted(set(d) & cls.DRAFT_MODEL_KEYS)):
             raise ConfigError(f"--speculative-config: {draft_only[0]!r} is only for method "
                               "draft_model")  # accepted and ignored before
@@ -211,7 +214,7 @@ class EngineConfig:
         "CPU), float32, float16 or bfloat16 (a 16-bit cache holds twice the tokens in "
         "--kv-cache-gib and attention reads half the bytes; keys and values are rounded to "
         "16 bits, which moves logits slightly, as llama.cpp's default f16 cache does)")
-    kv_cache_gib: float = _opt(2.0, "KV cache size in GiB (ignored when num_kv_blocks is set)")
+    kv_cache_gib: float = _opt(2.0, "KV cache size in GiB (ignored when --num-kv-blocks is set)")
     num_kv_blocks: int | None = _opt(None, "KV cache size in blocks")
     enable_chunked_prefill: bool = _opt(True, "split prompts into chunks that ride along with "
                                         "decodes (off: classic prefill-first scheduling)")
@@ -460,6 +463,11 @@ def positive_float(text: str) -> float:
     if not 0 < value < math.inf:  # also NaN
         raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
     return value
+
+
+# argparse names a type in "invalid <name> value: 'x'" where int() or float() fails
+positive_int.__name__ = "integer"
+non_negative_float.__name__ = positive_float.__name__ = "number"
 
 
 def comma_list(kind: Any) -> Any:

@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterable
 
 from braid.bench.datasets import DATASETS
-from braid.config import non_negative_float, positive_int
+from braid.config import non_negative_float, positive_float, positive_int
 
 MODES = "baseline,chunked,spec,chunked_fixed,chunked_dynamic"
 # TTFT within 10 s, and at least 2 tokens a second once streaming (on a 2-core CPU the SLO
@@ -58,7 +58,7 @@ def _dataset_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-input-len", type=positive_int, default=256,
                    help="ShareGPT prompts longer than this (tokens) are skipped")
     g.add_argument("--max-output-len", type=positive_int, default=None,
-                   help="cap on each request's max_tokens (sweep default 32; --quick 16)")
+                   help="cap on each request's max_tokens (bench sweep: default 32, --quick 16)")
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer folder to count ShareGPT lengths (default: the model's if "
                    "braid finds it locally, else 4 characters a token)")
@@ -105,7 +105,7 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="the small sizing (under 10 minutes)")
     p.add_argument("--server-args", default="",
                    help='extra `braid serve` flags for every mode, e.g. "--max-model-len 2048"')
-    p.add_argument("--server-timeout", type=float, default=900.0,
+    p.add_argument("--server-timeout", type=positive_float, default=900.0,
                    help="seconds to wait for a server to become healthy")
     p.add_argument("--out", default="docs/benchmarks", help="folder for .md, .png, .json")
     _dataset_args(p)

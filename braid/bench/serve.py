@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import math
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -105,4 +106,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.result_json:
         save_json(result, args.result_json)
         print(f"saved {args.result_json}")
+    if not result["completed"]:  # scripts must not read a run of failures as a result
+        print(f"braid bench serve: error: all {result['failed']} requests failed",
+              file=sys.stderr)
+        return 1
     return 0

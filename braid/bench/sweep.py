@@ -75,6 +75,9 @@ def serve_flags(args: argparse.Namespace, mode: str) -> list[str]:
         extra = shlex.split(args.server_args or "")
     except ValueError as e:  # an unclosed quote
         raise ValueError(f"--server-args {args.server_args!r}: {e}") from None
+    if taken := [a for a in extra if a.split("=")[0] in ("--host", "--port")]:
+        raise ValueError(f"--server-args {args.server_args!r}: {taken[0].split('=')[0]} is the "
+                         "sweep's to choose (each server gets a free port on 127.0.0.1)")
     return [*mode_flags(mode, args.draft_model), *extra]
 
 

@@ -240,6 +240,10 @@ def _check_tls(args: argparse.Namespace) -> None:
     """The TLS flags as uvicorn will use them, before the load: a ConfigError naming the
     flags where the files cannot be read or do not match."""
     if not (args.ssl_keyfile or args.ssl_certfile or args.ssl_ca_certs):
+        if args.ssl_cert_reqs:
+            raise ConfigError(f"--ssl-cert-reqs {args.ssl_cert_reqs} asks clients for "
+                              "certificates, which needs TLS: --ssl-keyfile, --ssl-certfile "
+                              "and --ssl-ca-certs")
         return
     if not (args.ssl_keyfile and args.ssl_certfile):
         raise ConfigError("--ssl-keyfile and --ssl-certfile go together (--ssl-ca-certs needs "

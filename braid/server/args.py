@@ -17,12 +17,24 @@ def _port(text: str) -> int:
     return value
 
 
+def _one(text: str) -> int:
+    """argparse type: 1 (vLLM's parallel sizes; braid runs one model on one machine)."""
+    if text.strip() != "1":
+        raise argparse.ArgumentTypeError(f"braid runs one model on one machine: must be 1, "
+                                         f"got {text}")
+    return 1
+
+
 def _seconds(text: str) -> float:
     """argparse type: a duration in seconds, >= 0."""
     value = float(text)
     if not value >= 0:  # also NaN
         raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
     return value
+
+
+_port.__name__, _one.__name__, _seconds.__name__ = "port", "integer", "number"  # as argparse
+# names them in "invalid <name> value: 'x'"
 
 
 def _not_blank(text: str) -> str:
@@ -150,6 +162,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "never a checkpoint's")
     group.add_argument("--enforce-eager", action="store_true",
                        help="accepted for vLLM command lines: braid captures no graphs")
+    group.add_argument("--gpu-memory-utilization", type=float, default=None,
+                       help="accepted for vLLM command lines and ignored: braid runs on the "
+                            "CPU, and --kv-cache-gib sizes the KV cache")
+    for name in ("--tensor-parallel-size", "--pipeline-parallel-size"):
+        group.add_argument(name, type=_one, default=1,
+                           help="accepted for vLLM command lines: 1 (one model on one machine)")
     group.add_argument("--enable-log-requests", action="store_true",
                        help="log each request as it arrives (its prompt and sampling "
                             "parameters) and as it ends (vLLM's)")

@@ -150,6 +150,17 @@ def test_bench_flags_are_checked_before_anything_is_sent(flag: str, value: str, 
         assert f"{flag}: {message}" in capsys.readouterr().err
 
 
+def test_a_run_whose_every_request_failed_exits_1(server: ServerProcess, capsys) -> None:
+    """Scripts read exit code 0 as a result: a run of failures (here a model the server does
+    not serve, without the warm-up that would have caught it) is not one."""
+    from braid.cli import main
+
+    code = main(["bench", "serve", "--base-url", server.url, "--model", "not-served",
+                 "--dataset", "random", "--num-prompts", "2", "--no-progress", "--no-warmup"])
+    assert code == 1
+    assert "braid bench serve: error: all 2 requests failed" in capsys.readouterr().err
+
+
 def test_no_prompt_fitting_max_input_len_is_an_error_naming_it(capsys) -> None:
     """Nothing to send: `braid bench serve` printed a table of 0 requests and exited 0."""
     from braid.cli import main

@@ -100,6 +100,9 @@ def test_a_mode_whose_server_fails_is_reported(tmp_path: Path) -> None:
                        "--block-size must be > 0, got 0"),
     ("--max-num-seqs", "argument --max-num-seqs: expected one argument"),
     ("--kv-cache-gib 'x", "--server-args \"--kv-cache-gib 'x\": No closing quotation"),
+    # the sweep's own: its servers listened elsewhere and it waited for them in vain
+    ("--port 8129", "--server-args '--port 8129': --port is the sweep's to choose"),
+    ("--host=0.0.0.0", "--server-args '--host=0.0.0.0': --host is the sweep's to choose"),
 ])
 def test_server_args_serve_refuses_stop_the_sweep_before_it_starts(
         tmp_path: Path, capsys: pytest.CaptureFixture, server_args: str, message: str) -> None:
@@ -134,3 +137,10 @@ def test_bench_serve_cli_parses_the_issue_flags() -> None:
         "--goodput", "ttft:100", "tpot:20", "--endpoint", "completions", "--result-json", "r"])
     assert args.request_rate == float("inf") and args.goodput == ["ttft:100", "tpot:20"]
     assert isinstance(args, argparse.Namespace) and args.max_concurrency == 2
+
+
+def test_a_timeout_must_be_positive(capsys: pytest.CaptureFixture) -> None:
+    """--server-timeout -1 ran every mode into "not healthy after -1.0 s"."""
+    with pytest.raises(SystemExit):
+        main(["bench", "sweep", "--server-timeout", "-1"])
+    assert "argument --server-timeout: must be a number > 0, got -1" in capsys.readouterr().err

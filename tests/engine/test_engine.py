@@ -574,3 +574,60 @@ def test_a_failing_request_fails_alone(monkeypatch) -> None:
     assert len(finished["0"].token_ids) == 12
     engine.blocks.check_invariants()
     assert engine.blocks.num_used_blocks == 0
+
+
+def test_generate_on_a_pipe_and_a_terminal(tmp_path, capsys, monkeypatch) -> None:
+    """The answer ends its line; --raw keeps a piped prompt as it is (indentation and
+    newlines are part of a completion's prompt), a chat prompt is stripped; a reader that
+    goes away (`| head`) ends the command quietly with 128 + SIGPIPE, no traceback."""
+    import io
+    import subprocess
+    import sys
+
+    from braid.cli import _stdin_or, main
+
+    model = str(save_tiny_model(tmp_path))
+    flags = ["generate", "--model", model, "--num-kv-blocks", "256", "--block-size", "4",
+             "--max-model-len", "512", "--raw", "--ignore-eos"]
+    assert main([*flags, "--max-tokens", "4", "hi"]) == 0
+    assert capsys.readouterr().out.endswith("\n")
+    for strip, want in ((False, "    ab\n\n\n"), (True, "ab")):
+        monkeypatch.setattr("sys.stdin", io.StringIO("    ab\n\n\n"))
+        assert _stdin_or("demo", strip=strip) == want
+    assert main([*flags[:2], "/no/such/model", *flags[3:], " "]) == 2  # before the load
+    assert "braid: error: the prompt is empty" in capsys.readouterr().err
+    proc = subprocess.Popen([sys.executable, "-m", "braid.cli", *flags, "--max-tokens", "400",
+                             "hi"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.read(5)
+    proc.stdout.close()  # as `head -c 5` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert "Traceback" not in err
+
+
+def test_vllm_command_lines_run_as_they_are(capsys) -> None:
+    """Flag names with underscores (vLLM's parser takes them), vLLM's parallel sizes of 1
+    and gpu_memory_utilization (nothing to do on one CPU); a size above 1 is refused."""
+    from braid.cli import main
+    from braid.config import SpecConfig
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--max_model_len", "abc"])
+    assert "argument --max-model-len: expected an integer" in capsys.readouterr().err
+    assert main(["serve", "--tensor_parallel_size", "1", "--pipeline-parallel-size=1",
+                 "--gpu-memory-utilization", "0.9", "--model", "/no/such/model"]) == 2
+    assert "/no/such/model" in capsys.readouterr().err  # the flags passed; the model did not
+    with pytest.raises(SystemExit):
+        main(["serve", "--tensor-parallel-size", "2"])
+    assert ("argument --tensor-parallel-size: braid runs one model on one machine: must be 1, "
+            "got 2") in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--port", "abc"])
+    assert "argument --port: invalid port value: 'abc'" in capsys.readouterr().err
+    assert main(["serve", "--ssl-cert-reqs", "2", "--model", "/no/such/model"]) == 2
+    assert "--ssl-cert-reqs 2 asks clients for certificates, which needs TLS" in \
+        capsys.readouterr().err
+    # vLLM's draft-model config names the model, not the method
+    spec = SpecConfig.from_dict({"model": "tiny-draft", "num_speculative_tokens": 3})
+    assert (spec.method, spec.model) == ("draft_model", "tiny-draft")
