@@ -7,6 +7,7 @@ import argparse
 import ctypes
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable
@@ -179,11 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _dashed(arg: str) -> str:
     """--max_model_len=8 -> --max-model-len=8: flag names with underscores, as vLLM's parser
-    takes them (the value after "=" stays as it is)."""
-    if not arg.startswith("--"):
-        return arg
-    name, eq, value = arg.partition("=")
-    return name.replace("_", "-") + eq + value
+    takes them. Only a flag's name changes: a value after "=", and a value that merely starts
+    with "--" (--server-args '--speculative-config {"method": "draft_model", ...}'), stay."""
+    flag = _FLAG_NAME.match(arg)
+    return arg if flag is None else flag[1].replace("_", "-") + arg[flag.end(1):]
+
+
+_FLAG_NAME = re.compile(r"(--[A-Za-z0-9_-]+)(?:=|$)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -609,9 +609,13 @@ def test_generate_on_a_pipe_and_a_terminal(tmp_path, capsys, monkeypatch) -> Non
 def test_vllm_command_lines_run_as_they_are(capsys) -> None:
     """Flag names with underscores (vLLM's parser takes them), vLLM's parallel sizes of 1
     and gpu_memory_utilization (nothing to do on one CPU); a size above 1 is refused."""
-    from braid.cli import main
+    from braid.cli import _dashed, main
     from braid.config import SpecConfig
 
+    # only a flag's name: values (after "=", or a whole --server-args text) stay
+    for arg in ('--speculative-config {"method": "draft_model"}', "--stop=a_b", "a_b"):
+        assert _dashed(arg) == arg
+    assert _dashed("--max_num_seqs=8_1") == "--max-num-seqs=8_1"
     with pytest.raises(SystemExit):
         main(["serve", "--max_model_len", "abc"])
     assert "argument --max-model-len: expected an integer" in capsys.readouterr().err
