@@ -11,6 +11,7 @@ transformers); and it checks and rolls back drafts (`validate_tokens`, `rollback
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -41,6 +42,30 @@ def grammar_for(params: StructuredOutputsParams) -> str:
     return _grammar(kind, text, whitespace)
 
 
+def closed_objects(schema: object) -> object:
+    """The schema with `additionalProperties: false` on every object that lists its
+    properties and says nothing of others: as vLLM's default backend (xgrammar's strict
+    mode) and OpenAI's strict schemas, an answer has the keys its schema names and no
+    others (JSON Schema itself allows any). `allOf` branches stay open (closing each would
+    refuse the keys of the others), and so do `not` and `if` (closing would turn them)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+        if isinstance(out.get(key), dict):  # name -> schema
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    for key in ("anyOf", "oneOf", "prefixItems", "items"):
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    for key in ("items", "additionalProperties", "then", "else", "contains"):
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    if "properties" in out and not {"additionalProperties", "patternProperties",
+                                    "unevaluatedProperties"} & out.keys():
+        out["additionalProperties"] = False
+    return out
+
+
 # What llama.cpp's JSON grammars allow between tokens: nothing, a space, or a newline and an
 # indentation of up to 20 spaces or tabs (unbounded whitespace lets a model loop in it).
 JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
@@ -53,6 +78,8 @@ def _grammar(kind: str, text: str | bool, whitespace: str | None) -> str:
     try:
         if kind in ("json", "json_object"):
             schema = text if isinstance(text, str) else '{"type": "object"}'
+            with contextlib.suppress(json.JSONDecodeError):  # llguidance names what is wrong
+                schema = json.dumps(closed_objects(json.loads(schema)))
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         elif kind == "choice":
             # one regex, a single lexeme: llguidance's own choice grammar makes each choice a

@@ -15,6 +15,7 @@ from braid.structured.grammar import (
     GrammarState,
     allowed_tokens,
     bitmask_width,
+    closed_objects,
     grammar_for,
 )
 from tests.tiny import VOCAB, byte_tokenizer
@@ -114,6 +115,30 @@ def test_json_whitespace_is_bounded_unless_disabled(ll_tokenizer) -> None:
         ids(pretty)) == 1
     loose = state(ll_tokenizer, json=SCHEMA, whitespace_pattern=r"[ ]*")
     assert loose.num_valid(ids(runaway)) == len(runaway)
+
+
+def test_objects_have_the_keys_their_schema_names(ll_tokenizer) -> None:
+    """As vLLM's default backend (xgrammar's strict mode) and OpenAI's strict schemas: an
+    object lists its keys unless its schema opens it (additionalProperties); the model
+    added keys of its own, or of another tool's schema, before. allOf branches stay open."""
+    person = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "pet": {"type": "object",
+                                                       "properties": {"kind": {}}}},
+              "required": ["name"]}
+    extra, nested = '{"name": "x", "age": 3}', '{"name": "x", "pet": {"kind": 1, "age": 3}}'
+    for text in (extra, nested):
+        refused_at = text.index(', "age"') + 1
+        assert state(ll_tokenizer, json=person).num_valid(ids(text)) <= refused_at + 2
+    ok = '{"name": "x", "pet": {"kind": 1}}'
+    assert state(ll_tokenizer, json=person).num_valid(ids(ok)) == len(ok)
+    opened = {**person, "additionalProperties": True}
+    assert state(ll_tokenizer, json=opened).num_valid(ids(extra)) == len(extra)
+    both = {"allOf": [{"type": "object", "properties": {"name": {}}},
+                      {"type": "object", "properties": {"age": {}}}]}
+    assert state(ll_tokenizer, json=both).num_valid(ids(extra)) == len(extra)
+    # a property named "properties" is a name, not a schema keyword
+    named = {"type": "object", "properties": {"properties": {"type": "integer"}}}
+    assert closed_objects(named) == {**named, "additionalProperties": False}
 
 
 def test_grammar_kinds(ll_tokenizer) -> None:
