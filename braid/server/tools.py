@@ -9,7 +9,8 @@ call too (`bare_calls`). `tool_choice`:
 - "none": the model sees the tools, its text stays text.
 - "auto": the model decides; calls are parsed out of its text.
 - "required": the grammar forces a JSON array of one or more calls of the given functions,
-  each with arguments valid for that function's parameters (vLLM's format).
+  each with arguments valid for that function's parameters (vLLM's format); streamed the
+  same way (`required_progress`).
 - a named function: the grammar forces that function's arguments, the whole output.
 """
 
@@ -297,13 +298,54 @@ def _may_be_bare(text: str) -> bool:
     return not head or head[0] in "{[`"
 
 
+_REQUIRED_HEAD = re.compile(r'\s*,?\s*\{\s*"name"\s*:\s*')
+_PARAMETERS_HEAD = re.compile(r'\s*,\s*"parameters"\s*:\s*')
+_REQUIRED_END = re.compile(r"\s*\}")
+
+
+def required_progress(text: str) -> list[tuple[str, str]]:
+    """The calls a "required" output has begun so far, for streaming: each one's name once
+    it is whole, and its parameters' text as far as it goes. The grammar writes a JSON array
+    of {"name": ..., "parameters": {...}}, keys in that order; text of another shape (a
+    whitespace rule of the request's own) gives what precedes it."""
+    decoder = json.JSONDecoder()
+    start = re.match(r"\s*\[", text)
+    calls: list[tuple[str, str]] = []
+    pos = start.end() if start else len(text)
+    while head := _REQUIRED_HEAD.match(text, pos):
+        try:
+            name, pos = decoder.raw_decode(text, head.end())
+        except json.JSONDecodeError:  # not whole yet
+            break
+        params = _PARAMETERS_HEAD.match(text, pos)
+        if params is None:  # the name goes out first
+            calls.append((name, ""))
+            break
+        try:
+            _, pos = decoder.raw_decode(text, params.end())
+        except json.JSONDecodeError:
+            calls.append((name, text[params.end():]))
+            break
+        calls.append((name, text[params.end():pos]))
+        end = _REQUIRED_END.match(text, pos)
+        if end is None:
+            break
+        pos = end.end()
+    return calls
+
+
 def required_calls(text: str) -> list[ToolCall]:
     """The calls of a "required" output (a JSON array of {name, parameters}); none where
-    max_tokens or a stop string cut it short."""
+    max_tokens or a stop string cut it short. Each call's arguments are its parameters' text
+    as the model wrote it, as a stream sends them (re-encoded where the keys came in
+    another order)."""
     try:
         items = json.loads(text)
     except json.JSONDecodeError:
         return []
+    written = required_progress(text)
+    if len(written) == len(items):
+        return [new_call(name, arguments) for name, arguments in written]
     return [new_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
             for c in items]
 
@@ -321,6 +363,7 @@ class ChoiceTools:
         self._held: str | None = ""  # auto: the start of the output, while it may be bare
         self._open: tuple[int, str, str] | None = None  # streamed call: index, id, args sent
         self._named: ToolCall | None = None
+        self._required: list[ToolCall] = []  # "required": the calls streamed so far
         self.calls: list[ToolCall] = []
 
     def whole(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -354,11 +397,7 @@ class ChoiceTools:
                 arguments=text))] if text else []
         if self.mode == "required":
             self._text.append(text)
-            if not finished:
-                return "", []
-            text = "".join(self._text)
-            self.calls = required_calls(text)
-            return "" if self.calls else text, [as_delta(i, c) for i, c in enumerate(self.calls)]
+            return self._required_delta("".join(self._text), finished)
         if self._held is not None:  # the output may be a bare call: hold it until known
             self._held += text
             if _may_be_bare(self._held) and not finished:
@@ -382,6 +421,24 @@ class ChoiceTools:
             else:
                 deltas.append(as_delta(i, call))
         return content, deltas + self._stream_open()
+
+    def _required_delta(self, text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
+        """A "required" output streamed as vLLM streams it: each call's id and name once
+        its name is whole, then its arguments (the parameters' text) as they grow. At the
+        end, an array cut short before any call began is the content, as whole() has it."""
+        deltas = []
+        for i, (name, arguments) in enumerate(required_progress(text)):
+            if i == len(self._required):
+                self._required.append(new_call(name, ""))
+                deltas.append(as_delta(i, self._required[i], ""))
+            call = self._required[i]
+            deltas += _argument_delta(i, arguments, call.function.arguments)
+            if arguments.startswith(call.function.arguments):
+                call.function.arguments = arguments
+        if not finished:
+            return "", deltas
+        self.calls = self._required if required_calls(text) else []
+        return "" if self._required else text, deltas
 
     def _stream_open(self) -> list[DeltaToolCall]:
         """Deltas of the call being written: its id and name first, then its arguments as

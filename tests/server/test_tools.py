@@ -252,6 +252,48 @@ def test_streamed_calls_arrive_name_first_then_growing_arguments(piece: int) -> 
         assert pieces > 10  # arguments arrived as they were written
 
 
+REQUIRED = ('[{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}},\n'
+            ' {"name": "get_time", "parameters": { "zone" : "CET" }}]')
+
+
+@pytest.mark.parametrize("piece", [1, 7, len(REQUIRED)])
+@pytest.mark.parametrize("cut", [None, 70])
+def test_required_calls_stream_name_first_then_growing_arguments(piece: int,
+                                                                 cut: int | None) -> None:
+    """tool_choice "required" streams as the other modes do (it sent every call at the end):
+    a call's id and name once its name is written, then its arguments in pieces adding up
+    to the whole response's, the model's spacing kept. An array cut short (max_tokens) after
+    a call began is no call at the end, as in the whole response."""
+    text = REQUIRED[:cut]
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+                                 tool_choice="required")
+    whole_content, whole_calls = ChoiceTools("required", body).whole(text)
+    stream, content, calls, first_args = ChoiceTools("required", body), "", {}, None
+    for i in range(0, len(text), piece):
+        part, deltas = stream.delta(text[i:i + piece], i + piece >= len(text))
+        content += part
+        for d in deltas:
+            call = calls.setdefault(d.index, {"id": d.id, "name": d.function.name,
+                                              "arguments": ""})
+            assert d.id in (None, call["id"]) and d.function.name in (None, call["name"])
+            call["arguments"] += d.function.arguments or ""
+            if d.index == 0 and d.function.arguments and first_args is None:
+                first_args = i  # where the first call's arguments began to arrive
+    assert content == ""
+    if cut is None:
+        assert whole_content is None and [c.function.arguments for c in whole_calls] == [
+            '{"city": "Paris", "days": 2}', '{ "zone" : "CET" }']
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+            (c.function.name, c.function.arguments) for c in whole_calls]
+        assert [c["id"] for c in calls.values()] == [c.id for c in stream.calls]
+        assert stream.finish_reason("stop") == "tool_calls"
+    else:
+        assert whole_calls == [] and whole_content == text
+        assert stream.calls == [] and stream.finish_reason("length") == "length"
+    if piece == 1:
+        assert first_args is not None and first_args < REQUIRED.index("Paris")
+
+
 SLIP = ('I will check. <tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n'
         '</tool_call>')
 CUT = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
