@@ -4,6 +4,7 @@ OpenAI-compatible HTTP server) and bench (serving benchmarks: `bench serve`, `be
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import logging
 import os
@@ -101,10 +102,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             if out.finished:
                 _report(out)
-    except BrokenPipeError:  # piped into `head`: end quietly, as Unix tools do (128 + SIGPIPE)
+    except BrokenPipeError:  # piped into `head`
         reader_gone = True
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush
-        return 141
+        return _reader_gone()
     finally:  # interrupted: the shell's prompt starts on a line of its own
         if text and not reader_gone and not text.endswith("\n"):
             sys.stdout.write("\n")
@@ -203,6 +203,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader of a pipe went (`2>&1 | head` while loading)
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """End quietly, as Unix tools do when the reader of their output goes: nothing left to
+    flush at exit (that would raise again), 128 + SIGPIPE."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a stream without a descriptor
+            os.dup2(devnull, stream.fileno())
+    return 141
 
 
 if __name__ == "__main__":

@@ -46,24 +46,57 @@ def closed_objects(schema: object) -> object:
     """The schema with `additionalProperties: false` on every object that lists its
     properties and says nothing of others: as vLLM's default backend (xgrammar's strict
     mode) and OpenAI's strict schemas, an answer has the keys its schema names and no
-    others (JSON Schema itself allows any). `allOf` branches stay open (closing each would
-    refuse the keys of the others), and so do `not` and `if` (closing would turn them)."""
+    others (JSON Schema itself allows any). Objects made of several schemas stay open, as
+    closing one part would refuse the keys of another: one with allOf, anyOf, oneOf, $ref,
+    if or dependencies beside its properties, or whose `required` names keys it does not
+    list; the anyOf / oneOf branches of an object with properties; the definitions an allOf
+    or such a sibling $ref or branch points to; and whatever is under allOf, not or if."""
+    return _closed(schema, _combined_refs(schema), keep_open=False)
+
+
+_COMBINED = {"allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas", "dependentRequired",
+             "additionalProperties", "patternProperties", "unevaluatedProperties"}
+
+
+def _closed(schema: object, open_refs: set[str], keep_open: bool) -> object:
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
+    listed = isinstance(out.get("properties"), dict)
     for key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
         if isinstance(out.get(key), dict):  # name -> schema
-            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+            out[key] = {name: _closed(s, open_refs, f"#/{key}/{name}" in open_refs)
+                        for name, s in out[key].items()}
     for key in ("anyOf", "oneOf", "prefixItems", "items"):
         if isinstance(out.get(key), list):
-            out[key] = [closed_objects(s) for s in out[key]]
+            out[key] = [_closed(s, open_refs, listed and key in ("anyOf", "oneOf"))
+                        for s in out[key]]
     for key in ("items", "additionalProperties", "then", "else", "contains"):
         if isinstance(out.get(key), dict):
-            out[key] = closed_objects(out[key])
-    if "properties" in out and not {"additionalProperties", "patternProperties",
-                                    "unevaluatedProperties"} & out.keys():
+            out[key] = _closed(out[key], open_refs, False)
+    if (listed and not keep_open and not _COMBINED & out.keys()
+            and set(out.get("required", [])) <= out["properties"].keys()):
         out["additionalProperties"] = False
     return out
+
+
+def _combined_refs(schema: object) -> set[str]:
+    """The $refs that point at one part of an object made of several: allOf's, and those
+    beside properties or in the anyOf / oneOf of an object with properties."""
+    refs: set[str] = set()
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            parts = list(node.get("allOf") or [])
+            if "properties" in node:
+                parts += [node, *(node.get("anyOf") or []), *(node.get("oneOf") or [])]
+            refs.update(p["$ref"] for p in parts if isinstance(p, dict)
+                        and isinstance(p.get("$ref"), str))
+            stack.extend(node.values())
+    return refs
 
 
 # What llama.cpp's JSON grammars allow between tokens: nothing, a space, or a newline and an
@@ -78,9 +111,12 @@ def _grammar(kind: str, text: str | bool, whitespace: str | None) -> str:
     try:
         if kind in ("json", "json_object"):
             schema = text if isinstance(text, str) else '{"type": "object"}'
-            with contextlib.suppress(json.JSONDecodeError):  # llguidance names what is wrong
-                schema = json.dumps(closed_objects(json.loads(schema)))
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+            with contextlib.suppress(ValueError):  # json.JSONDecodeError is one
+                closed = llguidance.LLMatcher.grammar_from_json_schema(
+                    json.dumps(closed_objects(json.loads(schema))), defaults=options)
+                if not llguidance.LLMatcher.validate_grammar(closed):
+                    grammar = closed  # else the schema as given (closing it broke it)
         elif kind == "choice":
             # one regex, a single lexeme: llguidance's own choice grammar makes each choice a
             # rule alternative, and its parser stops a request mid-output past 2000 of them

@@ -596,14 +596,20 @@ def test_generate_on_a_pipe_and_a_terminal(tmp_path, capsys, monkeypatch) -> Non
         assert _stdin_or("demo", strip=strip) == want
     assert main([*flags[:2], "/no/such/model", *flags[3:], " "]) == 2  # before the load
     assert "braid: error: the prompt is empty" in capsys.readouterr().err
-    proc = subprocess.Popen([sys.executable, "-m", "braid.cli", *flags, "--max-tokens", "400",
-                             "hi"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    command = [sys.executable, "-m", "braid.cli", *flags, "--max-tokens", "400", "hi"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.read(5)
     proc.stdout.close()  # as `head -c 5` does
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141, err
     assert "Traceback" not in err
+    # `2>&1 | head`: the reader goes while the model loads (the progress bar writes then)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout is not None
+    proc.stdout.read(5)
+    proc.stdout.close()
+    assert proc.wait(timeout=60) == 141
 
 
 def test_vllm_command_lines_run_as_they_are(capsys) -> None:

@@ -141,6 +141,67 @@ def test_objects_have_the_keys_their_schema_names(ll_tokenizer) -> None:
     assert closed_objects(named) == {**named, "additionalProperties": False}
 
 
+BASE = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
+
+
+@pytest.mark.parametrize("schema, instance", [
+    # inheritance: allOf of a $ref and the object's own properties, or a $ref beside them
+    ({"$defs": {"Base": BASE}, "allOf": [{"$ref": "#/$defs/Base"}],
+      "properties": {"name": {"type": "string"}}}, {"id": 1, "name": "x"}),
+    ({"$defs": {"Base": BASE}, "$ref": "#/$defs/Base", "properties": {"name": {}}},
+     {"id": 1, "name": "x"}),
+    ({"$defs": {"A": BASE, "B": {"properties": {"name": {}}}},
+      "allOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}]}, {"id": 1, "name": "x"}),
+    ({"properties": {"kind": {}}, "allOf": [{"properties": {"id": {}}}]}, {"kind": 1, "id": 1}),
+    # anyOf branches that narrow the object's own properties
+    ({"type": "object", "properties": {"kind": {"type": "string"}, "a": {"type": "integer"}},
+      "anyOf": [{"properties": {"kind": {"const": "x"}}}, {"required": ["a"]}]},
+     {"kind": "x", "a": 1}),
+    # required beyond the listed properties
+    ({"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}, {"a": 1, "b": 2}),
+])
+def test_objects_made_of_several_schemas_stay_open(ll_tokenizer, schema: dict,
+                                                   instance: dict) -> None:
+    """Closing one part of an object built from several would refuse another part's keys
+    (or make the schema unsatisfiable): such objects keep JSON Schema's default."""
+    text = json.dumps(instance)
+    assert state(ll_tokenizer, json=schema).num_valid(ids(text)) == len(text)
+
+
+def test_pydantic_schemas_take_their_instances_and_no_other_keys(ll_tokenizer) -> None:
+    """What clients send most: a pydantic model's schema ($defs and $refs, optional nested
+    models, lists of models, a dict of models, a union) takes a valid instance whole and
+    refuses a key the model does not have, at every level."""
+    import pydantic
+
+    class Pet(pydantic.BaseModel):
+        kind: str
+        age: int | None = None
+
+    class Cat(pydantic.BaseModel):
+        lives: int
+
+    class Person(pydantic.BaseModel):
+        name: str
+        pet: Pet | None = None
+        pets: list[Pet] = []
+        by_name: dict[str, Pet] = {}
+        friend: Pet | Cat
+
+    schema = Person.model_json_schema()
+    good = {"name": "a", "pet": {"kind": "dog", "age": 3}, "pets": [{"kind": "cat"}],
+            "by_name": {"rex": {"kind": "dog"}}, "friend": {"lives": 9}}
+    text = json.dumps(Person.model_validate(good).model_dump())
+    assert state(ll_tokenizer, json=schema).num_valid(ids(text)) == len(text)
+    for where in ("pet", "pets", "by_name", "friend", None):
+        bad = json.loads(text)
+        target = {"pet": bad["pet"], "pets": bad["pets"][0], "by_name": bad["by_name"]["rex"],
+                  "friend": bad["friend"], None: bad}[where]
+        target["zzz"] = 1  # last, so everything before it is valid
+        bad_text = json.dumps(bad)
+        assert state(ll_tokenizer, json=schema).num_valid(ids(bad_text)) < len(bad_text), where
+
+
 def test_grammar_kinds(ll_tokenizer) -> None:
     lark = state(ll_tokenizer, grammar='start: "a" ("b" | "c")+')
     assert lark.num_valid(ids("abcb")) == 4 and lark.num_valid(ids("aa")) == 1
