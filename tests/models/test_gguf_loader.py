@@ -369,7 +369,7 @@ def test_a_float_gguf_gets_a_hint_toward_int8(tmp_path: Path, caplog) -> None:
     path = write_gguf(tmp_path / "float.gguf", "qwen2", tensors, hparams())
     with caplog.at_level(logging.INFO, logger="braid"):
         model, _ = load_model(str(path))
-    hinted = "float.gguf holds float weights (F16/BF16/F32), which run as float32" in caplog.text
+    hinted = "float.gguf holds float weights (F16/BF16/F32), which run as floats" in caplog.text
     assert hinted == (quant_ops() is not None)
     assert not any(isinstance(m, QuantLinear) for m in model.modules())
     if quant_ops() is not None:
