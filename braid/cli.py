@@ -203,8 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:  # the reader of a pipe went (`2>&1 | head` while loading)
-        return _reader_gone()
+    except BrokenPipeError:
+        if args.command != "generate":
+            raise
+        return _reader_gone()  # the reader of its pipe went (`2>&1 | head` while loading)
 
 
 def _reader_gone() -> int:
@@ -214,6 +216,7 @@ def _reader_gone() -> int:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a stream without a descriptor
             os.dup2(devnull, stream.fileno())
+    os.close(devnull)
     return 141
 
 

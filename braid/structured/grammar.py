@@ -15,6 +15,7 @@ import contextlib
 import json
 import re
 import time
+import urllib.parse
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from functools import lru_cache
@@ -46,57 +47,91 @@ def closed_objects(schema: object) -> object:
     """The schema with `additionalProperties: false` on every object that lists its
     properties and says nothing of others: as vLLM's default backend (xgrammar's strict
     mode) and OpenAI's strict schemas, an answer has the keys its schema names and no
-    others (JSON Schema itself allows any). Objects made of several schemas stay open, as
-    closing one part would refuse the keys of another: one with allOf, anyOf, oneOf, $ref,
-    if or dependencies beside its properties, or whose `required` names keys it does not
-    list; the anyOf / oneOf branches of an object with properties; the definitions an allOf
-    or such a sibling $ref or branch points to; and whatever is under allOf, not or if."""
-    return _closed(schema, _combined_refs(schema), keep_open=False)
+    others (JSON Schema itself allows any). An object made of several schemas stays open, as
+    closing one part would refuse the keys of another (`_open_parts`); so does one whose
+    `required` names keys it does not list, and whatever is under `not` or `if`."""
+    return _closed(schema, _open_parts(schema), ())
 
 
+Path = tuple[str, ...]  # JSON pointer tokens from the schema's root
 _COMBINED = {"allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas", "dependentRequired",
              "additionalProperties", "patternProperties", "unevaluatedProperties"}
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-def _closed(schema: object, open_refs: set[str], keep_open: bool) -> object:
+def _closed(schema: object, open_parts: set[Path], path: Path) -> object:
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    listed = isinstance(out.get("properties"), dict)
-    for key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+    for key in _NAMED:
         if isinstance(out.get(key), dict):  # name -> schema
-            out[key] = {name: _closed(s, open_refs, f"#/{key}/{name}" in open_refs)
+            out[key] = {name: _closed(s, open_parts, (*path, key, name))
                         for name, s in out[key].items()}
-    for key in ("anyOf", "oneOf", "prefixItems", "items"):
+    for key in ("allOf", "anyOf", "oneOf", "prefixItems", "items"):
         if isinstance(out.get(key), list):
-            out[key] = [_closed(s, open_refs, listed and key in ("anyOf", "oneOf"))
-                        for s in out[key]]
+            out[key] = [_closed(s, open_parts, (*path, key, str(i)))
+                        for i, s in enumerate(out[key])]
     for key in ("items", "additionalProperties", "then", "else", "contains"):
         if isinstance(out.get(key), dict):
-            out[key] = _closed(out[key], open_refs, False)
-    if (listed and not keep_open and not _COMBINED & out.keys()
-            and set(out.get("required", [])) <= out["properties"].keys()):
+            out[key] = _closed(out[key], open_parts, (*path, key))
+    required = out.get("required", [])
+    if (isinstance(out.get("properties"), dict) and path not in open_parts
+            and not _COMBINED & out.keys() and isinstance(required, list)
+            and all(isinstance(r, str) for r in required)
+            and set(required) <= out["properties"].keys()):
         out["additionalProperties"] = False
     return out
 
 
-def _combined_refs(schema: object) -> set[str]:
-    """The $refs that point at one part of an object made of several: allOf's, and those
-    beside properties or in the anyOf / oneOf of an object with properties."""
-    refs: set[str] = set()
-    stack = [schema]
+def _open_parts(schema: object) -> set[Path]:
+    """The schemas that are one part of an object made of several: allOf's branches, the
+    anyOf / oneOf branches of an object with properties, what such a part or a $ref beside
+    properties points to, and on through $refs and unions from there."""
+    todo: list[Path] = []
+    stack: list[tuple[object, Path]] = [(schema, ())]
     while stack:
-        node = stack.pop()
+        node, path = stack.pop()
         if isinstance(node, list):
-            stack.extend(node)
+            stack += [(v, (*path, str(i))) for i, v in enumerate(node)]
         elif isinstance(node, dict):
-            parts = list(node.get("allOf") or [])
-            if "properties" in node:
-                parts += [node, *(node.get("anyOf") or []), *(node.get("oneOf") or [])]
-            refs.update(p["$ref"] for p in parts if isinstance(p, dict)
-                        and isinstance(p.get("$ref"), str))
-            stack.extend(node.values())
-    return refs
+            keys = ["allOf", *(("anyOf", "oneOf") if "properties" in node else ())]
+            todo += [(*path, key, str(i)) for key in keys if isinstance(node.get(key), list)
+                     for i in range(len(node[key]))]
+            if "properties" in node and (ref := _pointer(node.get("$ref"))) is not None:
+                todo.append(ref)
+            stack += [(v, (*path, str(k))) for k, v in node.items()]
+    parts: set[Path] = set()
+    while todo:
+        path = todo.pop()
+        if path in parts:
+            continue
+        parts.add(path)
+        node = _at(schema, path)
+        if isinstance(node, dict):
+            if (ref := _pointer(node.get("$ref"))) is not None:
+                todo.append(ref)
+            todo += [(*path, key, str(i)) for key in ("anyOf", "oneOf")
+                     if isinstance(node.get(key), list) for i in range(len(node[key]))]
+    return parts
+
+
+def _pointer(ref: object) -> Path | None:
+    """A local $ref ("#/$defs/a~1b") as path tokens; None for others."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return None
+    tokens = urllib.parse.unquote(ref[1:]).split("/")[1:]
+    return tuple(t.replace("~1", "/").replace("~0", "~") for t in tokens)
+
+
+def _at(schema: object, path: Path) -> object:
+    for token in path:
+        if isinstance(schema, dict):
+            schema = schema.get(token)
+        elif isinstance(schema, list) and token.isdigit() and int(token) < len(schema):
+            schema = schema[int(token)]
+        else:
+            return None
+    return schema
 
 
 # What llama.cpp's JSON grammars allow between tokens: nothing, a space, or a newline and an
@@ -112,7 +147,8 @@ def _grammar(kind: str, text: str | bool, whitespace: str | None) -> str:
         if kind in ("json", "json_object"):
             schema = text if isinstance(text, str) else '{"type": "object"}'
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
-            with contextlib.suppress(ValueError):  # json.JSONDecodeError is one
+            # a schema llguidance takes as given but not closed, or one too odd to walk
+            with contextlib.suppress(ValueError, TypeError, RecursionError):
                 closed = llguidance.LLMatcher.grammar_from_json_schema(
                     json.dumps(closed_objects(json.loads(schema))), defaults=options)
                 if not llguidance.LLMatcher.validate_grammar(closed):

@@ -159,6 +159,16 @@ BASE = {"type": "object", "properties": {"id": {"type": "integer"}}, "required":
      {"kind": "x", "a": 1}),
     # required beyond the listed properties
     ({"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}, {"a": 1, "b": 2}),
+    # parts found through nested $defs, escaped names, a chain of $refs, a union
+    ({"properties": {"p": {"$defs": {"Base": BASE}, "allOf": [{"$ref": "#/properties/p/$defs/"
+                                                                 "Base"}],
+                           "properties": {"name": {}}}}}, {"p": {"id": 1, "name": "x"}}),
+    ({"$defs": {"a/b": BASE}, "allOf": [{"$ref": "#/$defs/a~1b"}], "properties": {"n": {}}},
+     {"id": 1, "n": 2}),
+    ({"$defs": {"A": {"$ref": "#/$defs/B"}, "B": BASE}, "allOf": [{"$ref": "#/$defs/A"}],
+      "properties": {"n": {}}}, {"id": 1, "n": 2}),
+    ({"$defs": {"U": {"anyOf": [BASE, {"properties": {"k": {}}}]}},
+      "allOf": [{"$ref": "#/$defs/U"}], "properties": {"n": {}}}, {"id": 1, "n": 2}),
 ])
 def test_objects_made_of_several_schemas_stay_open(ll_tokenizer, schema: dict,
                                                    instance: dict) -> None:
@@ -166,6 +176,36 @@ def test_objects_made_of_several_schemas_stay_open(ll_tokenizer, schema: dict,
     (or make the schema unsatisfiable): such objects keep JSON Schema's default."""
     text = json.dumps(instance)
     assert state(ll_tokenizer, json=schema).num_valid(ids(text)) == len(text)
+
+
+def test_an_inherited_tool_schema_under_tool_choice_required(ll_tokenizer) -> None:
+    """A tool's parameters built on a base ($ref in allOf) move into the array "required"
+    asks for, their references rebased: the base stays open there too."""
+    from braid.server.protocol import ChatCompletionRequest
+    from braid.server.tools import tool_constraint
+
+    parameters = {"$defs": {"Base": BASE}, "allOf": [{"$ref": "#/$defs/Base"}],
+                  "properties": {"note": {"type": "string"}}}
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tool_choice=
+                                 "required", tools=[{"type": "function", "function": {
+                                     "name": "f", "parameters": parameters}}])
+    constraint = tool_constraint(body)
+    assert constraint is not None
+    text = json.dumps([{"name": "f", "parameters": {"id": 1, "note": "x"}}])
+    assert state(ll_tokenizer, json=constraint.json).num_valid(ids(text)) == len(text)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"a": {}}, "required": None},
+    {"type": "object", "properties": {"a": {"type": "object", "properties": {},
+                                            "required": True}}},
+    {"type": "object", "properties": {"a": {}}, "allOf": 1},
+])
+def test_malformed_schemas_are_named_not_crashed_on(schema: dict) -> None:
+    """Closing objects walks a schema before llguidance has checked it: a malformed one is
+    still the 400 naming `json` (it was a TypeError, a 500)."""
+    with pytest.raises(ValueError, match="json is not valid"):
+        grammar_for(StructuredOutputsParams(json=schema))
 
 
 def test_pydantic_schemas_take_their_instances_and_no_other_keys(ll_tokenizer) -> None:
