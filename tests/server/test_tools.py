@@ -228,28 +228,39 @@ def test_a_bare_call_without_tags_is_a_call(text: str, is_call: bool) -> None:
         assert content == text and not calls and streamed == text and not deltas
 
 
+def stream_in_pieces(stream: ChoiceTools, text: str, piece: int
+                     ) -> tuple[str, dict[int, dict], list[int]]:
+    """(content, calls by index as id / name / arguments, the offset of each argument
+    delta) of `text` streamed `piece` characters a chunk; each delta's id and name are its
+    call's."""
+    content, calls, offsets = "", {}, []
+    for i in range(0, len(text), piece):
+        part, deltas = stream.delta(text[i:i + piece], i + piece >= len(text))
+        content += part
+        for d in deltas:
+            call = calls.setdefault(d.index, {"id": d.id, "name": d.function.name,
+                                              "arguments": ""})
+            assert d.id in (None, call["id"]) and d.function.name in (None, call["name"])
+            call["arguments"] += d.function.arguments or ""
+            if d.function.arguments:
+                offsets.append(i)
+    return content, calls, offsets
+
+
 @pytest.mark.parametrize("piece", [1, 5, len(TEXT)])
 def test_streamed_calls_arrive_name_first_then_growing_arguments(piece: int) -> None:
     """As vLLM's hermes parser streams: a call's id and name once its head is in, then its
     arguments in pieces; the pieces add up to the finished call's arguments."""
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TOOLS)
     whole_content, whole_calls = ChoiceTools("auto", body).whole(TEXT)
-    stream, content, calls, pieces = ChoiceTools("auto", body), "", {}, 0
-    for i in range(0, len(TEXT), piece):
-        text, deltas = stream.delta(TEXT[i:i + piece], i + piece >= len(TEXT))
-        content += text
-        for d in deltas:
-            call = calls.setdefault(d.index, {"id": d.id, "name": d.function.name,
-                                              "arguments": ""})
-            assert d.id in (None, call["id"]) and d.function.name in (None, call["name"])
-            call["arguments"] += d.function.arguments or ""
-            pieces += 1
+    stream = ChoiceTools("auto", body)
+    content, calls, offsets = stream_in_pieces(stream, TEXT, piece)
     assert content.strip() == whole_content == "Let me check."
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         (c.function.name, c.function.arguments) for c in whole_calls]
     assert [c["id"] for c in calls.values()] == [c.id for c in stream.calls]
     if piece == 1:
-        assert pieces > 10  # arguments arrived as they were written
+        assert len(offsets) > 10  # arguments arrived as they were written
 
 
 REQUIRED = ('[{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}},\n'
@@ -268,17 +279,8 @@ def test_required_calls_stream_name_first_then_growing_arguments(piece: int,
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
                                  tool_choice="required")
     whole_content, whole_calls = ChoiceTools("required", body).whole(text)
-    stream, content, calls, first_args = ChoiceTools("required", body), "", {}, None
-    for i in range(0, len(text), piece):
-        part, deltas = stream.delta(text[i:i + piece], i + piece >= len(text))
-        content += part
-        for d in deltas:
-            call = calls.setdefault(d.index, {"id": d.id, "name": d.function.name,
-                                              "arguments": ""})
-            assert d.id in (None, call["id"]) and d.function.name in (None, call["name"])
-            call["arguments"] += d.function.arguments or ""
-            if d.index == 0 and d.function.arguments and first_args is None:
-                first_args = i  # where the first call's arguments began to arrive
+    stream = ChoiceTools("required", body)
+    content, calls, offsets = stream_in_pieces(stream, text, piece)
     assert content == ""
     if cut is None:
         assert whole_content is None and [c.function.arguments for c in whole_calls] == [
@@ -290,8 +292,8 @@ def test_required_calls_stream_name_first_then_growing_arguments(piece: int,
     else:
         assert whole_calls == [] and whole_content == text
         assert stream.calls == [] and stream.finish_reason("length") == "length"
-    if piece == 1:
-        assert first_args is not None and first_args < REQUIRED.index("Paris")
+    if piece == 1:  # the first arguments came before the first call was written
+        assert offsets and offsets[0] < REQUIRED.index("Paris")
 
 
 SLIP = ('I will check. <tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n'
