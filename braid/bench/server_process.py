@@ -49,9 +49,13 @@ def check_serve_flags(flags: Sequence[str], option: str, model: str | None = Non
         sampling_defaults(config, check_before_loading(config).folder)
     except SystemExit:
         message = usage.getvalue().strip().splitlines()[-1:] or ["not accepted"]
-        raise ValueError(f"{option} {' '.join(flags)!r}: {message[0]}") from None
+        raise ValueError(f"{option}{_quoted(flags)}: {message[0]}") from None
     except ValueError as e:
-        raise ValueError(f"{option} {' '.join(flags)!r}: {e}") from None
+        raise ValueError(f"{option}{_quoted(flags)}: {e}") from None
+
+
+def _quoted(flags: Sequence[str]) -> str:
+    return f" {' '.join(flags)!r}" if flags else ''
 
 
 class ServerProcess:

@@ -151,7 +151,9 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes:
         raise ValueError("--modes: name at least one mode")
-    for mode in modes:  # before any server starts: an unknown mode or a flag serve refuses
+    # before any server starts: the model (named as --model), then each mode's flags
+    check_serve_flags([], "--model", args.model)
+    for mode in modes:
         check_serve_flags(serve_flags(args, mode), "--server-args", args.model)
     parse_goodput(args.goodput)
     prompts = dataset_prompts(args, args.model)

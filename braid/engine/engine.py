@@ -382,8 +382,9 @@ class LLMEngine:
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
         if any(token >= vocab for token in params.logit_bias or {}):
             raise RequestError(f"logit_bias token ids must be in [0, {vocab})")
-        if any(token >= vocab for token in params.allowed_token_ids or []):
-            raise RequestError(f"allowed_token_ids must be token ids in [0, {vocab})")
+        for name in ("allowed_token_ids", "stop_token_ids"):  # a stop id never sampled: a slip
+            if any(token >= vocab for token in getattr(params, name) or []):
+                raise RequestError(f"{name} must be token ids in [0, {vocab})")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(params, name) or 0
             if n > self.max_logprobs():

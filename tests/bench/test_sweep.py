@@ -144,3 +144,14 @@ def test_a_timeout_must_be_positive(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "sweep", "--server-timeout", "-1"])
     assert "argument --server-timeout: must be a number > 0, got -1" in capsys.readouterr().err
+
+
+def test_a_missing_model_is_named_as_the_flag_given(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    """It was reported as a --server-args value the user never gave."""
+    argv = ["bench", "sweep", "--model", str(tmp_path / "nope"), "--modes", "baseline",
+            "--dataset", "random", "--out", str(tmp_path / "bench"), "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"braid: error: --model: model '{tmp_path / 'nope'}' not found" in err
+    assert "--server-args" not in err and not (tmp_path / "bench").exists()

@@ -385,6 +385,8 @@ def test_allowed_token_ids_restrict_the_output(server: ServerProcess) -> None:
         assert len(text) == 8 and set(text) <= set("ab")
     for bad in ([], [-1], [99999], "a"):
         assert_400(completion(server, allowed_token_ids=bad), "allowed_token_ids")
+    # a stop id beyond the vocabulary is never sampled: refused as the others are
+    assert_400(chat(server, stop_token_ids=[10**9]), "stop_token_ids")
 
 
 def test_echo_returns_prompt_then_completion(server: ServerProcess) -> None:
