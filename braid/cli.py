@@ -167,13 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, help="system message for the chat template")
     _add_sampling_args(gen)
     add_config_args(gen)
-    gen.set_defaults(func=cmd_generate)
+    gen.set_defaults(func=cmd_generate, command_parser=gen)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (see braid/server)")
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="the model to serve, as `vllm serve MODEL` (same as --model)")
     add_server_args(serve)
     add_config_args(serve)
-    serve.set_defaults(func=cmd_serve)
+    serve.set_defaults(func=cmd_serve, command_parser=serve)
     add_bench_args(sub)
     return parser
 
@@ -193,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     given = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args([_dashed(a) for a in given])
+    args, unknown = build_parser().parse_known_args([_dashed(a) for a in given])
+    if unknown:  # with the subcommand's usage, not the top level's
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.command_line = ["braid", *given]
     func: Callable[[argparse.Namespace], int] = args.func
     try:

@@ -119,12 +119,12 @@ def add_bench_args(sub: argparse._SubParsersAction) -> None:
                              description="Open-loop streaming load generator (like vLLM's "
                              "benchmark_serving.py): prints a table, saves JSON.")
     add_serve_args(serve)
-    serve.set_defaults(func=_lazy("braid.bench.serve", "cmd_bench_serve"))
+    serve.set_defaults(func=_lazy("braid.bench.serve", "cmd_bench_serve"), command_parser=serve)
     sweep = which.add_parser("sweep", help="start braid in each mode and sweep request rates",
                              description=SWEEP_HELP,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
     add_sweep_args(sweep)
-    sweep.set_defaults(func=_lazy("braid.bench.sweep", "cmd_bench_sweep"))
+    sweep.set_defaults(func=_lazy("braid.bench.sweep", "cmd_bench_sweep"), command_parser=sweep)
 
 
 def _lazy(module: str, name: str):  # noqa: ANN202 - the command, imported when it runs

@@ -638,6 +638,14 @@ def test_vllm_command_lines_run_as_they_are(capsys) -> None:
     assert main(["serve", "--ssl-cert-reqs", "2", "--model", "/no/such/model"]) == 2
     assert "--ssl-cert-reqs 2 asks clients for certificates, which needs TLS" in \
         capsys.readouterr().err
+    # an unknown flag with its subcommand's usage (it printed the top level's)
+    for argv, command in ((["serve", "--bogus"], "serve"),
+                          (["bench", "sweep", "--bogus", "1"], "bench sweep")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        err, flags = capsys.readouterr().err, " ".join(argv[len(command.split()):])
+        assert f"braid {command}: error: unrecognized arguments: {flags}" in err
+        assert f"usage: braid {command}" in err
     # vLLM's draft-model config names the model, not the method
     spec = SpecConfig.from_dict({"model": "tiny-draft", "num_speculative_tokens": 3})
     assert (spec.method, spec.model) == ("draft_model", "tiny-draft")
