@@ -90,7 +90,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "the output stops there", params.max_tokens, len(prompt), room,
             engine.config.max_model_len)
     engine.add_request("cli", prompt, params)
-    text, reader_gone = "", False
+    text = ""
     try:
         for out in engine.run_until_done():
             completion = out.outputs[0]
@@ -102,11 +102,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             if out.finished:
                 _report(out)
-    except BrokenPipeError:  # piped into `head`
-        reader_gone = True
-        return _reader_gone()
-    finally:  # interrupted: the shell's prompt starts on a line of its own
-        if text and not reader_gone and not text.endswith("\n"):
+    finally:  # interrupted: the shell's prompt starts on a line of its own (a reader of
+        # the pipe that went, `| head`, raises again here: main ends quietly)
+        if text and not text.endswith("\n"):
             sys.stdout.write("\n")
             sys.stdout.flush()
     return 0
@@ -208,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         if args.command != "generate":
             raise
-        return _reader_gone()  # the reader of its pipe went (`2>&1 | head` while loading)
+        return _reader_gone()  # the reader of its pipe went (`| head`)
 
 
 def _reader_gone() -> int:

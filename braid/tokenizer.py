@@ -311,15 +311,17 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    def _special_id(self, name: str) -> int | None:
+        token = self._special[name]
+        return self.token_to_id(token) if token else None
+
     @property
     def eos_token_id(self) -> int | None:
-        eos = self._special["eos"]
-        return self.token_to_id(eos) if eos else None
+        return self._special_id("eos")
 
     @property
     def bos_token_id(self) -> int | None:
-        bos = self._special["bos"]
-        return self.token_to_id(bos) if bos else None
+        return self._special_id("bos")
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -441,8 +443,7 @@ class Tokenizer:
 
     @property
     def pad_token_id(self) -> int | None:
-        pad = self.pad_token
-        return self.token_to_id(pad) if pad else None
+        return self._special_id("pad")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -204,10 +204,7 @@ class HermesParser:
 
     @staticmethod
     def _parse(block: str) -> ToolCall | None:
-        try:
-            value = json.loads(block)
-        except json.JSONDecodeError:
-            value = None
+        value = _json_value(block)
         if isinstance(value, dict) and isinstance(value.get("name"), str):
             arguments = value.get("arguments", value.get("parameters", {}))
             return new_call(value["name"], _arguments_text(block, arguments))
@@ -334,14 +331,21 @@ def required_progress(text: str) -> list[tuple[str, str]]:
     return calls
 
 
+def _json_value(text: str) -> Any:
+    """The JSON value `text` is, or None where it is not whole JSON (cut short)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
 def required_calls(text: str) -> list[ToolCall]:
     """The calls of a "required" output (a JSON array of {name, parameters}); none where
     max_tokens or a stop string cut it short. Each call's arguments are its parameters' text
     as the model wrote it, as a stream sends them (re-encoded where the keys came in
     another order)."""
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError:
+    items = _json_value(text)
+    if items is None:
         return []
     written = required_progress(text)
     if len(written) == len(items):
@@ -437,7 +441,7 @@ class ChoiceTools:
                 call.function.arguments = arguments
         if not finished:
             return "", deltas
-        self.calls = self._required if required_calls(text) else []
+        self.calls = self._required if _json_value(text) is not None else []
         return "" if self._required else text, deltas
 
     def _stream_open(self) -> list[DeltaToolCall]:

@@ -146,13 +146,14 @@ def _grammar(kind: str, text: str | bool, whitespace: str | None) -> str:
     try:
         if kind in ("json", "json_object"):
             schema = text if isinstance(text, str) else '{"type": "object"}'
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
-            # a schema llguidance takes as given but not closed, or one too odd to walk
+            # closed where llguidance takes it so; else the schema as given, whose error (if
+            # any) names what is wrong with it (closing broke it, or it is too odd to walk)
             with contextlib.suppress(ValueError, TypeError, RecursionError):
                 closed = llguidance.LLMatcher.grammar_from_json_schema(
                     json.dumps(closed_objects(json.loads(schema))), defaults=options)
                 if not llguidance.LLMatcher.validate_grammar(closed):
-                    grammar = closed  # else the schema as given (closing it broke it)
+                    return closed
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         elif kind == "choice":
             # one regex, a single lexeme: llguidance's own choice grammar makes each choice a
             # rule alternative, and its parser stops a request mid-output past 2000 of them
