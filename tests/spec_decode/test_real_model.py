@@ -11,7 +11,8 @@ from braid.bench.datasets import humaneval
 from braid.config import EngineConfig
 from braid.engine.engine import LLMEngine
 from braid.sampling_params import SamplingParams
-from braid.spec_decode.cost_model import StepCostModel
+from braid.spec_decode import speculator
+from tests.spec_decode.test_spec_engine import FixedStepCosts
 
 pytestmark = pytest.mark.real_model
 
@@ -77,16 +78,8 @@ def fixed_step_costs(monkeypatch: pytest.MonkeyPatch) -> None:
     target beside the quantized draft (a target forward streams 7 GB whatever its few tokens,
     a draft forward costs a twentieth of it) instead of the measured ones, so what the policy
     chooses does not depend on how loaded the machine is. The forwards still run for real."""
-    def target(self: StepCostModel, tokens: int, attention: int, rows: int, seconds: float,
-               anchor: bool = False) -> None:
-        self.target.observe(tokens, attention, rows, 0.2 + 0.002 * tokens, anchor)
-
-    def draft(self: StepCostModel, tokens: int, rows: int, seconds: float,
-              anchor: bool = False) -> None:
-        self.draft.observe(tokens, 0, rows, 0.01 + 0.0005 * tokens, anchor)
-
-    monkeypatch.setattr(StepCostModel, "observe_target", target)
-    monkeypatch.setattr(StepCostModel, "observe_draft", draft)
+    monkeypatch.setattr(speculator, "StepCostModel", lambda: FixedStepCosts(
+        target=(0.2, 0.002), draft=(0.01, 0.0005)))
 
 
 def test_goodput_policy_is_lossless_on_humaneval(default_target: Any, float_target: Any,

@@ -9,14 +9,49 @@ from braid.config import ConfigError, EngineConfig, resolve_draft_dtype
 from braid.engine.scheduler import SchedulerOutput
 from braid.models.qwen2 import can_pack, native_bf16
 from braid.sampling_params import SamplingParams
+from braid.spec_decode.cost_model import StepCostModel, attention_work
+from braid.spec_decode.speculator import WARMUP_DRAFT, WARMUP_TARGET
 from tests.engine.test_engine import CFG, STAGGERED, WEIGHTS, make_engine, prompts, run
 from tests.tiny import braid_model, random_weights, tiny_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
+class FixedStepCosts(StepCostModel):
+    """The real cost model fed forward times of a fixed shape instead of measured ones: a
+    target forward of `target[0]` seconds plus `target[1]` a query token, a draft forward of
+    `draft[0]` plus `draft[1]` a token (by default a memory-bound target and a draft fifty
+    times cheaper). What the goodput policy chooses then does not depend
+    on the machine's timing or load (measured, the tiny draft costs as much as its target,
+    drafting barely pays, and a clean CI run once saw the policy never draft). It starts
+    anchored at the warm-up's sizes, as the engine's warm-up would anchor it."""
+
+    def __init__(self, target: tuple[float, float] = (0.05, 0.0005),
+                 draft: tuple[float, float] = (0.001, 0.0001)) -> None:
+        super().__init__()
+        self.shape = {"target": target, "draft": draft}
+        for n, rows in WARMUP_TARGET:
+            self.observe_target(n, attention_work(n, 0), rows, 0.0, anchor=True)
+        for n, rows in WARMUP_DRAFT:
+            self.observe_draft(n, rows, 0.0, anchor=True)
+
+    def seconds(self, forward: str, tokens: int) -> float:
+        fixed, per_token = self.shape[forward]
+        return fixed + per_token * tokens
+
+    def observe_target(self, tokens: int, attention: int, rows: int, seconds: float,
+                       anchor: bool = False) -> None:
+        super().observe_target(tokens, attention, rows, self.seconds("target", tokens), anchor)
+
+    def observe_draft(self, tokens: int, rows: int, seconds: float, anchor: bool = False
+                      ) -> None:
+        super().observe_draft(tokens, rows, self.seconds("draft", tokens), anchor)
+
+
 def spec_engine(method: str, k: int, draft_weights=WEIGHTS, draft_cfg=CFG, policy="fixed",
                 **options):
+    """A tiny speculating engine; under the goodput policy its cost model sees
+    FixedStepCosts (a test may set another)."""
     spec = {"method": method, "num_speculative_tokens": k, "prompt_lookup_min": 1,
             "prompt_lookup_max": 3, "policy": policy}
     # lookups beside the draft only where a test asks: the rest test the draft model itself
@@ -30,7 +65,10 @@ def spec_engine(method: str, k: int, draft_weights=WEIGHTS, draft_cfg=CFG, polic
     if method == "draft_model":
         spec["model"] = "tiny-draft"
     draft = braid_model(draft_cfg, draft_weights) if method == "draft_model" else None
-    return make_engine(speculative_config=spec, draft_model=draft, **options)
+    engine = make_engine(speculative_config=spec, draft_model=draft, **options)
+    if policy == "goodput":
+        engine.speculator.cost = FixedStepCosts()
+    return engine
 
 
 @pytest.fixture(scope="module")
