@@ -1,154 +1,25 @@
-"""Tokenizer: a `tokenizers.Tokenizer` plus the model's chat template and streaming detokenizer.
-
-GGUF files carry no tokenizer.json: `write_gguf_tokenizer` rebuilds the byte-level BPE tokenizer
-from the GGUF metadata the way transformers' GGUF converter does, and saves HF-style files.
-"""
+"""Tokenizer: a `tokenizers.Tokenizer` plus the model's chat template and streaming detokenizer
+(a GGUF's tokenizer files are built by braid.models.gguf_tokenizer)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from functools import cache, cached_property, lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
-from tokenizers.models import BPE
 
 from braid.models.errors import ModelLoadError, read_json_object
+from braid.models.gguf_tokenizer import SPECIAL_NAMES, bytes_to_unicode
 
-# Split regexes by `tokenizer.ggml.pre` (the same as transformers' Qwen2 / Llama-3 tokenizers).
-QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-PRE_TOKENIZER_SPLITS = {
-    "qwen2": QWEN2_SPLIT,
-    "deepseek-r1-qwen": QWEN2_SPLIT,
-    "llama-bpe": LLAMA3_SPLIT,
-    "llama3": LLAMA3_SPLIT,
-    "llama-v3": LLAMA3_SPLIT,
-    "smaug-bpe": LLAMA3_SPLIT,
-}
-TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
 # Tokens that end a turn or a document; any of them present as a special token stops generation
 # (what generation_config.json lists for Qwen2.5 and Llama 3 instruct models).
 END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
-_SPECIAL_NAMES = ("bos", "eos", "unk", "pad")
-_SPECIAL_ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id",
-                    "pad": "padding_token_id"}
-
-
-# ---------------------------------------------------------------------------------------------
-# GGUF metadata -> tokenizer.json + tokenizer_config.json
-
-
-@cache
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable spelling of each byte, the alphabet of byte-level BPE vocabularies."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
-    extra = [b for b in range(256) if b not in keep]
-    chars = keep + [256 + i for i in range(len(extra))]
-    return dict(zip(keep + extra, map(chr, chars), strict=True))
-
-
-def _spell(token: str, alphabet: set[str]) -> str:
-    if set(token) <= alphabet:
-        return token
-    return "".join(bytes_to_unicode()[b] for b in token.encode("utf-8"))
-
-
-class NoUsableTokenizer(ModelLoadError):
-    """A GGUF without a tokenizer braid can build: the model still loads, and `--tokenizer`
-    gives it one."""
-
-
-def gguf_backend(meta: dict[str, Any]) -> tokenizers.Tokenizer:
-    model = meta.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise NoUsableTokenizer(f"unsupported GGUF tokenizer model {model!r}: only byte-level "
-                                "BPE ('gpt2') is supported")
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    alphabet = set(bytes_to_unicode().values())
-    vocab = {_spell(t, alphabet): i for i, t in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    backend = tokenizers.Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None,
-                                       continuing_subword_prefix="", end_of_word_suffix="",
-                                       fuse_unk=False))
-    backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
-    backend.decoder = decoders.ByteLevel()
-    _add_gguf_special_tokens(backend, tokens, meta.get("tokenizer.ggml.token_type") or [], vocab)
-    bos_id = meta.get("tokenizer.ggml.bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
-        bos = tokens[bos_id]
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
-    return backend
-
-
-def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    split = PRE_TOKENIZER_SPLITS.get(pre or "")
-    if split is None:  # plain GPT-2 regex
-        return pre_tokenizers.ByteLevel(add_prefix_space=False)
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(split), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-
-
-def _add_gguf_special_tokens(
-    backend: tokenizers.Tokenizer, tokens: list[str], types: list[int], vocab: dict[str, int]
-) -> None:
-    """CONTROL tokens become special added tokens, USER_DEFINED ones plain added tokens, so both
-    are matched whole in text instead of being cut into bytes."""
-    alphabet = set(bytes_to_unicode().values())
-    # A CONTROL token outside the byte alphabet is a llama.cpp mislabel; adding it would grow
-    # the vocabulary past the model's embedding (transformers skips them too).
-    control = [AddedToken(t, normalized=False, special=True)
-               for t, ty in zip(tokens, types, strict=False)
-               if ty == TOKEN_TYPE_CONTROL and set(t) <= alphabet]
-    user = [AddedToken(t, normalized=False, special=False)
-            for t, ty in zip(tokens, types, strict=False)
-            if ty == TOKEN_TYPE_USER_DEFINED and t in vocab]
-    backend.add_special_tokens(control)
-    backend.add_tokens(user)
-
-
-def gguf_tokenizer_config(meta: dict[str, Any], backend: tokenizers.Tokenizer) -> dict[str, Any]:
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
-    for name in _SPECIAL_NAMES:
-        token_id = meta.get(f"tokenizer.ggml.{_SPECIAL_ID_KEYS[name]}")
-        config[f"{name}_token"] = tokens[token_id] if token_id is not None else None
-    config["add_bos_token"] = bool(meta.get("tokenizer.ggml.add_bos_token", False))
-    config["add_eos_token"] = bool(meta.get("tokenizer.ggml.add_eos_token", False))
-    config["added_tokens_decoder"] = {
-        str(i): {"content": t.content, "special": t.special, "normalized": False,
-                 "lstrip": False, "rstrip": False, "single_word": False}
-        for i, t in sorted(backend.get_added_tokens_decoder().items())
-    }
-    if "tokenizer.chat_template" in meta:
-        config["chat_template"] = meta["tokenizer.chat_template"]
-    return config
-
-
-def write_gguf_tokenizer(meta: dict[str, Any], folder: Path) -> None:
-    """Save tokenizer.json and tokenizer_config.json built from GGUF metadata into `folder`."""
-    if "tokenizer.ggml.tokens" not in meta:
-        raise NoUsableTokenizer("GGUF has no tokenizer metadata (tokenizer.ggml.tokens)")
-    backend = gguf_backend(meta)
-    backend.save(str(folder / "tokenizer.json"))
-    config = gguf_tokenizer_config(meta, backend)
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,7 +116,7 @@ class Tokenizer:
         self.backend = backend
         self.config = config
         self.chat_template: str | None = config.get("chat_template")
-        self._special = {n: _token_content(config.get(f"{n}_token")) for n in _SPECIAL_NAMES}
+        self._special = {n: _token_content(config.get(f"{n}_token")) for n in SPECIAL_NAMES}
         self._special_ids = sorted(i for i, t in backend.get_added_tokens_decoder().items()
                                    if t.special)
         self._eos_ids = frozenset(self._find_eos_ids(extra_eos_ids))

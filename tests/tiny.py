@@ -60,7 +60,7 @@ def byte_tokenizer():  # -> tokenizers.Tokenizer
     """Byte-level BPE without merges: one token per byte (ids 0..255), then the specials."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from braid.tokenizer import bytes_to_unicode
+    from braid.models.gguf_tokenizer import bytes_to_unicode
 
     vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))

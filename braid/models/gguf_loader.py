@@ -342,7 +342,7 @@ def gguf_to_hf_folder(gguf_path: Path) -> Path:
 
 
 def convert_gguf(gguf_path: Path, folder: Path) -> None:
-    from braid.tokenizer import NoUsableTokenizer, write_gguf_tokenizer
+    from braid.models.gguf_tokenizer import NoUsableTokenizer, write_gguf_tokenizer
 
     reader = open_gguf(gguf_path)
     meta = read_metadata(reader)
