@@ -16,12 +16,17 @@ import torch
 
 from braid.config import ConfigError, EngineConfig
 from braid.engine.block_manager import BlockManager
+from braid.engine.memory import (
+    available_memory,
+    kv_cache_blocks,
+    refuse_beyond_memory,
+    warn_beyond_available,
+)
 from braid.engine.output import OutputProcessor
 from braid.engine.request import Request
-from braid.engine.runner import ModelRunner, kv_bytes_per_token
+from braid.engine.runner import ModelRunner
 from braid.engine.scheduler import Scheduler, SchedulerOutput
 from braid.engine.stats import EngineStats, StepStats
-from braid.models.config import ModelConfig
 from braid.models.qwen2 import Qwen2ForCausalLM
 from braid.outputs import RequestOutput
 from braid.sample.step import StepSample, StepSampler, score_prompts
@@ -45,75 +50,6 @@ logger = logging.getLogger("braid")
 
 class RequestError(ValueError):
     """A request the engine cannot serve (too long, bad ids); the message names the field."""
-
-
-def kv_cache_blocks(cfg: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
-    """The KV cache's size in blocks (--num-kv-blocks, else as many as --kv-cache-gib holds);
-    a ConfigError where it cannot hold one --max-model-len sequence or exceeds the memory."""
-    per_block = kv_bytes_per_token(model_config, dtype) * cfg.block_size
-    if cfg.num_kv_blocks is not None:
-        num, flag = cfg.num_kv_blocks, "--num-kv-blocks"
-    else:
-        num = int(cfg.kv_cache_gib * 2**30 // max(per_block, 1))  # 0: a model without layers
-        flag = "--kv-cache-gib"
-    assert cfg.max_model_len is not None
-    if num * cfg.block_size < cfg.max_model_len:
-        raise ConfigError(
-            f"KV cache of {num} blocks of {cfg.block_size} tokens (--block-size) holds fewer "
-            f"than --max-model-len ({cfg.max_model_len}) tokens: raise --kv-cache-gib or "
-            "--num-kv-blocks, or lower --block-size or --max-model-len")
-    if torch.device(cfg.device).type == "cpu":
-        _refuse_beyond_memory(num * per_block, f"{flag}: a KV cache of {{:.1f}} GiB does not")
-    return num
-
-
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-
-
-def memory_limit(cgroup_root: Path = CGROUP_ROOT) -> tuple[int, str]:
-    """(bytes, what they are) this process may use: the machine's physical memory, or the
-    container's memory limit where a cgroup (v2 memory.max, v1 memory.limit_in_bytes) sets
-    a lower one, as in a container whose limit is below the host's memory."""
-    best = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's")
-    for name in ("memory.max", "memory/memory.limit_in_bytes"):
-        try:
-            text = (cgroup_root / name).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit() and int(text) < best[0]:
-            best = (int(text), "this container's (cgroup limit)")
-    return best
-
-
-def _refuse_beyond_memory(nbytes: int, what: str) -> None:
-    """A ConfigError where `nbytes` exceed the memory this process may use (`memory_limit`);
-    its message is `what` (formatted with the GiB) and "fit this machine's ... of memory"."""
-    memory, whose = memory_limit()
-    if nbytes > memory:
-        raise ConfigError(f"{what.format(nbytes / 2**30)} fit {whose} "
-                          f"{memory / 2**30:.1f} GiB of memory")
-
-
-def warn_beyond_available(kv_bytes: int, flag: str, available: int | None) -> bool:
-    """Log a warning (and return True) where KV caches not yet touched exceed the memory
-    available now: the machine has room for them, but other processes hold it."""
-    if available is None or kv_bytes <= available:
-        return False
-    logger.warning("%s: the KV caches take %.1f GiB, and only %.1f GiB of memory is available "
-                   "now (other processes hold the rest): a full cache would swap or be killed",
-                   flag, kv_bytes / 2**30, available / 2**30)
-    return True
-
-
-def available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo (bytes), None where there is none."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def sampling_defaults(config: EngineConfig, folder: Path | None) -> dict[str, Any]:
@@ -287,7 +223,7 @@ class LLMEngine:
         if self.device.type == "cpu":
             flag = ("--kv-cache-gib" if self.config.num_kv_blocks is None
                     else "--num-kv-blocks")
-            _refuse_beyond_memory(kv + sum(r.model.weight_bytes() for r in runners),
+            refuse_beyond_memory(kv + sum(r.model.weight_bytes() for r in runners),
                                   f"{flag}: the weights and KV caches (the draft's included) "
                                   "take {:.1f} GiB, which does not")
             # the weights are resident by now, the caches not yet

@@ -347,7 +347,7 @@ def test_memory_limit_is_the_container_s_where_lower(tmp_path, caplog) -> None:
     """A cgroup's memory limit below the machine's memory is the one KV caches are checked
     against (v2 memory.max, v1 memory.limit_in_bytes; "max" or a huge v1 value: none); KV
     caches beyond the memory available now are a warning."""
-    from braid.engine.engine import (
+    from braid.engine.memory import (
         available_memory,
         memory_limit,
         warn_beyond_available,
