@@ -165,6 +165,8 @@ def main() -> None:
                         help="the target's --quantization")
     parser.add_argument("--draft-quantization", default=None, choices=QUANTIZATIONS,
                         help="the draft's --quantization (default: the target's)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=DTYPES,
+                        help="both models' --kv-cache-dtype")
     parser.add_argument("--repeats", type=positive_int, default=1,
                         help="runs of every mode per load, in alternating order (mean tok/s; "
                         "the ratio to none is the median of the repeats' own ratios)")
@@ -205,7 +207,8 @@ def main() -> None:
           f" draft in {str(draft_dtype).removeprefix('torch.')};"
           f" {args.workload}: {counts} prompts per concurrency, {args.max_tokens} new tokens,"
           f" temperature {','.join(map(str, args.temperature))}, quantization "
-          f"{args.quantization} (draft {args.draft_quantization or args.quantization})")
+          f"{args.quantization} (draft {args.draft_quantization or args.quantization}), KV "
+          f"cache {args.kv_cache_dtype}")
     if args.ceiling:
         ceiling(make_engine("goodput", target, draft, 1, args, prompts[0]),
                 prompts[:counts[min(levels)]], args.max_tokens)
@@ -239,6 +242,7 @@ def make_engine(mode: str, target: Any, draft: Any, max_num_seqs: int,
     engine = LLMEngine(
         EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                      max_num_seqs=max_num_seqs, kv_cache_gib=1.0, log_stats_interval=0,
+                     kv_cache_dtype=args.kv_cache_dtype,
                      enable_prefix_caching=not args.warm_engines,
                      speculative_config=spec_config(mode)),
         model=target[0], tokenizer=target[1], draft_model=draft)

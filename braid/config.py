@@ -210,10 +210,11 @@ class EngineConfig:
                                      human=True)
     block_size: int = _opt(16, "tokens per KV cache block")
     kv_cache_dtype: str = _opt(
-        "auto", "KV cache element type: auto (each model's activation dtype: float32 on the "
-        "CPU), float32, float16 or bfloat16 (a 16-bit cache holds twice the tokens in "
-        "--kv-cache-gib and attention reads half the bytes; keys and values are rounded to "
-        "16 bits, which moves logits slightly, as llama.cpp's default f16 cache does)")
+        "auto", "KV cache element type: auto (float16 for a model on quantized weights, as "
+        "llama.cpp's default f16 cache; else the model's activation dtype, float32 with "
+        "--quantization none), float32, float16 or bfloat16 (a 16-bit cache holds twice the "
+        "tokens in --kv-cache-gib and attention reads half the bytes; keys and values are "
+        "rounded to 16 bits, which moves logits slightly)")
     kv_cache_gib: float = _opt(2.0, "KV cache size in GiB (ignored when --num-kv-blocks is set)")
     num_kv_blocks: int | None = _opt(None, "KV cache size in blocks")
     enable_chunked_prefill: bool = _opt(True, "split prompts into chunks that ride along with "
@@ -360,12 +361,15 @@ class EngineConfig:
             return torch.float32
         return getattr(torch, self.dtype)
 
-    def kv_dtype(self, model_dtype: Any) -> Any:
-        """The KV cache's torch dtype for a model whose activations are `model_dtype`."""
+    def kv_dtype(self, model_dtype: Any, quantized: bool = False) -> Any:
+        """The KV cache's torch dtype for a model whose activations are `model_dtype` (and
+        whose weights are `quantized`). auto: float16 beside quantized weights (their float32
+        activations; half the bytes for ~0.2% perplexity, docs/benchmarks.md run 15), else
+        the activation dtype (float checkpoints and --quantization none, the reference)."""
         import torch
 
         if self.kv_cache_dtype == "auto":
-            return model_dtype
+            return torch.float16 if quantized else model_dtype
         return getattr(torch, self.kv_cache_dtype)
 
     @property

@@ -107,13 +107,15 @@ def check_before_loading(config: EngineConfig, draft: bool = True) -> Checked:
     False: a draft model given as an object), --tokenizer's against the target's.
     ConfigError or ModelLoadError naming what is wrong. `braid serve` runs them at start,
     benchmarks on the serve flags they pass (`check_serve_flags`)."""
+    from braid.models.build import loads_quantized
     from braid.models.errors import ModelLoadError
-    from braid.models.loader import load_config, model_folder
+    from braid.models.loader import load_config, model_folder, resolve_model_path
 
     folder = model_folder(config.model)
     model_config = load_config(folder)
     config.finalize(model_config.max_position_embeddings)
-    kv_cache_blocks(config, model_config, config.kv_dtype(config.torch_dtype))
+    quantized = loads_quantized(resolve_model_path(config.model), config.quantization)
+    kv_cache_blocks(config, model_config, config.kv_dtype(config.torch_dtype, quantized))
     spec = config.spec_config
     if draft and spec is not None and spec.model is not None:
         try:
@@ -192,7 +194,7 @@ class LLMEngine:
         self.model_config = model.config
         self.tokenizer = tokenizer
         self.device = torch.device(config.device)
-        kv_dtype = config.kv_dtype(model.dtype)
+        kv_dtype = config.kv_dtype(model.dtype, model.quant_type is not None)
         num_blocks = kv_cache_blocks(config, model.config, kv_dtype)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         assert config.max_num_batched_tokens is not None

@@ -80,24 +80,29 @@ def _weights(path: Path, cfg: ModelConfig, quantization: str, device: str | torc
              ) -> tuple[GGMLQuantizationType | None, Weights]:
     """The model's quantization (the block format float tensors get, None: float) and its
     weights."""
-    if path.is_file():
-        quant_type = (GGMLQuantizationType.Q8_0
-                      if quantization != "none" and quantized_types(path) else None)
-        if quantization in ("int8", "int4"):
-            quant_type = float_quant_type(quantization)
-        elif (quant_type is None and quantization == "auto"
-              and torch.device(device).type == "cpu" and quant_ops() is not None):
-            logger.info("%s holds float weights (F16/BF16/F32), which run as floats of "
-                        "--dtype; --quantization int8 runs them as Q8_0 blocks on the "
-                        "quantized kernels instead (~1 byte a value, decode several times "
-                        "faster than float32)", path.name)
-    else:
-        quant_type = float_quant_type(quantization)
+    quant_type = None
+    if loads_quantized(path, quantization):
+        quant_type = float_quant_type(quantization) or GGMLQuantizationType.Q8_0
+    elif (path.is_file() and quantization == "auto" and torch.device(device).type == "cpu"
+          and quant_ops() is not None):
+        logger.info("%s holds float weights (F16/BF16/F32), which run as floats of "
+                    "--dtype; --quantization int8 runs them as Q8_0 blocks on the "
+                    "quantized kernels instead (~1 byte a value, decode several times "
+                    "faster than float32)", path.name)
     if quant_type is not None and not _kernels_for(device):
         quant_type = None
     if path.is_file():
         return quant_type, iter_gguf_weights(path, cfg, quantized=quant_type is not None)
     return quant_type, iter_weights(path)
+
+
+def loads_quantized(path: Path, quantization: str) -> bool:
+    """Whether `load_model` gives the model at `path` quantized weights (where the CPU
+    kernels build): --quantization int8 / int4, or a GGUF holding quantized tensors unless
+    --quantization none."""
+    if quantization in ("int8", "int4"):
+        return True
+    return path.is_file() and quantization != "none" and bool(quantized_types(path))
 
 
 def _kernels_for(device: str | torch.device) -> bool:

@@ -28,8 +28,9 @@ def make_speculator(cfg: EngineConfig, target: ModelRunner, scheduler: Scheduler
     else:
         draft = draft or _load_draft(cfg)
         check_draft(cfg, target.model.config, draft.config)
+        kv_dtype = cfg.kv_dtype(draft.dtype, draft.quant_type is not None)
         proposer = DraftModelProposer(draft, scheduler.blocks, cfg.block_size, target.device,
-                                      spec, cfg.kv_dtype(draft.dtype), eos_token_ids)
+                                      spec, kv_dtype, eos_token_ids)
     assert cfg.max_model_len is not None
     speculator = Speculator(spec, proposer, cfg.max_model_len,
                             None if cfg.target_itl_ms is None else cfg.target_itl_ms / 1e3)

@@ -382,11 +382,11 @@ def test_fused_layers_are_the_modules_bit_for_bit(target: Qwen2ForCausalLM,
 @pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
 def test_a_16_bit_kv_cache(gguf_path: Path, target: Qwen2ForCausalLM, kv_cache_dtype: str
                            ) -> None:
-    """--kv-cache-dtype: the cache holds twice the blocks in the same bytes; batches equal
-    requests alone; greedy speculation with a draft (whose cache is 16-bit too) equals
-    greedy without it; and the tokens stay close to the float32 cache's (logits move by the
-    16-bit rounding of keys and values only)."""
-    wide = engine(target, num_kv_blocks=None, kv_cache_gib=1 / 64)
+    """--kv-cache-dtype: the cache holds twice the blocks in the same bytes as a float32
+    one; batches equal requests alone; greedy speculation with a draft (whose cache is 16-bit
+    too) equals greedy without it; and the tokens stay close to the float32 cache's (logits
+    move by the 16-bit rounding of keys and values only)."""
+    wide = engine(target, num_kv_blocks=None, kv_cache_gib=1 / 64, kv_cache_dtype="float32")
     narrow = engine(target, num_kv_blocks=None, kv_cache_gib=1 / 64, kv_cache_dtype=kv_cache_dtype)
     assert narrow.blocks.num_blocks == 2 * wide.blocks.num_blocks
     assert narrow.runner.kv_cache.nbytes == wide.runner.kv_cache.nbytes
@@ -549,16 +549,16 @@ def test_a_draft_requantized_to_int4_stays_lossless(
 
 def test_kv_cache_gib_holds_for_a_quantized_model_at_any_dtype(
         gguf_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Quantized weights take float32 activations and KV whatever --dtype says (the load
-    says so); the cache is sized in the KV's own dtype, so it takes --kv-cache-gib, not twice
-    that at bfloat16."""
+    """Quantized weights take float32 activations and a float16 KV cache (auto) whatever
+    --dtype says (the load says so); the cache is sized in the KV's own dtype, so it takes
+    --kv-cache-gib, not twice or half that."""
     gib = 0.01
     for dtype in ("float32", "bfloat16"):
         caplog.clear()
         with caplog.at_level("INFO", logger="braid"):
             e = engine(model=str(gguf_path), dtype=dtype, num_kv_blocks=None, kv_cache_gib=gib)
         kv = e.runner.kv_cache
-        assert kv.dtype == torch.float32
+        assert kv.dtype == torch.float16
         assert gib * 2**30 * 0.9 < kv.numel() * kv.element_size() <= gib * 2**30
         said = "its quantized weights run with float32 activations" in caplog.text
         assert said == (dtype == "bfloat16")
