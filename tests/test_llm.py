@@ -367,6 +367,7 @@ def test_a_draft_vocabulary_limit_with_a_float_draft_as_loaded(tmp_path) -> None
     """draft_vocab_size with a float draft loaded from its files (its LM head packed for
     oneDNN, which has no rows to slice): lossless, where the warm-up forward crashed."""
     from braid import LLM, SamplingParams
+    from tests.spec_decode.test_spec_engine import FixedStepCosts
     from tests.tiny import save_tiny_model
 
     folder = str(save_tiny_model(tmp_path))
@@ -376,7 +377,9 @@ def test_a_draft_vocabulary_limit_with_a_float_draft_as_loaded(tmp_path) -> None
     want = LLM(folder, **options).generate(["hello there"], greedy, use_tqdm=False)
     spec = {"method": "draft_model", "model": folder, "num_speculative_tokens": 3,
             "draft_vocab_size": 100}
-    llm = LLM(folder, speculative_config=spec, **options)
+    llm = LLM(folder, speculative_config=spec, **options)  # (the goodput policy's warm-up)
+    # fixed step costs, so that it drafts whatever the machine's load
+    llm.engine.speculator.cost = FixedStepCosts()  # type: ignore[union-attr]
     got = llm.generate(["hello there"], greedy, use_tqdm=False)
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
     assert llm.engine.stats.spec_stats.num_draft_tokens > 0
