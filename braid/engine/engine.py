@@ -226,8 +226,8 @@ class LLMEngine:
             flag = ("--kv-cache-gib" if self.config.num_kv_blocks is None
                     else "--num-kv-blocks")
             refuse_beyond_memory(kv + sum(r.model.weight_bytes() for r in runners),
-                                  f"{flag}: the weights and KV caches (the draft's included) "
-                                  "take {:.1f} GiB, which does not")
+                                 f"{flag}: the weights and KV caches (the draft's included) "
+                                 "take {:.1f} GiB, which does not")
             # the weights are resident by now, the caches not yet
             warn_beyond_available(kv, flag, available_memory())
 

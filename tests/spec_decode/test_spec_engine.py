@@ -21,10 +21,10 @@ class FixedStepCosts(StepCostModel):
     """The real cost model fed forward times of a fixed shape instead of measured ones: a
     target forward of `target[0]` seconds plus `target[1]` a query token, a draft forward of
     `draft[0]` plus `draft[1]` a token (by default a memory-bound target and a draft fifty
-    times cheaper). What the goodput policy chooses then does not depend
-    on the machine's timing or load (measured, the tiny draft costs as much as its target,
-    drafting barely pays, and a clean CI run once saw the policy never draft). It starts
-    anchored at the warm-up's sizes, as the engine's warm-up would anchor it."""
+    times cheaper). What the goodput policy chooses then does not depend on the machine's
+    timing or load (measured, the tiny draft costs as much as its target, drafting barely
+    pays, and a clean CI run once saw the policy never draft). It starts anchored at the
+    warm-up's sizes, as the engine's warm-up would anchor it."""
 
     def __init__(self, target: tuple[float, float] = (0.05, 0.0005),
                  draft: tuple[float, float] = (0.001, 0.0001)) -> None:
