@@ -258,10 +258,13 @@ def dequantize_tensor(tensor: Tensor) -> np.ndarray:
     try:
         array = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as e:
-        raise ModelLoadError(
-            f"tensor {tensor.name}: unsupported GGUF tensor type {tensor.tensor_type.name}"
-        ) from e
+        raise _unsupported(tensor) from e
     return np.ascontiguousarray(array, dtype=np.float32).reshape(hf_shape(tensor))
+
+
+def _unsupported(tensor: Tensor) -> ModelLoadError:
+    return ModelLoadError(
+        f"tensor {tensor.name}: unsupported GGUF tensor type {tensor.tensor_type.name}")
 
 
 def convert_tensor(tensor: Tensor, config: ModelConfig) -> np.ndarray:
@@ -291,6 +294,11 @@ def read_tensor(tensor: Tensor, config: ModelConfig, quantized: bool
         return torch.from_numpy(convert_tensor(tensor, config))
     rows, cols = hf_shape(tensor)
     data = np.asarray(tensor.data).reshape(rows, -1)  # [rows, bytes per row]
+    if not runnable(tensor.tensor_type, cols):  # re-quantized from gguf-py's values later
+        try:
+            dequantize(data[:1], tensor.tensor_type)
+        except NotImplementedError as e:
+            raise _unsupported(tensor) from e
     if (heads := _rope_rows(tensor, config)) is not None:
         data = unpermute_rope(data, heads)
     return QuantWeight(torch.from_numpy(np.array(data)), tensor.tensor_type, cols)

@@ -29,15 +29,21 @@ GEMM_RTOL = 2e-2
 by_type = pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
 
 
+# rms of random blocks' values in units of d: IQ4_NL's nibbles, IQ2_XXS's grid points times
+# its 4-bit scales, Q1_0's signs
+GRID_RMS = {Q.IQ4_NL: 66, Q.IQ2_XXS: 60, Q.Q1_0: 1}
+
+
 def random_weight(qtype: Q, rows: int = N, cols: int = K, seed: int = 0, std: float = 1.0
                   ) -> torch.Tensor:
     """uint8 [rows, bytes per row] of values with about this std: llama.cpp's reference
     quantizer for the 32-value formats; random blocks for the K-quants (gguf cannot quantize
     to them) with small positive fp16 scales, so every value is finite."""
     rng = np.random.default_rng(seed)
-    if qtype == Q.IQ4_NL:  # random nibbles (indices into a grid of rms ~66) and d
-        raw = rng.integers(0, 256, (rows, cols // 32, 18), dtype=np.uint8)
-        d = std * rng.uniform(0.5, 1.5, (rows, cols // 32, 1)) / 66
+    if qtype in GRID_RMS:  # d, then random indices into a grid (or signs)
+        block, size = GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+        d = std * rng.uniform(0.5, 1.5, (rows, cols // block, 1)) / GRID_RMS[qtype]
         raw[..., 0:2] = d.astype(np.float16).view(np.uint8)
         return torch.from_numpy(raw.reshape(rows, -1))
     if qtype not in K_QUANTS:

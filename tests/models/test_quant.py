@@ -21,6 +21,7 @@ from braid.config import ConfigError, EngineConfig
 from braid.engine.engine import LLMEngine
 from braid.kernels import quant_ops
 from braid.models.build import load_model
+from braid.models.errors import ModelLoadError
 from braid.models.quant import (
     HUGE_PAGE,
     QuantEmbedding,
@@ -304,6 +305,23 @@ def test_more_gguf_formats_run_as_they_are(tmp_path: Path, qtype: Q) -> None:
     for layer in quantized.layers:
         assert [w.qtype for _, w in layer.mlp.down_proj.segments] == [qtype]
     assert rel_error(logits(quantized), logits(dequantized)) < ACTIVATIONS_RTOL
+
+
+def test_formats_without_a_kernel_run_as_q8_0_or_are_load_errors(tmp_path: Path) -> None:
+    """IQ2_XXS, which gguf-py reads and the kernels do not, runs as Q8_0 blocks of its values;
+    Q1_0, which neither reads, is a ModelLoadError naming the tensor under every quantization
+    (under `auto` it was gguf-py's NotImplementedError)."""
+    path = quantized_gguf(tmp_path / "iq2.gguf", down_types=(Q.IQ2_XXS, Q.IQ2_XXS))
+    quantized, _ = load_model(str(path), quantization="auto")
+    dequantized, _ = load_model(str(path), quantization="none")
+    for layer in quantized.layers:
+        assert [w.qtype for _, w in layer.mlp.down_proj.segments] == [Q.Q8_0]
+    assert rel_error(logits(quantized), logits(dequantized)) < INT8_RTOL
+    path = quantized_gguf(tmp_path / "q1.gguf", down_types=(Q.Q4_K, Q.Q1_0))
+    for quantization in ("auto", "none", "int4"):
+        with pytest.raises(ModelLoadError, match="tensor blk.1.ffn_down.weight: unsupported "
+                                                 "GGUF tensor type Q1_0"):
+            load_model(str(path), quantization=quantization)
 
 
 @pytest.mark.parametrize("quantization, rtol", [("int8", INT8_RTOL), ("int4", INT4_RTOL)])
