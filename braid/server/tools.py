@@ -365,6 +365,7 @@ class ChoiceTools:
         self._names = {t.function.name for t in body.tools or []}
         self._text: list[str] = []
         self._held: str | None = ""  # auto: the start of the output, while it may be bare
+        self._space = ""  # auto: content's trailing whitespace, held (see `_content`)
         self._open: tuple[int, str, str] | None = None  # streamed call: index, id, args sent
         self._named: ToolCall | None = None
         self._required: list[ToolCall] = []  # "required": the calls streamed so far
@@ -416,6 +417,7 @@ class ChoiceTools:
             rest, _ = self._parser.finish()
             content += rest
         self.calls = self._parser.calls
+        content = self._content(content, finished)
         deltas = []
         for i, call in enumerate(self.calls[first:], start=first):
             if self._open is not None and self._open[0] == i:  # its head went out already
@@ -425,6 +427,19 @@ class ChoiceTools:
             else:
                 deltas.append(as_delta(i, call))
         return content, deltas + self._stream_open()
+
+    def _content(self, content: str, finished: bool) -> str:
+        """The content to send now, so that a stream adds up to whole()'s: trailing
+        whitespace waits for more content (the "\n" before, between and after calls is not
+        content), and at the end goes out only if the output made no call. Whitespace that
+        opens an output still goes out before content that follows it."""
+        text = self._space + content
+        if finished:
+            self._space = ""
+            return text.rstrip() if self.calls else text
+        sent = text.rstrip()
+        self._space = text[len(sent):]
+        return sent
 
     def _required_delta(self, text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
         """A "required" output streamed as vLLM streams it: each call's id and name once

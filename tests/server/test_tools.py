@@ -255,12 +255,35 @@ def test_streamed_calls_arrive_name_first_then_growing_arguments(piece: int) -> 
     whole_content, whole_calls = ChoiceTools("auto", body).whole(TEXT)
     stream = ChoiceTools("auto", body)
     content, calls, offsets = stream_in_pieces(stream, TEXT, piece)
-    assert content.strip() == whole_content == "Let me check."
+    assert content == whole_content == "Let me check."
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         (c.function.name, c.function.arguments) for c in whole_calls]
     assert [c["id"] for c in calls.values()] == [c.id for c in stream.calls]
     if piece == 1:
         assert len(offsets) > 10  # arguments arrived as they were written
+
+
+CALL = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("text, content", [
+    ("\n" + CALL + "\n" + CALL + "\n\n", None),  # whitespace only around the calls
+    ("Sure.\n\n" + CALL + "\n" + CALL + " \n", "Sure."),
+    ("A\n" + CALL + "\nB\n", "A\n\nB"),  # text on both sides: what is between it kept
+    ("No call here.\n\n  ", "No call here.\n\n  "),  # no call: the text as written
+    ("  \n", "  \n"),
+])
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_stream_and_whole_agree_on_whitespace_around_calls(text: str, content: str | None,
+                                                           piece: int) -> None:
+    """The whitespace a model writes before, between and after its calls is not content,
+    streamed or whole (the stream used to send each "\n" as content); without calls the text
+    goes out as written."""
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TOOLS)
+    whole_content, whole_calls = ChoiceTools("auto", body).whole(text)
+    streamed, calls, _ = stream_in_pieces(ChoiceTools("auto", body), text, piece)
+    assert whole_content == content and (streamed or None) == content
+    assert len(calls) == len(whole_calls) == text.count("<tool_call>")
 
 
 REQUIRED = ('[{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}},\n'
@@ -321,4 +344,4 @@ def test_stream_and_whole_agree_on_arguments_that_are_not_json(text: str, argume
     assert calls[0].function.name == "get_weather"
     assert calls[0].function.arguments == args[0] == arguments
     assert [c.function.arguments for c in calls] == list(args.values())
-    assert content == streamed.strip() and "<" not in streamed
+    assert content == streamed and "<" not in streamed
