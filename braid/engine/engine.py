@@ -109,12 +109,13 @@ def check_before_loading(config: EngineConfig, draft: bool = True) -> Checked:
     benchmarks on the serve flags they pass (`check_serve_flags`)."""
     from braid.models.build import loads_quantized
     from braid.models.errors import ModelLoadError
-    from braid.models.loader import load_config, model_folder, resolve_model_path
+    from braid.models.loader import folder_of, load_config, model_folder, resolve_model_path
 
-    folder = model_folder(config.model)
+    path = resolve_model_path(config.model)
+    folder = folder_of(path)
     model_config = load_config(folder)
     config.finalize(model_config.max_position_embeddings)
-    quantized = loads_quantized(resolve_model_path(config.model), config.quantization)
+    quantized = loads_quantized(path, config.quantization)
     kv_cache_blocks(config, model_config, config.kv_dtype(config.torch_dtype, quantized))
     spec = config.spec_config
     if draft and spec is not None and spec.model is not None:

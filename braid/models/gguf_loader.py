@@ -255,16 +255,19 @@ def dequantize_tensor(tensor: Tensor) -> np.ndarray:
                          tensor.tensor_type, cols)
         if runnable(qw.qtype, cols):  # the compiled kernel dequantizes in one pass
             return qw.dequantize().numpy()
-    try:
-        array = dequantize(tensor.data, tensor.tensor_type)
-    except NotImplementedError as e:
-        raise _unsupported(tensor) from e
+    array = _gguf_dequantize(tensor, tensor.data)
     return np.ascontiguousarray(array, dtype=np.float32).reshape(hf_shape(tensor))
 
 
-def _unsupported(tensor: Tensor) -> ModelLoadError:
-    return ModelLoadError(
-        f"tensor {tensor.name}: unsupported GGUF tensor type {tensor.tensor_type.name}")
+def _gguf_dequantize(tensor: Tensor, data: np.ndarray) -> np.ndarray:
+    """gguf-py's values of `data` (the tensor's blocks, or some of them); a ModelLoadError
+    naming the tensor for a format gguf-py cannot read."""
+    try:
+        return dequantize(data, tensor.tensor_type)
+    except NotImplementedError as e:
+        raise ModelLoadError(
+            f"tensor {tensor.name}: unsupported GGUF tensor type {tensor.tensor_type.name}"
+        ) from e
 
 
 def convert_tensor(tensor: Tensor, config: ModelConfig) -> np.ndarray:
@@ -295,10 +298,7 @@ def read_tensor(tensor: Tensor, config: ModelConfig, quantized: bool
     rows, cols = hf_shape(tensor)
     data = np.asarray(tensor.data).reshape(rows, -1)  # [rows, bytes per row]
     if not runnable(tensor.tensor_type, cols):  # re-quantized from gguf-py's values later
-        try:
-            dequantize(data[:1], tensor.tensor_type)
-        except NotImplementedError as e:
-            raise _unsupported(tensor) from e
+        _gguf_dequantize(tensor, data[:1])  # a format it cannot read fails here, named
     if (heads := _rope_rows(tensor, config)) is not None:
         data = unpermute_rope(data, heads)
     return QuantWeight(torch.from_numpy(np.array(data)), tensor.tensor_type, cols)

@@ -51,7 +51,11 @@ def resolve_model_path(name_or_path: str) -> Path:
 
 def model_folder(name_or_path: str) -> Path:
     """The HF-style folder of a model (for a GGUF: the cached conversion)."""
-    path = resolve_model_path(name_or_path)
+    return folder_of(resolve_model_path(name_or_path))
+
+
+def folder_of(path: Path) -> Path:
+    """The HF-style folder of a resolved model path (`resolve_model_path`)."""
     return gguf_to_hf_folder(path) if path.is_file() else path
 
 
