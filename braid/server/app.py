@@ -99,10 +99,17 @@ def _add_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> Non
         return JSONResponse({"status": "ok" if ok else "engine stopped"},
                             status_code=200 if ok else 503)
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=ctx.root, max_model_len=ctx.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=ctx.root, max_model_len=ctx.max_model_len)
-                               for name in ctx.model_names])
+        return ModelList(data=[card(name) for name in ctx.model_names])
+
+    # OpenAI's client.models.retrieve; a served name may hold slashes (a model's path)
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> ModelCard:
+        return card(check_model(ctx, name))
 
     @app.get("/metrics")
     async def prometheus() -> Response:

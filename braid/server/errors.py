@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,15 +24,18 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
 
 
 class APIError(Exception):
-    """An error a handler answers with; `param` names the request field at fault."""
+    """An error a handler answers with; `param` names the request field at fault, `code`
+    (OpenAI's: a string or null) the case where a client may act on it. A message quoting
+    the client's text keeps what cannot be UTF-8 (a lone surrogate) as an escape, so the
+    answer can always be sent."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: int | str | None = None, headers: dict[str, str] | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
-        self.message = message
+        self.message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         self.param = param
-        self.code = code if code is not None else status
+        self.code = code
         self.headers = headers
 
     def body(self) -> ErrorResponse:
@@ -74,15 +78,23 @@ def validation_error(exc: RequestValidationError | ValidationError) -> APIError:
         return bad_request(f"request body: {first.get('msg', 'invalid')}", "body")
     where = ".".join(loc)
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    message = re.sub(r" or instance of \w+$", "", message)  # a class name means nothing to them
+    if str(first.get("type", "")).endswith("_type"):  # strict types: say what came instead
+        message += f", got {_JSON_TYPES.get(type(first.get('input')), 'another type')}"
     return bad_request(f"{where}: {message}", loc[0])
+
+
+_JSON_TYPES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+               list: "an array", dict: "an object", type(None): "null"}
 
 
 def _path(loc: Sequence[object]) -> list[str]:
     """Pydantic's error location as the client's field path: without "body" and without
     the labels it gives the shapes a field may take ("list[TextPart]", "NamedToolChoice",
     "function-after[_utf8(), str]"). A last part is kept (it is the field or key complained
-    about, which may be a key the client made up) unless it is a validator's label."""
-    parts = [str(part) for part in loc if part != "body"]
+    about, which may be a key the client made up) unless it is a validator's label; a dict
+    key's own label ("[key]") goes, the key stays."""
+    parts = [str(part) for part in loc if part not in ("body", "[key]")]
     if len(parts) > 1 and parts[-1].startswith("function-"):
         parts.pop()
     return [p for p in parts[:-1] if "[" not in p and not p[:1].isupper()] + parts[-1:]

@@ -94,16 +94,22 @@ def route_path(scope: Scope) -> str:
 
 
 class ApiKeyAuth:
-    """`Authorization: Bearer KEY` on the protected routes (compared in constant time)."""
+    """`Authorization: Bearer KEY` on the protected routes: the scheme in any case (RFC
+    7235), the key compared in constant time."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
+
+    def _authorized(self, header: bytes) -> bool:
+        scheme, _, key = header.partition(b" ")
+        key_ok = hmac.compare_digest(key.lstrip(b" "), self.key)  # whatever the scheme
+        return key_ok and scheme.lower() == b"bearer"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and route_path(scope).startswith(PROTECTED_PREFIXES):
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            if not self._authorized(given):
                 error = APIError(401, "invalid or missing API key (send Authorization: "
                                  "Bearer KEY)", code="invalid_api_key",
                                  headers={"WWW-Authenticate": "Bearer"})

@@ -2,16 +2,26 @@
 
 Every request field is honoured or refused: unknown fields get 400 naming them, and the
 known ones braid does not implement (`best_of` > 1, `tools` on completions, vLLM's
-removed `guided_*` fields) get 400 from `unsupported_field`. `user`, and chat's `metadata`,
-`store`, `service_tier`, `prompt_cache_key`, `safety_identifier` and `reasoning_effort`, are
-accepted and unused (they change no output).
+removed `guided_*` fields; on chat `modalities` other than ["text"], and a non-null `audio`,
+`web_search_options`, `moderation`, `functions` or `function_call`) get 400 from
+`unsupported_field`. Accepted and unused, since they change no output: `user`; on chat
+`metadata`, `store` (braid stores nothing), `service_tier`, `prompt_cache_key`,
+`prompt_cache_retention`, `prompt_cache_options` and a text part's `prompt_cache_breakpoint`
+(the prefix cache needs no hints), `safety_identifier`, `reasoning_effort` and `verbosity`
+(hints to a reasoning model), `modalities: ["text"]`, `function_call: "none"`, and
+`stream_options.include_obfuscation` (braid pads no stream events).
+Fields are strict JSON types: no bool for a number, no number in a string, no fraction for
+an integer (a JSON integer is a float). Tool names follow OpenAI's rule (1 to 64 letters,
+digits, "_" or "-", unique within `tools`); `logit_bias` keys are token ids in ASCII digits.
 Structured output comes as OpenAI's `response_format` or vLLM's `structured_outputs`.
-Text that cannot be UTF-8 (a lone surrogate such as "\ud800") is refused where it enters.
+Text that cannot be UTF-8 (a lone surrogate such as "\ud800") is refused where it enters,
+in any string or key of a JSON value too (a tool's parameters, chat_template_kwargs).
 Responses carry one extra field, `braid`: per-response speculation figures and preemptions.
 """
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 import types
@@ -28,7 +38,36 @@ def _utf8(text: str) -> str:
     return text
 
 
+def _utf8_json(value: Any) -> Any:
+    """`value` (parsed JSON), once every string and key in it is valid UTF-8 (walked with a
+    stack: JSON may nest deeper than Python's recursion limit)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            stack += item
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"text must be valid UTF-8: {e.reason} at index {e.start} "
+                                 f"of {ascii(item[:40])}") from None
+    return value
+
+
+def _tool_name(name: str) -> str:
+    if not re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", name):
+        raise ValueError("a tool name is 1 to 64 letters, digits, underscores or dashes "
+                         "(OpenAI's rule)")
+    return name
+
+
 Text = Annotated[str, AfterValidator(_utf8)]
+JsonValue = Annotated[Any, AfterValidator(_utf8_json)]
+JsonObject = Annotated[dict[str, Any], AfterValidator(_utf8_json)]
+ToolName = Annotated[str, AfterValidator(_tool_name)]
 
 
 def _takes_null(annotation: Any) -> bool:
@@ -39,6 +78,8 @@ def _takes_null(annotation: Any) -> bool:
 class Options(BaseModel):
     """A request body or part: `null` for a field that takes no null is its default, as vLLM
     (whose fields are Optional) and OpenAI take it: clients send unset options as null."""
+
+    model_config = ConfigDict(strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -55,6 +96,7 @@ class StreamOptions(Options):
 
     include_usage: bool = True  # as in vLLM: `stream_options: {}` asks for usage
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage in every chunk
+    include_obfuscation: bool = True  # OpenAI's padding of stream events: accepted, none sent
 
 
 class StructuredOutputsRequest(Options):
@@ -62,7 +104,7 @@ class StructuredOutputsRequest(Options):
 
     model_config = ConfigDict(extra="forbid")
 
-    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    json_: JsonObject | Text | None = Field(None, alias="json")
     regex: Text | None = None
     choice: list[Text] | None = None
     grammar: Text | None = None
@@ -81,7 +123,7 @@ class JsonSchemaFormat(Options):
 
     name: Text = "response"
     description: Text | None = None
-    schema_: dict[str, Any] = Field(alias="schema")
+    schema_: JsonObject = Field(alias="schema")
     strict: bool | None = None
 
 
@@ -99,7 +141,7 @@ class SamplingRequest(Options):
     # none is a sampling parameter
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    model: str | None = None
+    model: Text | None = None
     n: int = Field(1, ge=1, le=128)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -118,7 +160,7 @@ class SamplingRequest(Options):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted, unused
+    user: Text | None = None  # accepted, unused
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     allowed_token_ids: list[int] | None = None
     bad_words: list[Text] | None = None
@@ -178,14 +220,18 @@ class SamplingRequest(Options):
         return None
 
     def token_bias(self) -> dict[int, float] | None:
-        """logit_bias with integer token ids (ValueError naming the field otherwise)."""
+        """logit_bias with integer token ids (ValueError naming the field otherwise). A key
+        is ASCII digits only: int() would also take " 7", "1_0" and other scripts' digits."""
         if self.logit_bias is None:
             return None
-        try:
-            return {int(token): bias for token, bias in self.logit_bias.items()}
-        except ValueError:
-            raise ValueError("logit_bias keys must be token ids, got "
-                             f"{list(self.logit_bias)[:5]!r}") from None
+        bad = [token for token in self.logit_bias if not _TOKEN_ID.fullmatch(token)]
+        if bad:
+            raise ValueError(f"logit_bias keys must be token ids (ASCII digits), got "
+                             f"{ascii(bad[0][:40])}")
+        return {int(token): bias for token, bias in self.logit_bias.items()}
+
+
+_TOKEN_ID = re.compile(r"[0-9]{1,18}")  # re's \d would take other scripts' digits too
 
 
 class CompletionRequest(SamplingRequest):
@@ -207,18 +253,39 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text"] = "text"
     text: Text
+    prompt_cache_breakpoint: JsonObject | None = None  # OpenAI's caching hint: unused
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class TemplatePart(BaseModel):
+    """A part of a message that reaches the chat template as it came: fields beyond the
+    known ones are passed along (a template may read them), their text checked too."""
 
+    model_config = ConfigDict(extra="allow", strict=True)
+    __pydantic_extra__: dict[str, JsonValue] = Field(init=False)
+
+
+class CalledFunction(TemplatePart):
+    name: Text
+    arguments: Text | JsonObject  # JSON text, as OpenAI sends it (an object is taken too)
+
+
+class MessageToolCall(TemplatePart):
+    """A call an earlier assistant message made, as the client sends it back."""
+
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ChatMessage(TemplatePart):
     role: Text
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it: content is one string."""
@@ -230,29 +297,40 @@ class ChatMessage(BaseModel):
 
 
 class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    name: Text
+    name: ToolName
     description: Text | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    parameters: JsonObject | None = None  # a JSON schema of the arguments
     strict: bool | None = None  # accepted; required and named choices always obey the schema
 
 
 class ToolDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class FunctionName(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def _unique_names(tools: list[ToolDefinition]) -> list[ToolDefinition]:
+    names = [t.function.name for t in tools]
+    twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if twice is not None:
+        raise ValueError(f"tool names must be unique; {twice!r} is given twice")
+    return tools
 
-    name: Text
+
+Tools = Annotated[list[ToolDefinition], AfterValidator(_unique_names)]
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: ToolName
 
 
 class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["function"] = "function"
     function: FunctionName
@@ -267,21 +345,48 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: Text | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JsonObject | None = None
     add_special_tokens: bool = False  # the template writes them
     echo: bool = False  # vLLM's: the last message's content leads the reply (a prefill)
-    documents: list[dict[str, Text]] | None = None  # for a RAG template, as vLLM passes them
-    tools: list[ToolDefinition] | None = None
+    documents: list[dict[Text, Text]] | None = None  # for a RAG template, as vLLM passes them
+    tools: Tools | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    # OpenAI's bookkeeping and routing hints, accepted and unused: none changes the output
-    # (braid stores no completion, and its prefix cache needs no key)
-    metadata: dict[str, Text] | None = None
+    # OpenAI's bookkeeping, routing and caching hints, accepted and unused: none changes the
+    # output (braid stores no completion, and its prefix cache needs no key)
+    metadata: dict[Text, Text] | None = None
     store: bool | None = None
     service_tier: Text | None = None
     prompt_cache_key: Text | None = None
+    prompt_cache_retention: Text | None = None
+    prompt_cache_options: JsonObject | None = None
     safety_identifier: Text | None = None
-    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None  # no reasoning
+    # hints to a reasoning model (braid's models do not reason)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] \
+        | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    # OpenAI's that braid does not do: accepted only as their defaults (`unsupported_field`)
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: JsonObject | None = None
+    web_search_options: JsonObject | None = None
+    moderation: JsonObject | None = None
+    functions: list[JsonObject] | None = None
+    function_call: Literal["none", "auto"] | JsonObject | None = None
+
+    def unsupported_field(self) -> tuple[str, str] | None:
+        if self.modalities is not None and self.modalities != ["text"]:
+            return "modalities", 'braid writes text only: modalities may be ["text"]'
+        for name, why in (("audio", "audio output is not supported"),
+                          ("web_search_options", "web search is not supported"),
+                          ("moderation", "moderation is not supported")):
+            if getattr(self, name) is not None:
+                return name, why
+        if self.functions:
+            return "functions", "deprecated function calling is not supported; use tools"
+        if self.function_call not in (None, "none"):
+            return "function_call", ("deprecated function calling is not supported; use "
+                                     "tool_choice")
+        return super().unsupported_field()
 
 
 # ---- responses ----------------------------------------------------------------------------
@@ -462,7 +567,7 @@ class ModelList(BaseModel):
 class TokenizeCompletionRequest(Options):
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None
+    model: Text | None = None
     prompt: Text
     add_special_tokens: bool = True
     return_token_strs: bool = False
@@ -471,15 +576,15 @@ class TokenizeCompletionRequest(Options):
 class TokenizeChatRequest(Options):
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None
+    model: Text | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: Text | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JsonObject | None = None
     add_special_tokens: bool = False
-    tools: list[ToolDefinition] | None = None
-    documents: list[dict[str, Text]] | None = None
+    tools: Tools | None = None
+    documents: list[dict[Text, Text]] | None = None
     return_token_strs: bool = False
 
 
@@ -493,7 +598,7 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(Options):
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int]
 
 
@@ -505,7 +610,7 @@ class ErrorInfo(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: int | str | None = None
+    code: str | None = None  # OpenAI's: a string naming the case, or null
 
 
 class ErrorResponse(BaseModel):

@@ -243,16 +243,26 @@ def make_job(prefix: str, prompts: list[list[int]], params: SamplingParams, n: i
 _counter = itertools.count()
 _UNSAFE_IN_LOGS = re.compile(r"[^\w.:/-]")
 _HEADER_SAFE = re.compile(r"[ -~]+")
+MAX_REQUEST_ID = 256  # characters of a client's request id (the field, or the header)
 
 
 def request_id(body: SamplingRequest, raw: Request) -> str | None:
     """The client's id for the response, as vLLM takes it: `request_id`, else the
     X-Request-Id header. It goes back in the X-Request-Id header, so `request_id` must be
-    printable ASCII (a line break ended the connection without a response)."""
-    if body.request_id and not _HEADER_SAFE.fullmatch(body.request_id):
-        raise bad_request("request_id must be printable ASCII: it names the response and "
-                          "its X-Request-Id header", "request_id")
-    return body.request_id or raw.headers.get("x-request-id") or None
+    printable ASCII (a line break ended the connection without a response) and at most
+    MAX_REQUEST_ID characters (the response would carry a header of any size). A header that
+    could not be the field is not used: braid names the response itself (a proxy may set the
+    header, and the client cannot change it)."""
+    if body.request_id and not _is_request_id(body.request_id):
+        raise bad_request(f"request_id must be 1 to {MAX_REQUEST_ID} printable ASCII "
+                          "characters: it names the response and its X-Request-Id header",
+                          "request_id")
+    header = raw.headers.get("x-request-id")
+    return body.request_id or (header if header and _is_request_id(header) else None)
+
+
+def _is_request_id(text: str) -> bool:
+    return len(text) <= MAX_REQUEST_ID and _HEADER_SAFE.fullmatch(text) is not None
 
 
 async def submit(ctx: ServerContext, job: Job, prompt_field: str = "prompt",

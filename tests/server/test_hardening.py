@@ -973,7 +973,8 @@ def test_shutdown_deadline_ends_streams_with_an_error_and_done(
         server.stop()
     assert all(events[-1] == "data: [DONE]" for events in streams), [e[-2:] for e in streams]
     errors = [json.loads(e[-2][6:])["error"] for e in streams if '"error"' in e[-2]]
-    assert errors and all(err["code"] == 503 for err in errors), [e[-2:] for e in streams]
+    assert errors and all(err["type"] == "service_unavailable_error" for err in errors), [
+        e[-2:] for e in streams]
     assert set(statuses) <= {200, 503} and 503 in statuses, statuses
 
 
