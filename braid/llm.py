@@ -79,6 +79,7 @@ class LLM:
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} "
                              "prompts")
+        self._check_structured(params)
         groups: list[list[str]] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompt_list, params, strict=True)):
@@ -94,6 +95,17 @@ class LLM:
             for rid in itertools.chain.from_iterable(groups):
                 self.engine.abort(rid)
             raise
+
+    def _check_structured(self, params: Sequence[SamplingParams]) -> None:
+        """ValueError naming the field for a structured output the grammar engine refuses,
+        before any request is added (the engine would end such a request with "error")."""
+        specs = {id(p.structured_outputs): p.structured_outputs for p in params
+                 if p.structured_outputs is not None}
+        if specs and self.engine.structured is None:
+            raise ValueError("structured_outputs needs a tokenizer: this model has none")
+        for spec in specs.values():
+            assert self.engine.structured is not None and spec is not None
+            self.engine.structured.validate(spec).result()
 
     def chat(
         self,

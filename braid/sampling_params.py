@@ -126,10 +126,6 @@ class SamplingParams:
                              f"FINAL_ONLY), got {self.output_kind!r}")
         self.output_kind = RequestOutputKind(self.output_kind)
         self._validate()
-        if self.structured_outputs is not None:
-            from braid.structured.grammar import grammar_for
-
-            grammar_for(self.structured_outputs)  # ValueError naming the field if invalid
 
     def clone(self) -> SamplingParams:
         """A deep copy (vLLM's)."""

@@ -16,6 +16,7 @@ import torch
 
 from braid.config import ConfigError, EngineConfig
 from braid.engine.block_manager import BlockManager
+from braid.engine.isolation import StepResult, isolate
 from braid.engine.memory import (
     available_memory,
     kv_cache_blocks,
@@ -385,29 +386,54 @@ class LLMEngine:
         attention = sum(attention_work(s.num_new_tokens, s.request.num_computed_tokens)
                         for s in sched.scheduled)
         rows = sum(1 + s.num_spec_tokens for s in sched.scheduled if s.needs_logits)
+        result, culprits = self._run(sched)
+        for rid, lp in result.prompt_logprobs.items():
+            self.outputs.add_prompt_logprobs(self.requests[rid], lp)
+        outputs = self._update(sched, result.in_order(sched))
+        target_time = time.perf_counter() - start
+        if self.speculator is not None and not culprits:
+            self.speculator.observe_step(sched.num_batched_tokens, attention, rows, target_time)
+        self._propose(sched)
+        self._record(sched, context, result.forward_end - start, time.perf_counter() - start)
+        return failed + culprits + outputs
+
+    def _run(self, sched: SchedulerOutput) -> tuple[StepResult, list[RequestOutput]]:
+        """The step's results. Where it raises, it runs again in parts (isolation.py): the
+        requests that fail alone end with "error" (their outputs are returned), those that
+        read KV another request of the step was computing go back to waiting, and every
+        other request gets its result."""
         try:
-            inp = self.runner.prepare(sched, self.blocks)
-            logits = self.runner.execute(inp)
+            return self._compute(sched), []
+        except Exception:
+            logger.exception("engine step failed; running it again in parts to find the "
+                             "request that fails it")
         except BaseException:
             self.scheduler.discard_published(sched)  # their KV was never written
             self._forget_preempted(sched)
             raise
-        forward_time = time.perf_counter() - start
-        for rid, lp in score_prompts(sched, logits[: inp.num_prompt_rows]).items():
-            self.outputs.add_prompt_logprobs(self.requests[rid], lp)
+        self.scheduler.requeue_dependents(sched)
+        result, culprits = isolate(self._compute, list(sched.scheduled))
+        failed = []
+        for s in culprits:
+            self.scheduler.fail(s.request, sched)
+            self._release(s.request)
+            failed.append(self.outputs.make_output(s.request))
+        return result, failed
+
+    def _compute(self, sched: SchedulerOutput) -> StepResult:
+        """One forward over `sched` and its sampling; no scheduling state changes."""
+        inp = self.runner.prepare(sched, self.blocks)
+        logits = self.runner.execute(inp)
+        forward_end = time.perf_counter()
+        prompt_logprobs = score_prompts(sched, logits[: inp.num_prompt_rows])
         sampled = self.sampler.sample(sched, logits[inp.num_prompt_rows :])
-        outputs = self._update(sched, sampled)
-        target_time = time.perf_counter() - start
-        if self.speculator is not None:
-            self.speculator.observe_step(sched.num_batched_tokens, attention, rows, target_time)
-        self._propose(sched)
-        self._record(sched, context, forward_time, time.perf_counter() - start)
-        return failed + outputs
+        return StepResult(prompt_logprobs, {id(r.scheduled): r for r in sampled}, forward_end)
 
     def _check_grammars(self) -> list[RequestOutput]:
         """Forget compiled grammars' requests; finish those whose grammar failed to compile
-        (with reason "error"; grammars are validated when their SamplingParams are made, so
-        this is a bug or a resource limit)."""
+        (with reason "error": the server and `LLM` check grammars before they add requests,
+        so here it is a request added straight to the engine with a grammar the grammar
+        engine refuses)."""
         failed, still = [], []
         for req in self._compiling:
             future = req.grammar_future
@@ -436,10 +462,19 @@ class LLMEngine:
                 self.speculator.forget(rid)
 
     def _propose(self, sched: SchedulerOutput) -> None:
+        """Drafts for the next step. A proposer that raises costs this step's drafts only:
+        the draft model's progress is forgotten (it catches up later), and a request at
+        fault fails alone in the next target step, which meets the same fault."""
         if self.speculator is None:
             return
         self._forget_preempted(sched)
-        drafts, probs = self.speculator.propose(self.scheduler)
+        try:
+            drafts, probs = self.speculator.propose(self.scheduler)
+        except Exception:
+            logger.exception("proposing drafts failed; this step goes without")
+            for req in self.scheduler.running:
+                self.speculator.forget(req.request_id)
+            return
         self.scheduler.update_draft_token_ids(drafts, probs)
 
     def _update(self, sched: SchedulerOutput, sampled: list[StepSample]) -> list[RequestOutput]:

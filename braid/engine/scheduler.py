@@ -359,6 +359,27 @@ class Scheduler:
             if withdrawn.intersection(computed):
                 self._preempt(req, sched)
 
+    def requeue_dependents(self, sched: SchedulerOutput) -> None:
+        """Before a failed step runs again in parts: back to waiting with the requests that
+        were admitted onto blocks this step publishes (another request of the step computes
+        their KV; a part without that request would read slots nobody wrote)."""
+        published = set(sched.published)
+        bs = self.blocks.block_size
+        for s in list(sched.scheduled):
+            req = s.request
+            computed = self.blocks.block_table(req.request_id)[: req.num_computed_tokens // bs]
+            if published.intersection(computed):
+                self._preempt(req, sched)
+
+    def fail(self, req: Request, sched: SchedulerOutput) -> None:
+        """Take a request that fails its step alone out of the step and finish it with
+        "error", withdrawing the blocks the step published for it (KV never written)."""
+        mine = set(sched.published).intersection(self.blocks.block_table(req.request_id))
+        self.blocks.unpublish(list(mine))
+        sched.published = [b for b in sched.published if b not in mine]
+        sched.scheduled = [s for s in sched.scheduled if s.request is not req]
+        self.finish(req, "error")
+
     def update_draft_token_ids(self, drafts: dict[str, list[int]],
                                probs: dict[str, torch.Tensor] | None = None) -> None:
         """Drafts for the next step, by request id (the only way drafts enter), with the

@@ -219,7 +219,8 @@ def run_server(args: argparse.Namespace) -> int:
                         response_role=args.response_role,
                         max_tokens_cap=engine.max_tokens_cap,
                         force_include_usage=args.enable_force_include_usage,
-                        log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
+                        log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+                        grammars=engine.structured)
     app = create_app(ctx, metrics, AppOptions(
         args.max_request_bytes, args.api_key, args.enable_docs, tuple(args.allowed_origins),
         tuple(args.allowed_methods), tuple(args.allowed_headers), args.allow_credentials,

@@ -28,7 +28,7 @@ from braid.server.engine_loop import AsyncEngine, OutputQueue, RequestFailed, Sh
 from braid.server.errors import APIError, bad_request, field_of, prompt_too_long
 from braid.server.protocol import SamplingRequest, StreamOptions
 from braid.server.responses import ChoiceState, Delta, usage
-from braid.structured.grammar import grammar_for
+from braid.structured.manager import StructuredOutputManager
 from braid.tokenizer import Tokenizer
 
 logger = logging.getLogger("braid.server")
@@ -57,6 +57,8 @@ class ServerContext:
     force_include_usage: bool = False  # --enable-force-include-usage
     log_requests: bool = False  # --enable-log-requests: a line as each request arrives
     max_log_len: int | None = None  # --max-log-len: prompt characters and ids such a line shows
+    # compiles and checks structured outputs on its worker, never on the event loop
+    grammars: StructuredOutputManager | None = None
 
 
 class EngineFailure(Exception):
@@ -159,7 +161,8 @@ def request_params(body: SamplingRequest, max_tokens: int | None, logprobs: int 
                    if name not in body.model_fields_set})
     if prompt_logprobs is None:
         prompt_logprobs = body.prompt_logprobs
-    own = structured(body)
+    found = structured(body)
+    own = None if found is None else found[1]
     if own is not None and constraint is not None:
         raise bad_request("tool_choice: a required or named tool choice sets the output's "
                           "format; leave response_format and structured_outputs out",
@@ -169,9 +172,9 @@ def request_params(body: SamplingRequest, max_tokens: int | None, logprobs: int 
                         **shared)
 
 
-def structured(body: SamplingRequest) -> StructuredOutputsParams | None:
-    """The request's structured output constraint, its grammar checked (400 naming the
-    field otherwise)."""
+def structured(body: SamplingRequest) -> tuple[str, StructuredOutputsParams] | None:
+    """The request's structured output constraint and the field it came from (400 naming
+    the field where it is malformed; the grammar itself is checked by `check_structured`)."""
     try:
         found = body.structured()
     except ValueError as e:
@@ -180,11 +183,30 @@ def structured(body: SamplingRequest) -> StructuredOutputsParams | None:
         return None
     where, fields = found
     try:
-        params = StructuredOutputsParams(**fields)
-        grammar_for(params)
+        return where, StructuredOutputsParams(**fields)
     except ValueError as e:
         raise bad_request(f"{where}: {e}", where) from None
-    return params
+
+
+async def check_structured(ctx: ServerContext, body: SamplingRequest) -> None:
+    """400 naming the field whose grammar the grammar engine refuses (invalid, too large,
+    too complex), compiled on its worker while the event loop goes on."""
+    found = structured(body)
+    if found is None:
+        return
+    where, params = found
+    try:
+        await check_grammar(ctx, params)
+    except ValueError as e:
+        raise bad_request(f"{where}: {e}", where) from None
+
+
+async def check_grammar(ctx: ServerContext, params: StructuredOutputsParams) -> None:
+    """ValueError (naming the spec's kind) where the grammar engine refuses `params`; the
+    compiled grammar is kept for the request that follows."""
+    if ctx.grammars is None:
+        raise ValueError("structured output needs a tokenizer: this server has none")
+    await asyncio.wrap_future(ctx.grammars.validate(params))
 
 
 def capped(ctx: ServerContext, max_tokens: int | None) -> int | None:

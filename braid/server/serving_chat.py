@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from pydantic import TypeAdapter, ValidationError
 
 from braid.outputs import RequestOutput
+from braid.sampling_params import StructuredOutputsParams
 from braid.server.errors import APIError, bad_request, prompt_too_long
 from braid.server.protocol import (
     ChatChoice,
@@ -35,8 +36,10 @@ from braid.server.serving import (
     Job,
     ServerContext,
     capped,
+    check_grammar,
     check_model,
     check_room,
+    check_structured,
     event_stream,
     force_usage,
     kept_prompt_tokens,
@@ -55,6 +58,7 @@ from braid.server.tools import (
     template_messages,
     tool_constraint,
     tool_mode,
+    tool_schemas,
 )
 from braid.tokenizer import (
     TEMPLATE_VARIABLES,
@@ -91,6 +95,8 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
         body, asked, (body.top_logprobs or 0) if body.logprobs else None,
         {"max_tokens": asked_field} if use_new_name else None, constraint=constraint,
         defaults=ctx.default_sampling)
+    await check_structured(ctx, body)
+    await _check_tool_grammar(ctx, body, constraint)
     keep = kept_prompt_tokens(ctx, body.truncate_prompt_tokens)
     prompt = await asyncio.to_thread(render_chat, ctx.tokenizer, body,
                                      ctx.max_model_len if keep is None else None)
@@ -103,6 +109,24 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     return await respond(ctx, job, raw, body.stream,
                          lambda: _stream(ctx, job, body, model, tools),
                          lambda finals: _response(ctx, job, body, model, finals, tools))
+
+
+async def _check_tool_grammar(ctx: ServerContext, body: ChatCompletionRequest,
+                              constraint: StructuredOutputsParams | None) -> None:
+    """400 naming `tools` where the grammar of a required or named tool choice is refused:
+    which tool's parameters are at fault, where one is."""
+    if constraint is None:
+        return
+    try:
+        await check_grammar(ctx, constraint)
+    except ValueError as e:
+        for where, schema in tool_schemas(body):
+            try:
+                await check_grammar(ctx, schema)
+            except ValueError as alone:
+                raise bad_request(f"{where}: not a JSON schema the grammar takes: "
+                                  f"{str(alone).removeprefix('json ')}", "tools") from None
+        raise bad_request(f"tools: the tool choice's grammar is refused: {e}", "tools") from None
 
 
 def render_chat(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeChatRequest,

@@ -32,6 +32,7 @@ from braid.server.serving import (
     capped,
     check_model,
     check_room,
+    check_structured,
     event_stream,
     force_usage,
     kept_prompt_tokens,
@@ -60,6 +61,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest,
     max_tokens = 1 if score_only else capped(ctx, body.max_tokens)
     params = request_params(body, max_tokens, body.logprobs, prompt_logprobs=echo_logprobs,
                             defaults=ctx.default_sampling)
+    await check_structured(ctx, body)
     keep = kept_prompt_tokens(ctx, body.truncate_prompt_tokens)
     try:
         prompts = await asyncio.to_thread(

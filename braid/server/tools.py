@@ -32,7 +32,6 @@ from braid.server.protocol import (
     TokenizeChatRequest,
     ToolCall,
 )
-from braid.structured.grammar import grammar_for
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -55,17 +54,27 @@ def tool_mode(body: ChatCompletionRequest) -> str | None:
 
 
 def tool_constraint(body: ChatCompletionRequest) -> StructuredOutputsParams | None:
-    """The grammar that makes "required" and named tool choices valid calls. ToolSchemaError
-    naming the tool whose parameters are not a JSON schema the grammar engine takes."""
+    """The grammar that makes "required" and named tool choices valid calls (checked by the
+    grammar engine later; `tool_schemas` names the tool at fault when it refuses it)."""
     mode = tool_mode(body)
     tools = body.tools or []
     if mode == "named":
-        assert not isinstance(body.tool_choice, str) and body.tool_choice is not None
-        i = next(i for i, t in enumerate(tools)
-                 if t.function.name == body.tool_choice.function.name)
-        return StructuredOutputsParams(json=_parameters(tools, i))
+        return StructuredOutputsParams(json=_parameters(tools, _named_index(body)))
     if mode != "required":
         return None
+    try:
+        return _required_calls(body)
+    except RecursionError:
+        raise ToolSchemaError("tools: parameters nested too deeply") from None
+
+
+class ToolSchemaError(ValueError):
+    """A tool's parameters that the grammar engine cannot take (a 400 naming `tools`)."""
+
+
+def _required_calls(body: ChatCompletionRequest) -> StructuredOutputsParams:
+    """An array of one or more calls, each of one of the tools, with its parameters."""
+    tools = body.tools or []
     calls = [{"type": "object", "properties": {
         "name": {"type": "string", "enum": [t.function.name]},
         # within the array's schema: its own references ("#/$defs/...") rebased to it
@@ -79,18 +88,26 @@ def tool_constraint(body: ChatCompletionRequest) -> StructuredOutputsParams | No
     return StructuredOutputsParams(json=array)
 
 
-class ToolSchemaError(ValueError):
-    """A tool's parameters that the grammar engine cannot take (a 400 naming `tools`)."""
+def tool_schemas(body: ChatCompletionRequest) -> list[tuple[str, StructuredOutputsParams]]:
+    """(field, its schema as a constraint) of each tool whose parameters the tool choice's
+    grammar holds: where the grammar engine refuses the whole, one of these is at fault."""
+    tools = body.tools or []
+    mode = tool_mode(body)
+    indexes = [_named_index(body)] if mode == "named" else range(len(tools)) \
+        if mode == "required" else []
+    return [(f"tools.{i}.function.parameters", StructuredOutputsParams(json=_parameters(tools, i)))
+            for i in indexes]
+
+
+def _named_index(body: ChatCompletionRequest) -> int:
+    assert not isinstance(body.tool_choice, str) and body.tool_choice is not None
+    name = body.tool_choice.function.name
+    return next(i for i, t in enumerate(body.tools or []) if t.function.name == name)
 
 
 def _parameters(tools: list[Any], i: int) -> dict[str, Any]:
-    """Tool i's parameters schema (an empty object where it has none), checked alone."""
-    schema = tools[i].function.parameters or {"type": "object", "properties": {}}
-    try:
-        grammar_for(StructuredOutputsParams(json=schema))
-    except ValueError as e:
-        raise ToolSchemaError(f"tools.{i}.function.parameters: not a JSON schema the grammar "
-                              f"takes: {str(e).removeprefix('json is not valid: ')}") from None
+    """Tool i's parameters schema (an empty object where it has none)."""
+    schema: dict[str, Any] = tools[i].function.parameters or {"type": "object", "properties": {}}
     return schema
 
 

@@ -16,9 +16,8 @@ import json
 import re
 import time
 import urllib.parse
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
-from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -31,16 +30,58 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 
-def grammar_for(params: StructuredOutputsParams) -> str:
-    """The llguidance grammar of `params` (cached per spec); ValueError naming the field
-    when the schema, regex or grammar is invalid."""
+# What a spec may weigh: its JSON schema's text, regex, grammar or choices together. It bounds
+# the stack a compile needs (worker.py), the compile's time and memory, and the per-token
+# cost of the grammar's longest literal (~0.5 us per character each mask).
+MAX_GRAMMAR_BYTES = 256 * 1024
+# llguidance converts GBNF to Lark in Python, in time quadratic in the number of rules (1,000
+# rules take ~0.1 s, 20,000 took 28 s with the GIL held).
+MAX_GBNF_RULES = 1000
+# llguidance's own limits. Initial lexer fuel bounds regex analysis: `((a{100}){100}){100}`
+# fails at its first mask in ~0.2 s instead of ~2 s, a 200 kB literal fails, an enum of
+# 10,000 values passes. Items and fuel per step bound a mask's work, lexer states a
+# matcher's memory (1-2 kB each); errors stay one line (no parser state dumps).
+LIMITS = llguidance.LLParserLimits(
+    initial_lexer_fuel=200_000, step_lexer_fuel=100_000, step_max_items=20_000,
+    max_lexer_states=50_000, max_grammar_size=200_000, verbose_errors=False)
+
+
+class GrammarError(RuntimeError):
+    """A grammar that hit one of llguidance's limits (or refused a token) while a request
+    generated: that request ends with finish reason "error"."""
+
+
+def spec_key(params: StructuredOutputsParams) -> tuple[str, str, str | None]:
+    """(kind, its text, whitespace rule): what a compiled grammar depends on. JSON schemas
+    and choices are JSON text; ValueError naming the kind for a schema too deeply nested to
+    write out."""
     kind = params.kinds[0]
     value = getattr(params, kind)
-    text = json.dumps(value) if kind in ("json", "choice") and not isinstance(
-        value, str) else value
+    try:
+        text = json.dumps(value) if kind in ("json", "choice") and not isinstance(
+            value, str) else value
+    except RecursionError:
+        raise ValueError(f"{kind} is not valid: nested too deeply") from None
     whitespace = None if params.disable_any_whitespace else (
         params.whitespace_pattern or JSON_WHITESPACE)
-    return _grammar(kind, text, whitespace)
+    return kind, "" if text is True else str(text), whitespace
+
+
+def grammar_for(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar of `params`; ValueError naming the field when the schema, regex
+    or grammar is invalid or larger than the limits. Compiling recurses deeply on chains of
+    rules: call it through a GrammarWorker (worker.py), never on a thread's default stack."""
+    kind, text, whitespace = spec_key(params)
+    if len(text.encode()) > MAX_GRAMMAR_BYTES:
+        raise ValueError(f"{kind} is too large: {len(text.encode())} bytes, the limit is "
+                         f"{MAX_GRAMMAR_BYTES}")
+    if kind == "grammar" and text.count("::=") > MAX_GBNF_RULES:
+        raise ValueError(f"grammar has {text.count('::=')} GBNF rules, the limit is "
+                         f"{MAX_GBNF_RULES}")
+    try:
+        return _grammar(kind, text, whitespace)
+    except RecursionError:
+        raise ValueError(f"{kind} is not valid: nested too deeply") from None
 
 
 def closed_objects(schema: object) -> object:
@@ -139,54 +180,70 @@ def _at(schema: object, path: Path) -> object:
 JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
 
 
-@lru_cache(maxsize=256)
-def _grammar(kind: str, text: str | bool, whitespace: str | None) -> str:
+def _grammar(kind: str, text: str, whitespace: str | None) -> str:
     options: JsonCompileOptions = {"whitespace_flexible": whitespace is not None,
                                    "whitespace_pattern": whitespace}
     try:
         if kind in ("json", "json_object"):
-            schema = text if isinstance(text, str) else '{"type": "object"}'
+            schema = text if kind == "json" else '{"type": "object"}'
             # closed where llguidance takes it so; else the schema as given, whose error (if
             # any) names what is wrong with it (closing broke it, or it is too odd to walk)
             with contextlib.suppress(ValueError, TypeError, RecursionError):
                 closed = llguidance.LLMatcher.grammar_from_json_schema(
                     json.dumps(closed_objects(json.loads(schema))), defaults=options)
-                if not llguidance.LLMatcher.validate_grammar(closed):
+                if not llguidance.LLMatcher.validate_grammar(closed, limits=LIMITS):
                     return closed
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         elif kind == "choice":
             # one regex, a single lexeme: llguidance's own choice grammar makes each choice a
             # rule alternative, and its parser stops a request mid-output past 2000 of them
-            assert isinstance(text, str)
             choices = "|".join(map(re.escape, json.loads(text)))
             grammar = llguidance.grammar_from("regex", f"(?:{choices})")
         else:
-            assert isinstance(text, str) and kind in ("regex", "choice", "grammar")
+            assert kind in ("regex", "grammar")
             grammar = llguidance.grammar_from(kind, text)  # type: ignore[arg-type]
     except ValueError as e:
-        raise ValueError(f"{kind} is not valid: {e}") from None
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+        raise ValueError(f"{kind} is not valid: {first_line(str(e))}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar, limits=LIMITS)
     if error:
-        raise ValueError(f"{kind} is not valid: {error.strip()}")
+        raise ValueError(f"{kind} is not valid: {first_line(error)}")
     return grammar
+
+
+def first_line(message: str, limit: int = 300) -> str:
+    """An llguidance message as one line of at most `limit` characters."""
+    line = message.strip().split("\n", 1)[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
 
 
 class GrammarState:
     """One request's grammar, advanced by its output tokens. Drafts never advance it: a mask
-    after drafts consumes them, computes, and rolls them back."""
+    after drafts consumes them, computes, and rolls them back. A matcher that hits one of
+    llguidance's limits stays in error: `fill_mask` then raises GrammarError (the request
+    fails alone) and `on_error` is told, so the compiled grammar it was copied from, whose
+    lexer it shares, is not handed out again."""
 
     def __init__(self, matcher: llguidance.LLMatcher, eos_token_ids: Collection[int],
-                 stats: GrammarStats) -> None:
+                 stats: GrammarStats, on_error: Callable[[], None] | None = None) -> None:
         self._matcher = matcher
         self._eos_token_ids = frozenset(eos_token_ids)
         self._stats = stats
+        self._on_error = on_error
+        self.mask_seconds = 0.0  # the latest mask's cost (the scheduler's fairness reads it)
 
     def advance(self, token: int) -> str | None:
         """Consume an output token: "stop" once the grammar is complete (nothing but EOS
         could follow), "error" if it refuses the token (the mask should have prevented it)."""
         if not self._matcher.consume_token(token):
+            self._failed()
             return "error"
         return "stop" if self._matcher.is_stopped() else None
+
+    def _failed(self) -> None:
+        if self._on_error is not None and self._matcher.is_error():
+            self._on_error()
+            self._on_error = None
 
     @contextmanager
     def _after(self, tokens: Sequence[int]) -> Iterator[None]:
@@ -216,7 +273,9 @@ class GrammarState:
         """The allowed tokens after the output and then `drafts`, as a bitmask into `out`
         [ceil(V / 32)] int32 (bit i of word w: token 32 w + i). A position after a draft the
         grammar refuses, or after an EOS, is never used (the draft is rejected, or the
-        output ends there); it gets everything allowed."""
+        output ends there); it gets everything allowed. GrammarError if the matcher is (or
+        goes) into error."""
+        self._check()
         start = time.perf_counter()
         n = self._matcher.validate_tokens(list(drafts)) if drafts else 0
         if n < len(drafts) or any(map(self.is_eos, drafts)):
@@ -228,8 +287,15 @@ class GrammarState:
                 for t in self._eos_token_ids:
                     if t < out.numel() * 32:
                         out[t // 32] |= _bit(t % 32)
+        self.mask_seconds = time.perf_counter() - start
         self._stats.num_masks += 1
-        self._stats.mask_time += time.perf_counter() - start
+        self._stats.mask_time += self.mask_seconds
+        self._check()
+
+    def _check(self) -> None:
+        if self._matcher.is_error():
+            self._failed()
+            raise GrammarError(f"the grammar failed: {first_line(self._matcher.get_error())}")
 
 
 def _bit(i: int) -> int:

@@ -1,28 +1,44 @@
 """Compiles requests' grammars off the engine loop and hands each request its `GrammarState`.
 
-Compilation runs on one worker thread (llguidance drops the GIL while it builds a matcher);
-the scheduler admits a request once its grammar is ready, and the others go on meanwhile.
-A compiled grammar is kept per spec, and each request gets a copy of it (~10 us). The
-tokenizer's llguidance view is built once, on the first structured request or by `warm_up`
-(~1.6 s, holding the GIL: the server does it at start-up).
+Every llguidance compile runs on the GrammarWorker (worker.py): one job at a time, each on a
+thread with a large stack, so no grammar can overflow a stack (the server's event loop and the
+engine thread never compile). A grammar is compiled once per spec and checked by computing its
+first mask on two copies (a lexer limit shows there, and copies share the lexer, so the second
+copy finds what the first left); only a grammar that passed is kept, and one that fails later
+in a request (a limit hit mid-output) is dropped, so a failure is never served as a success.
+Each request gets a copy of the kept matcher (~10 us). The tokenizer's llguidance view is built
+once, on the first structured request or by `warm_up` (~1.6 s: the server does it at start-up).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Collection
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from functools import cached_property
 
 import llguidance
 import tokenizers
+import torch
 
 from braid.engine.stats import GrammarStats
 from braid.sampling_params import StructuredOutputsParams
-from braid.structured.grammar import GrammarState, grammar_for
+from braid.structured.grammar import (
+    LIMITS,
+    GrammarState,
+    bitmask_width,
+    first_line,
+    grammar_for,
+    spec_key,
+)
+from braid.structured.worker import GrammarWorker
 from braid.tokenizer import Tokenizer
 
 _MAX_CACHED = 128  # compiled grammars kept, least recently used dropped first
+_MAX_CACHED_BYTES = 64 * 2**20  # and at most this much grammar text among them
+
+SpecKey = tuple[str, str, str | None]
 
 
 def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos: int) -> llguidance.LLTokenizer:
@@ -69,12 +85,15 @@ class StructuredOutputManager:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos_token_ids = frozenset(eos_token_ids)
-        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # worker only
+        # compiled grammars and their text's size (worker only)
+        self._compiled: OrderedDict[SpecKey, tuple[llguidance.LLMatcher, int]] = OrderedDict()
+        self._failed: set[SpecKey] = set()  # kept grammars a request saw fail (any thread)
+        self._lock = threading.Lock()  # guards _failed
         self.stats = stats
 
     @cached_property
-    def _executor(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(1, thread_name_prefix="braid-grammar")
+    def _worker(self) -> GrammarWorker:
+        return GrammarWorker()
 
     @cached_property
     def _ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -84,25 +103,62 @@ class StructuredOutputManager:
 
     def warm_up(self) -> Future[llguidance.LLTokenizer]:
         """Build the tokenizer's llguidance view in the background now."""
-        return self._executor.submit(lambda: self._ll_tokenizer)
+        return self._worker.submit(lambda: self._ll_tokenizer)
+
+    def validate(self, params: StructuredOutputsParams) -> Future[None]:
+        """Compile and check `params`' grammar (kept for the request that follows): the
+        future's ValueError names the field where it is invalid or too large or complex."""
+        return self._worker.submit(self._check, params)
+
+    def _check(self, params: StructuredOutputsParams) -> None:
+        self._template(params)
 
     def submit(self, params: StructuredOutputsParams, ignore_eos: bool) -> Future[GrammarState]:
-        """The request's grammar state, compiled on the worker thread."""
-        grammar = grammar_for(params)
+        """The request's grammar state, compiled on the worker."""
         eos = () if ignore_eos else self._eos_token_ids
-        return self._executor.submit(self._compile, grammar, eos)
+        return self._worker.submit(self._state, params, eos)
 
-    def _compile(self, grammar: str, eos_token_ids: Collection[int]) -> GrammarState:
-        matcher = self._compiled.pop(grammar, None)
-        if matcher is None:
-            matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar)
-            if matcher.is_error():
-                raise ValueError(f"grammar failed to compile: {matcher.get_error()}")
-        self._compiled[grammar] = matcher
-        while len(self._compiled) > _MAX_CACHED:
+    def _state(self, params: StructuredOutputsParams, eos: Collection[int]) -> GrammarState:
+        key = spec_key(params)
+        matcher = self._template(params)
+        return GrammarState(matcher.deep_copy(), eos, self.stats,
+                            on_error=lambda: self._forget(key))
+
+    def _forget(self, key: SpecKey) -> None:
+        with self._lock:
+            self._failed.add(key)
+
+    def _template(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """The kept matcher of `params`' grammar, compiled and checked if need be."""
+        key = spec_key(params)
+        with self._lock:
+            if key in self._failed:
+                self._failed.discard(key)
+                self._compiled.pop(key, None)
+        if key in self._compiled:
+            self._compiled.move_to_end(key)
+            return self._compiled[key][0]
+        grammar = grammar_for(params)
+        matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar, limits=LIMITS)
+        self._dry_run(matcher, params.kinds[0])
+        self._compiled[key] = (matcher, len(grammar))
+        while len(self._compiled) > _MAX_CACHED or (len(self._compiled) > 1 and sum(
+                size for _, size in self._compiled.values()) > _MAX_CACHED_BYTES):
             self._compiled.popitem(last=False)
-        return GrammarState(matcher.deep_copy(), eos_token_ids, self.stats)
+        return matcher
+
+    def _dry_run(self, matcher: llguidance.LLMatcher, kind: str) -> None:
+        """ValueError naming `kind` where the grammar fails to compile or its first mask hits
+        a limit."""
+        if matcher.is_error():
+            raise ValueError(f"{kind} is not valid: {first_line(matcher.get_error())}")
+        mask = torch.empty(bitmask_width(self._vocab_size), dtype=torch.int32)
+        for copy in (matcher.deep_copy(), matcher.deep_copy()):
+            copy.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
+            if copy.is_error():
+                raise ValueError(f"{kind} is too complex for the grammar engine: "
+                                 f"{first_line(copy.get_error())}")
 
     def shutdown(self) -> None:
-        if "_executor" in self.__dict__:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        if "_worker" in self.__dict__:
+            self._worker.shutdown()

@@ -220,7 +220,7 @@ def test_compiling_a_grammar_holds_no_other_request_back() -> None:
     assert engine.structured is not None
     release = threading.Event()
     engine.structured.warm_up().result()
-    blocker = engine.structured._executor.submit(release.wait)
+    blocker = engine.structured._worker.submit(release.wait)
     engine.add_request("json", PROMPTS[0], params(0))
     engine.add_request("plain", PROMPTS[1], replace(GREEDY, max_tokens=3))
     finished = [o.request_id for _ in range(8) for o in engine.step() if o.finished]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from braid.engine.stats import GrammarStats
-from braid.sampling_params import SamplingParams, StructuredOutputsParams
+from braid.sampling_params import StructuredOutputsParams
 from braid.structured.grammar import (
     GrammarState,
     allowed_tokens,
@@ -53,7 +53,7 @@ def ids(text: str) -> list[int]:
 ])
 def test_invalid_specs_name_their_field(spec: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"^{field} is not valid"):
-        SamplingParams(structured_outputs=StructuredOutputsParams(**spec))
+        grammar_for(StructuredOutputsParams(**spec))
 
 
 @pytest.mark.parametrize("spec", [{}, {"regex": "a", "choice": ["b"]}, {"choice": []},
