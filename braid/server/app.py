@@ -12,10 +12,10 @@ import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 import uvicorn
-from fastapi import Body, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 
 from braid import __version__
 from braid.config import ConfigError, config_from_args
+from braid.server.bodies import json_response, off_loop, parse_body, read_json
 from braid.server.engine_loop import AsyncEngine, ShuttingDown
 from braid.server.errors import bad_request, install_error_handlers, validation_error
 from braid.server.metrics import ServerMetrics
@@ -115,12 +116,14 @@ def _add_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> Non
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+    # Bodies are read by hand (bodies.py): a large one is parsed off the event loop.
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await create_completion(ctx, body, raw)
+    async def completions(raw: Request) -> Response:
+        return await create_completion(ctx, await parse_body(raw, CompletionRequest), raw)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+    async def chat_completions(raw: Request) -> Response:
+        body = await parse_body(raw, ChatCompletionRequest)
         return await create_chat_completion(ctx, body, raw)
 
     @app.get("/version")
@@ -132,11 +135,13 @@ def _add_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> Non
     app.add_api_route("/ping", health, methods=["GET", "POST"])
 
     @app.post("/invocations")
-    async def invocations(fields: Annotated[dict[str, Any], Body()], raw: Request) -> Response:
-        if "messages" not in fields and "prompt" not in fields:
+    async def invocations(raw: Request) -> Response:
+        fields, size = await read_json(raw)
+        if not isinstance(fields, dict) or ("messages" not in fields and "prompt" not in fields):
             raise bad_request("body: expected a chat completion request (with messages) or a "
                               "completion request (with prompt)", "body")
-        body = _by_messages(fields, ChatCompletionRequest, CompletionRequest)
+        body = await off_loop(size, _by_messages, fields, ChatCompletionRequest,
+                              CompletionRequest)
         if isinstance(body, ChatCompletionRequest):
             return await create_chat_completion(ctx, body, raw)
         return await create_completion(ctx, body, raw)
@@ -156,29 +161,44 @@ def _add_token_routes(app: FastAPI, ctx: ServerContext) -> None:
     """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize."""
 
     @app.post("/tokenize")
-    async def tokenize(fields: Annotated[dict[str, Any], Body()]) -> TokenizeResponse:
-        body = _by_messages(fields, TokenizeChatRequest, TokenizeCompletionRequest)
+    async def tokenize(raw: Request) -> Response:
+        fields, size = await read_json(raw)
+        if not isinstance(fields, dict):
+            raise bad_request("request body: a JSON object is required", "body")
+        body = await off_loop(size, _by_messages, fields, TokenizeChatRequest,
+                              TokenizeCompletionRequest)
         check_model(ctx, body.model)
         if isinstance(body, TokenizeChatRequest):
             check_template_fields(body, ctx.trust_request_chat_template)
-            tokens = await asyncio.to_thread(render_chat, ctx.tokenizer, body)
-        else:
-            tokens = await asyncio.to_thread(ctx.tokenizer.encode, body.prompt,
-                                             body.add_special_tokens)
-        return TokenizeResponse(
-            count=len(tokens), max_model_len=ctx.max_model_len, tokens=tokens,
-            token_strs=ctx.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs
-            else None)
+        # tokenized, and the answer written, in a thread: both grow with the text
+        return await asyncio.to_thread(_tokenized, ctx, body)
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(raw: Request) -> Response:
+        body = await parse_body(raw, DetokenizeRequest)
         check_model(ctx, body.model)
-        vocab = ctx.tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise bad_request(f"tokens must be token ids in [0, {vocab})", "tokens")
-        # special tokens kept, as vLLM's (and transformers' decode) do: the text is the prompt
-        return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens,
-                                                              skip_special_tokens=False))
+        return await asyncio.to_thread(_detokenized, ctx, body)
+
+
+def _tokenized(ctx: ServerContext, body: TokenizeChatRequest | TokenizeCompletionRequest
+               ) -> Response:
+    if isinstance(body, TokenizeChatRequest):
+        tokens = render_chat(ctx.tokenizer, body)
+    else:
+        tokens = ctx.tokenizer.encode(body.prompt, body.add_special_tokens)
+    return json_response(TokenizeResponse(
+        count=len(tokens), max_model_len=ctx.max_model_len, tokens=tokens,
+        token_strs=ctx.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs
+        else None))
+
+
+def _detokenized(ctx: ServerContext, body: DetokenizeRequest) -> Response:
+    vocab = ctx.tokenizer.vocab_size
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise bad_request(f"tokens must be token ids in [0, {vocab})", "tokens")
+    # special tokens kept, as vLLM's (and transformers' decode) do: the text is the prompt
+    return json_response(DetokenizeResponse(prompt=ctx.tokenizer.decode(
+        body.tokens, skip_special_tokens=False)))
 
 
 def run_server(args: argparse.Namespace) -> int:

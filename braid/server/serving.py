@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from braid.engine.engine import RequestError
 from braid.outputs import RequestOutput
 from braid.sampling_params import SamplingParams, StructuredOutputsParams, choice_seed
+from braid.server.bodies import INLINE_BYTES, json_response, off_loop
 from braid.server.engine_loop import AsyncEngine, OutputQueue, RequestFailed, ShuttingDown
 from braid.server.errors import APIError, bad_request, field_of, prompt_too_long
 from braid.server.protocol import SamplingRequest, StreamOptions
@@ -82,6 +83,12 @@ class Job:
     queue: OutputQueue = field(default_factory=asyncio.Queue)
     # Rewrites each engine output before the response sees it (None: as it is).
     view: Callable[[RequestOutput], RequestOutput] | None = None
+
+    @property
+    def with_logprobs(self) -> bool:
+        """Whether the response carries logprobs (of its tokens or its prompt)."""
+        p = self.params[0]
+        return p.logprobs is not None or p.prompt_logprobs is not None
 
     @property
     def unfinished(self) -> list[ChoiceState]:
@@ -287,18 +294,27 @@ def _is_request_id(text: str) -> bool:
     return len(text) <= MAX_REQUEST_ID and _HEADER_SAFE.fullmatch(text) is not None
 
 
+def check_fan_out(ctx: ServerContext, num_prompts: int, n: int,
+                  prompt_field: str = "prompt") -> None:
+    """400 for a request of more engine requests (prompts x n) than may wait at once: asked
+    before anything is done per prompt or per choice (a 4 MB body of 700,000 prompts held
+    the event loop 18 s before this answer)."""
+    size, limit = num_prompts * n, ctx.max_waiting_requests
+    if size > limit:
+        name = "n" if num_prompts == 1 else prompt_field
+        raise bad_request(f"{name}: this request makes {size} engine requests "
+                          f"({num_prompts} prompt(s) x n), more than the server lets "
+                          f"wait at once ({limit}); split it", name)
+
+
 async def submit(ctx: ServerContext, job: Job, prompt_field: str = "prompt",
                  priority: int = 0) -> None:
     """Admit every choice, or none: 400 for a request larger than the waiting limit, 503 when
     too many wait, 400 for a prompt the engine refuses (the field is renamed to
     `prompt_field`), 500 for anything else. The check and the reservation of the waiting
     slots happen with no await between them, so concurrent handlers cannot overrun it."""
+    check_fan_out(ctx, len(job.prompts), len(job.choices) // len(job.prompts), prompt_field)
     size, limit = len(job.choices), ctx.max_waiting_requests
-    if size > limit:
-        name = "n" if len(job.prompts) == 1 else prompt_field
-        raise bad_request(f"{name}: this request makes {size} engine requests "
-                          f"({len(job.prompts)} prompt(s) x n), more than the server lets "
-                          f"wait at once ({limit}); split it", name)
     waiting = ctx.engine.num_waiting
     if waiting + size > limit:
         raise APIError(503, f"server overloaded: {waiting} requests waiting (limit "
@@ -393,7 +409,9 @@ async def respond(ctx: ServerContext, job: Job, raw: Request, stream: bool,
         finals = await collect(ctx, job, raw)
     except ClientGone:
         return Response(status_code=499)
-    return JSONResponse(build(finals).model_dump(), headers={"X-Request-Id": job.id})
+    # built and written in a thread: with logprobs a response can take seconds to build
+    body = await asyncio.to_thread(build, finals)
+    return json_response(body, {"X-Request-Id": job.id}, streamed=job.with_logprobs)
 
 
 def sse(body: BaseModel) -> str:
@@ -427,7 +445,9 @@ async def event_stream(ctx: ServerContext, job: Job, head: list[str], render: Ch
         for chunk in head:
             yield chunk
         async for choice, out in outputs(job):
-            for chunk in render(choice, choice.advance(out), out):
+            # a chunk with the prompt's logprobs is large: rendered in a thread
+            weight = 0 if out.prompt_logprobs is None else INLINE_BYTES + 1
+            for chunk in await off_loop(weight, _rendered, render, choice, out):
                 yield chunk
         for chunk in tail():
             yield chunk
@@ -440,6 +460,10 @@ async def event_stream(ctx: ServerContext, job: Job, head: list[str], render: Ch
     finally:
         abort_unfinished(ctx, job)
     yield SSE_DONE
+
+
+def _rendered(render: ChunkRenderer, choice: ChoiceState, out: RequestOutput) -> list[str]:
+    return render(choice, choice.advance(out), out)
 
 
 def _error_event(error: Exception) -> str:

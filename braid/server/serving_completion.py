@@ -30,6 +30,7 @@ from braid.server.serving import (
     Job,
     ServerContext,
     capped,
+    check_fan_out,
     check_model,
     check_room,
     check_structured,
@@ -51,6 +52,7 @@ from braid.tokenizer import PromptTooLong, Tokenizer
 async def create_completion(ctx: ServerContext, body: CompletionRequest,
                             raw: Request) -> Response:
     model = check_model(ctx, body.model)
+    check_fan_out(ctx, num_prompts(body.prompt), body.n)
     force_usage(ctx, body)
     whole_vocabulary(ctx, body, "logprobs", "prompt_logprobs")
     # echo with logprobs returns the prompt's logprobs too
@@ -102,6 +104,12 @@ def fill_in_middle(tokenizer: Tokenizer, body: CompletionRequest
                           "Qwen2.5-Coder's <|fim_prefix|>)", "suffix")
     prompts = cast(list[str], filled)
     return prompts[0] if isinstance(body.prompt, str) else prompts
+
+
+def num_prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> int:
+    """How many prompts a completion request's prompt field holds."""
+    return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) \
+        else len(prompt)
 
 
 def tokenize_prompts(tokenizer: Tokenizer, prompt: str | list[int] | list[str] | list[list[int]],

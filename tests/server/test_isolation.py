@@ -8,13 +8,16 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
 
 from tests.server.conftest import ENGINE_FLAGS, ServerProcess
+
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +143,67 @@ def test_grammar_checks_leave_the_event_loop_free(server: ServerProcess) -> None
         thread.join()
     assert r.status_code == 200, r.text
     assert slowest < 1.0  # generous: the event loop is not where the compile runs
+
+
+# ---- the event loop ------------------------------------------------------------------------
+
+
+def slowest_health_during(server: ServerProcess, work: Callable[[], T]) -> tuple[T, float]:
+    """`work()`'s result, and the slowest /health answer while it ran (probed every 10 ms)."""
+    done = threading.Event()
+    slowest = 0.0
+
+    def probe() -> None:
+        nonlocal slowest
+        while not done.is_set():
+            start = time.monotonic()
+            httpx.get(f"{server.url}/health", timeout=60)
+            slowest = max(slowest, time.monotonic() - start)
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    try:
+        return work(), slowest
+    finally:
+        done.set()
+        thread.join()
+
+
+def test_a_request_of_too_many_prompts_is_refused_before_any_work(
+        server: ServerProcess) -> None:
+    """700,000 prompts in a 4 MB body held the loop 18 s (tokenized and set up per choice
+    before the count was checked); 2,000 prompts x n = 64 in 24 kB held it 4 s."""
+    r, slowest = slowest_health_during(server, lambda: completion(
+        server, prompt=["ab"] * 600_000))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    r = completion(server, prompt=["ab"] * 2000, n=64)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert slowest < 1.0  # generous: parsed and checked off the loop (~0.5 s on it before)
+
+
+def test_large_token_routes_leave_the_loop_free(server: ServerProcess) -> None:
+    text = "hello world " * 40_000  # ~0.5 MB: as many tokens (a byte tokenizer)
+    r, slowest = slowest_health_during(server, lambda: post(
+        server, "/tokenize", {"prompt": text, "return_token_strs": True}))
+    assert r.status_code == 200 and r.json()["count"] == len(text), r.text[:200]
+    assert len(r.json()["token_strs"]) == len(text)
+    tokens = r.json()["tokens"]
+    r, slowest_too = slowest_health_during(server, lambda: post(
+        server, "/detokenize", {"tokens": tokens}))
+    assert r.status_code == 200 and r.json()["prompt"] == text
+    assert max(slowest, slowest_too) < 1.0
+
+
+def test_a_response_with_logprobs_is_written_in_pieces(server: ServerProcess) -> None:
+    """The response is built off the loop and sent one choice at a time; it is the same JSON."""
+    prompt = "the quick brown fox " * 10
+    r = completion(server, prompt=prompt, n=4, max_tokens=8, logprobs=5, prompt_logprobs=5,
+                   temperature=1, seed=3)
+    assert r.status_code == 200, r.text
+    assert r.headers.get("content-length") is None  # streamed: chunked
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    for c in body["choices"]:
+        assert len(c["prompt_logprobs"]) == len(prompt) and len(c["logprobs"]["tokens"]) == 8
+    assert body["usage"]["completion_tokens"] == 32
