@@ -87,7 +87,8 @@ class LLM:
                 groups.append([f"{rid}-{j}" for j in range(p.n)] if p.n > 1 else [rid])
                 for sub_id, sub in zip(groups[-1], _fan_out(p), strict=True):
                     self.engine.add_request(sub_id, prompt, sub,
-                                            priority=0 if priority is None else priority[i])
+                                            priority=0 if priority is None else priority[i],
+                                            group=rid)
             return self._run(groups, use_tqdm)
         except BaseException:
             # a bad prompt, a failed step or an interrupt leaves none of this call's requests

@@ -28,7 +28,8 @@ def check_invariants_after_every_step(monkeypatch: pytest.MonkeyPatch) -> Iterat
         decoding = [r for r in self.running if not r.is_prefilling]
         out = plain_schedule(self, prefill_cap)
         if self.enable_chunked_prefill:  # prefill-first steps leave the decodes out
-            served = {s.request.request_id for s in out.scheduled} | set(out.preempted)
+            served = {s.request.request_id for s in out.scheduled} | set(out.preempted) | {
+                r.request_id for r in out.held}  # held back by the fair share (_fair)
             starved = [r.request_id for r in decoding if r.request_id not in served]
             assert not starved, f"decodes {starved} got no token this step"
         return out

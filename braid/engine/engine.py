@@ -49,6 +49,12 @@ from braid.tokenizer import Tokenizer
 logger = logging.getLogger("braid")
 
 
+# A request's grammar masks may take this share of a step's other work, on average (see
+# LLMEngine._share_grammar_time); it rests at most MAX_REST_STEPS steps at a time.
+GRAMMAR_SHARE = 0.5
+MAX_REST_STEPS = 200
+
+
 class RequestError(ValueError):
     """A request the engine cannot serve (too long, bad ids); the message names the field."""
 
@@ -253,9 +259,12 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        group: str | None = None,
     ) -> Request:
         """Queue a request. `priority` (lower first) counts under --scheduling-policy
-        priority; elsewhere only 0 is accepted, as vLLM."""
+        priority; elsewhere only 0 is accepted, as vLLM. `group` names the API request it
+        belongs to (its prompts x n choices): the scheduler shares decode rows fairly
+        between groups (alone, a request is its own group)."""
         params = sampling_params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
@@ -283,7 +292,8 @@ class LLMEngine:
             ids = ids[-(self.config.max_model_len or len(ids) if keep == -1 else keep):]
         self._check_prompt(ids, params)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
-        req = Request(request_id, ids, params, prompt=text, seed=seed, priority=priority)
+        req = Request(request_id, ids, params, prompt=text, seed=seed, priority=priority,
+                      group=group or request_id)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         if params.structured_outputs is not None:
@@ -394,8 +404,23 @@ class LLMEngine:
         if self.speculator is not None and not culprits:
             self.speculator.observe_step(sched.num_batched_tokens, attention, rows, target_time)
         self._propose(sched)
+        self._share_grammar_time(sched, time.perf_counter() - start)
         self._record(sched, context, result.forward_end - start, time.perf_counter() - start)
         return failed + culprits + outputs
+
+    def _share_grammar_time(self, sched: SchedulerOutput, step_time: float) -> None:
+        """A request whose grammar masks took more than GRAMMAR_SHARE of the rest of the
+        step sits out steps in proportion (while others decode): on average its masks cost
+        the others at most that share. A 64 kB literal costs ~30 ms a mask."""
+        spent = {id(s.request): (s.request, g.take_mask_time())
+                 for s in sched.scheduled if (g := s.request.grammar) is not None}
+        if len(self.scheduler.running) < 2 or not spent:
+            return
+        rest_of_step = max(step_time - sum(t for _, t in spent.values()), 1e-4)
+        for req, seconds in spent.values():
+            if seconds > GRAMMAR_SHARE * rest_of_step and not req.is_finished:
+                steps = int(seconds / (GRAMMAR_SHARE * rest_of_step))
+                self.scheduler.rest(req, min(steps, MAX_REST_STEPS))
 
     def _run(self, sched: SchedulerOutput) -> tuple[StepResult, list[RequestOutput]]:
         """The step's results. Where it raises, it runs again in parts (isolation.py): the

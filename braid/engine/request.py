@@ -63,6 +63,15 @@ class Request:
     grammar_future: Future[GrammarState] | None = None
     # Drafts of the current proposal cut because the grammar refused them.
     num_grammar_rejected: int = 0
+    # The API request it belongs to (its prompts x n choices share one group; alone: its
+    # id): the scheduler shares decode rows fairly between groups.
+    group: str = ""
+    # Steps it sits out before it decodes again (its grammar's masks cost much; scheduler)
+    rest_steps: int = 0
+    last_scheduled_step: int = -1  # the scheduler's step count when it last ran
+
+    def __post_init__(self) -> None:
+        self.group = self.group or self.request_id
 
     def set_drafts(self, token_ids: list[int], probs: torch.Tensor | None = None,
                    num_grammar_rejected: int = 0) -> None:

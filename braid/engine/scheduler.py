@@ -50,6 +50,7 @@ class SchedulerOutput:
     published: list[int] = field(default_factory=list)
     num_cache_queries: int = 0  # prompt tokens looked up in the prefix cache this step
     num_cache_hits: int = 0  # of which found cached
+    held: list[Request] = field(default_factory=list)  # decodes sitting this step out (_fair)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -94,6 +95,9 @@ class RequestUpdate:
     num_grammar_rejected: int = 0  # drafts proposed for it that its grammar cut
 
 
+# Decodes a group may run in a step beyond those of every other group together (see _fair).
+FAIR_SLACK = 2
+
 # (request, the token just appended) -> finish reason or None: the output processor's stop
 # rules (stop ids, EOS, stop strings, lengths), asked once per appended token.
 StopCheck = Callable[[Request, int], str | None]
@@ -125,6 +129,7 @@ class Scheduler:
         # --scheduling-policy priority: requests ordered by (priority, arrival) instead of
         # FCFS, for admission and (last first) for preemption, as vLLM's priority policy
         self.priority = priority
+        self.num_steps = 0  # schedule() calls so far
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last one is preempted first
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -146,12 +151,16 @@ class Scheduler:
         """This step's requests; `prefill_cap` (an ITL target's choice for this very step)
         limits the prefill chunks and admissions that ride with the decodes."""
         out = SchedulerOutput()
+        self.num_steps += 1
         budget = self.max_num_batched_tokens
         if not self.enable_chunked_prefill and self._can_admit_whole():
             # Classic prefill-first: whole prompts in a step of their own, ahead of decodes.
             self._admit(out, budget)
             return out
         decoding, prefilling = self._split_running()
+        decoding, out.held = self._fair(decoding)
+        for req in out.held:
+            req.rest_steps = max(0, req.rest_steps - 1)
         budget = self._schedule_running(out, decoding, budget, decodes=True)
         if self.enable_chunked_prefill:
             if prefill_cap is not None:
@@ -203,8 +212,35 @@ class Scheduler:
             num_spec = max(0, len(req.spec_token_ids) - (req.num_tokens_with_spec
                                                         - req.num_computed_tokens - n))
             out.scheduled.append(ScheduledRequest(req, n, num_spec))
+            req.last_scheduled_step = self.num_steps
             budget -= n
         return budget
+
+    def _fair(self, decoding: list[Request]) -> tuple[list[Request], list[Request]]:
+        """(the decodes that run this step, those held back). While other decodes are ready,
+        a request rests the steps `rest` gave it, and a group (an API request's choices)
+        runs at most as many decodes as every other group together, plus FAIR_SLACK: its
+        members take turns, longest waiting first. One request of n = 64 made every step
+        64 rows, and the other clients' tokens 30 times slower on the CPU."""
+        ready = [r for r in decoding if r.rest_steps == 0] or list(decoding)
+        groups: dict[str, list[Request]] = {}
+        for r in ready:
+            groups.setdefault(r.group, []).append(r)
+        chosen = {id(r) for r in ready}
+        if len(groups) > 1:
+            for members in groups.values():
+                allowed = len(ready) - len(members) + FAIR_SLACK
+                waited = sorted(members, key=lambda r: r.last_scheduled_step)
+                chosen.difference_update(map(id, waited[allowed:]))
+        if len(chosen) == len(decoding):
+            return decoding, []
+        return ([r for r in decoding if id(r) in chosen],
+                [r for r in decoding if id(r) not in chosen])
+
+    def rest(self, req: Request, num_steps: int) -> None:
+        """Let `req` sit out its next `num_steps` steps while others decode (the engine
+        asks it of a request whose grammar masks took much of a step's time)."""
+        req.rest_steps = num_steps
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Make room for `n` more tokens of `req`, preempting the newest running requests."""
@@ -413,6 +449,7 @@ class Scheduler:
     def next_step(self) -> NextStep:
         """The next step as `schedule` would build it now, drafts and caps aside."""
         decoding, prefilling = self._split_running()
+        decoding = self._fair(decoding)[0]
         demand = 0
         if self.enable_chunked_prefill:  # otherwise prompts run in steps of their own
             demand = sum(r.num_tokens - r.num_computed_tokens for r in prefilling)

@@ -35,7 +35,8 @@ class EngineLike(Protocol):
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams | None = ...,
-                    arrival_time: float | None = ..., priority: int = ...) -> Any: ...
+                    arrival_time: float | None = ..., priority: int = ...,
+                    group: str | None = ...) -> Any: ...
     def abort(self, request_id: str) -> RequestOutput | None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
@@ -78,6 +79,7 @@ class _Add:
     queue: OutputQueue
     admitted: asyncio.Future[None]
     priority: int = 0
+    group: str | None = None
 
 
 @dataclass(slots=True)
@@ -149,11 +151,12 @@ class AsyncEngine:
         return s.num_waiting + self._num_sent - s.num_adds
 
     def add_all(self, requests: list[tuple[str, list[int], SamplingParams]], out: OutputQueue,
-                arrival_time: float | None = None, priority: int = 0
+                arrival_time: float | None = None, priority: int = 0, group: str | None = None
                 ) -> Awaitable[list[BaseException | None]]:
         """Add requests (id, prompt ids, params) whose outputs go to `out`. They count in
         `num_waiting` from this call on (not from the first await), so a caller that checked
-        the waiting limit just before cannot be overtaken. The result holds, per request,
+        the waiting limit just before cannot be overtaken. `group`: the API request they make
+        up (the scheduler shares decode rows fairly between groups). The result holds, per request,
         None or what `engine.add_request` raised."""
         assert self._loop is not None, "start() first"
         if not self.is_alive:
@@ -162,7 +165,8 @@ class AsyncEngine:
         futures = []
         for request_id, prompt, params in requests:
             admitted: asyncio.Future[None] = self._loop.create_future()
-            self._inbox.put(_Add(request_id, prompt, params, arrival, out, admitted, priority))
+            self._inbox.put(_Add(request_id, prompt, params, arrival, out, admitted, priority,
+                                 group))
             futures.append(admitted)
         self._num_sent += len(requests)
         return self._await_admission([r[0] for r in requests], futures)
@@ -245,7 +249,7 @@ class AsyncEngine:
     def _add(self, command: _Add) -> BaseException | None:
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params,
-                                    command.arrival_time, command.priority)
+                                    command.arrival_time, command.priority, command.group)
         except Exception as e:  # reported to this request's handler only
             return e
         self._queues[command.request_id] = command.queue

@@ -83,6 +83,7 @@ class Job:
     queue: OutputQueue = field(default_factory=asyncio.Queue)
     # Rewrites each engine output before the response sees it (None: as it is).
     view: Callable[[RequestOutput], RequestOutput] | None = None
+    group: str | None = None  # its engine requests' group: the prefix of their ids
 
     @property
     def with_logprobs(self) -> bool:
@@ -266,7 +267,7 @@ def make_job(prefix: str, prompts: list[list[int]], params: SamplingParams, n: i
     for index, (p, j) in enumerate(itertools.product(range(len(prompts)), range(n))):
         choices.append(ChoiceState(index, f"{engine_prefix}-{index}", p))
         per_choice.append(dataclasses.replace(params, seed=choice_seed(params.seed, j)))
-    return Job(public, prompts, choices, per_choice)
+    return Job(public, prompts, choices, per_choice, group=engine_prefix)
 
 
 _counter = itertools.count()
@@ -323,7 +324,7 @@ async def submit(ctx: ServerContext, job: Job, prompt_field: str = "prompt",
     results = await ctx.engine.add_all(
         [(c.request_id, job.prompts[c.prompt_index], p)
          for c, p in zip(job.choices, job.params, strict=True)], job.queue, job.arrival_time,
-        priority)
+        priority, job.group)
     errors = [r for r in results if r is not None]
     if errors:
         abort_unfinished(ctx, job)

@@ -230,7 +230,7 @@ class GrammarState:
         self._eos_token_ids = frozenset(eos_token_ids)
         self._stats = stats
         self._on_error = on_error
-        self.mask_seconds = 0.0  # the latest mask's cost (the scheduler's fairness reads it)
+        self._unbilled = 0.0  # seconds of masks since `take_mask_time` last asked
 
     def advance(self, token: int) -> str | None:
         """Consume an output token: "stop" once the grammar is complete (nothing but EOS
@@ -287,10 +287,16 @@ class GrammarState:
                 for t in self._eos_token_ids:
                     if t < out.numel() * 32:
                         out[t // 32] |= _bit(t % 32)
-        self.mask_seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self._unbilled += seconds
         self._stats.num_masks += 1
-        self._stats.mask_time += self.mask_seconds
+        self._stats.mask_time += seconds
         self._check()
+
+    def take_mask_time(self) -> float:
+        """Seconds spent on this request's masks since the last call."""
+        seconds, self._unbilled = self._unbilled, 0.0
+        return seconds
 
     def _check(self) -> None:
         if self._matcher.is_error():

@@ -24,7 +24,8 @@ class FakeEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    group: str | None = None) -> None:
         assert isinstance(prompt, list)
         if prompt == BAD_ADD:
             raise RuntimeError("tokenizer bug")
