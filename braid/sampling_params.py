@@ -14,6 +14,24 @@ from braid.models.errors import read_json_object
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
+# Bounds that keep the sampler's float32 arithmetic finite whatever a request asks for (a
+# value that rounds to 0 or overflows in float32 turns logits into inf and NaN):
+# - a temperature below SAMPLING_EPS is greedy (vLLM's _SAMPLING_EPS): logits / T stays
+#   finite for any logit below 3e33 in magnitude;
+# - top_p is at least MIN_TOP_P: at or below it (below 1 / V for any vocabulary under 10^8
+#   tokens) only the top token and its ties survive, as they do for any smaller p, and p
+#   stays above 0 in float32;
+# - repetition_penalty is clamped into REPETITION_PENALTY_BOUNDS: a logit divided or
+#   multiplied by it stays finite below 3e33 in magnitude (at 1e-300 it is 0 in float32, and
+#   a positive logit / 0 is inf; at 1e300 it is inf, and a zero logit * inf is NaN);
+# - min_p in [0, 1], presence and frequency penalties in [-2, 2] and logit_bias in
+#   [-100, 100] need no bound beyond their ranges: min_p scales a probability, a penalty
+#   times a count (at most max_model_len) is finite, and a value too small for float32 is 0,
+#   which is what it means.
+SAMPLING_EPS = 1e-5
+MIN_TOP_P = 1e-8
+REPETITION_PENALTY_BOUNDS = (1e-5, 1e5)
+
 
 @dataclass(slots=True)
 class StructuredOutputsParams:
@@ -126,14 +144,22 @@ class SamplingParams:
                              f"FINAL_ONLY), got {self.output_kind!r}")
         self.output_kind = RequestOutputKind(self.output_kind)
         self._validate()
+        self._normalize()
 
     def clone(self) -> SamplingParams:
         """A deep copy (vLLM's)."""
         return copy.deepcopy(self)
 
+    def _normalize(self) -> None:
+        """Values past the bounds above, moved onto them (see SAMPLING_EPS)."""
+        self.top_p = max(self.top_p, MIN_TOP_P)
+        low, high = REPETITION_PENALTY_BOUNDS
+        self.repetition_penalty = min(max(self.repetition_penalty, low), high)
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Temperature below SAMPLING_EPS (0 included), or top_k 1."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     @property
     def shapes_logits(self) -> bool:
@@ -219,16 +245,16 @@ class SamplingParams:
                                  f"got {token!r}: {bias!r}")
 
 
-def bad_words_token_ids(words: Sequence[str], encode: Callable[[str], list[int]]
-                        ) -> list[list[int]]:
+def bad_words_token_ids(words: Sequence[str],
+                        encode: Callable[[list[str]], list[list[int]]]) -> list[list[int]]:
     """bad_words as vLLM tokenizes them: each word without its leading spaces, and after
     one space where that spells it with as many tokens starting with another one (a word
-    inside a sentence)."""
+    inside a sentence). `encode` takes a list of texts (one call for all of them)."""
+    bare_words = [word.lstrip() for word in words]
+    ids = encode(bare_words + [" " + word for word in bare_words])
     out: list[list[int]] = []
-    for word in words:
-        bare = encode(word.lstrip())
+    for bare, spaced in zip(ids[: len(words)], ids[len(words):], strict=True):
         out.append(bare)
-        spaced = encode(" " + word.lstrip())
         if spaced and len(spaced) == len(bare) and spaced[0] != bare[0]:
             out.append(spaced)
     return out

@@ -167,6 +167,25 @@ class Tokenizer:
             raise PromptTooLong(f"prompt is {len(encoding)} tokens, the maximum is {max_tokens}")
         return encoding.ids
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True
+                     ) -> list[list[int]]:
+        """Token ids of each text, in one call that lets go of the GIL while it works."""
+        encodings = self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)
+        return [e.ids for e in encodings]
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (`decode([token_id],
+        skip_special_tokens=False)`), decoded once per id and kept."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
+
+    @cached_property
+    def _token_texts(self) -> dict[int, str]:
+        return {}
+
     @cached_property
     def max_token_chars(self) -> int:
         """The most characters one token spells (a token never covers more of a text)."""

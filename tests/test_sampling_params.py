@@ -124,3 +124,39 @@ def test_stop_fields_of_the_wrong_type_are_refused(fields: dict, message: str) -
     with pytest.raises(ValueError, match=message):
         SamplingParams(**fields)
     assert SamplingParams(stop=("a", "b"), stop_token_ids=(3,)).stop == ["a", "b"]
+
+
+@pytest.mark.parametrize("temperature, greedy", [
+    (0.0, True), (1e-300, True), (1e-45, True), (9.9e-6, True), (1e-5, False), (0.5, False)])
+def test_a_temperature_below_sampling_eps_is_greedy(temperature: float, greedy: bool) -> None:
+    """vLLM's _SAMPLING_EPS: below it, logits / T could overflow float32."""
+    assert SamplingParams(temperature=temperature).greedy is greedy
+
+
+@pytest.mark.parametrize("field, value, moved_to", [
+    ("top_p", 1e-300, 1e-8), ("top_p", 1e-9, 1e-8), ("top_p", 0.3, 0.3),
+    ("repetition_penalty", 1e-300, 1e-5), ("repetition_penalty", 1e-45, 1e-5),
+    ("repetition_penalty", 1e300, 1e5), ("repetition_penalty", 1.2, 1.2),
+    ("min_p", 1e-300, 1e-300), ("presence_penalty", 1e-300, 1e-300)])
+def test_values_whose_float32_arithmetic_degenerates_move_onto_safe_bounds(
+    field: str, value: float, moved_to: float
+) -> None:
+    assert getattr(SamplingParams(**{field: value}), field) == moved_to  # type: ignore[arg-type]
+
+
+def test_bad_words_are_tokenized_in_one_call() -> None:
+    """Every word bare and after a space, in one batch: a long list costs one tokenizer call
+    at admission, not two per word."""
+    from braid.sampling_params import bad_words_token_ids
+
+    calls: list[list[str]] = []
+
+    vocab = {"hi": [1, 2], "ab": [3], " hi": [1, 2], " ab": [4], " cd": [5, 6], "cd": [7]}
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        calls.append(texts)
+        return [vocab[t] for t in texts]
+
+    # " hi" starts like "hi" and " cd" has another count of tokens: only " ab" is added
+    assert bad_words_token_ids(["  hi", "ab", "cd"], encode) == [[1, 2], [3], [4], [7]]
+    assert calls == [["hi", "ab", "cd", " hi", " ab", " cd"]]

@@ -190,7 +190,7 @@ def test_bad_words_tokenized_as_vllm_does(target_gguf: Path) -> None:
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
-    ids = bad_words_token_ids(["  hello", "print(x)"], encode)
+    ids = bad_words_token_ids(["  hello", "print(x)"], lambda texts: list(map(encode, texts)))
     assert ids[:2] == [encode("hello"), encode(" hello")] and encode("hello") != encode(" hello")
     assert encode("print(x)") in ids
     assert all(len(w) >= 1 for w in ids)

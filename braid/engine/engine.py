@@ -280,7 +280,8 @@ class LLMEngine:
                 raise RequestError("bad_words needs a tokenizer: this engine has none")
             tokenizer = self.tokenizer
             params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(
-                params.bad_words, lambda text: tokenizer.encode(text, add_special_tokens=False)))
+                params.bad_words,
+                lambda texts: tokenizer.encode_batch(texts, add_special_tokens=False)))
         if -1 in (params.logprobs, params.prompt_logprobs):  # vLLM's: the whole vocabulary
             vocab = self.model_config.vocab_size
             params = dataclasses.replace(

@@ -1,11 +1,15 @@
 """The output side of requests: detokenization, stop rules, logprobs, RequestOutput.
 
 The scheduler appends tokens (it owns output_token_ids) and asks `check_stop` after each;
-this module keeps each request's text and judges its stop conditions."""
+this module keeps each request's text and judges its stop conditions. A token's work does
+not grow with the request's lists: stop token ids are a set, stop strings an automaton fed
+only the new characters (`StopStrings`), and logprobs' texts come from the tokenizer's
+per-id table."""
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from braid.engine.request import Request
@@ -34,23 +38,105 @@ class _Sent:
         return (*new, first_scored)
 
 
+_NO_STOP = 1 << 62  # a list index past any request's stop strings
+
+
+class StopStrings:
+    """A request's stop strings as an Aho-Corasick automaton over characters, fed the text as
+    it grows: a character costs O(1) amortized, whatever the number of stop strings. Its state
+    is the longest tail of the text so far that begins some stop string (a trie node); each
+    node knows the first stop string, in the request's order, that ends there (through its
+    failure links), and the longest tail that is a stop's proper prefix (the text to hold back
+    while streaming). Built in O(total characters of the stop strings)."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self._goto: list[dict[str, int]] = [{}]
+        self._first = [_NO_STOP]
+        depth = [0]
+        for index, stop in enumerate(stops):
+            node = 0
+            for ch in stop:
+                if ch not in self._goto[node]:
+                    self._goto[node][ch] = len(self._goto)
+                    self._goto.append({})
+                    self._first.append(_NO_STOP)
+                    depth.append(depth[node] + 1)
+                node = self._goto[node][ch]
+            self._first[node] = min(self._first[node], index)
+        self._fail = [0] * len(self._goto)
+        self._hold = [0] * len(self._goto)
+        self._link(depth)
+        self._state = 0
+
+    def _link(self, depth: list[int]) -> None:
+        """Failure links breadth first: a node's fail is finished before its children's."""
+        queue = deque(self._goto[0].values())
+        while queue:
+            node = queue.popleft()
+            fail = self._fail[node]
+            self._first[node] = min(self._first[node], self._first[fail])
+            self._hold[node] = depth[node] if self._goto[node] else self._hold[fail]
+            for ch, child in self._goto[node].items():
+                self._fail[child] = self._step(fail, ch) if node else 0
+                queue.append(child)
+
+    def _step(self, node: int, ch: str) -> int:
+        while node and ch not in self._goto[node]:
+            node = self._fail[node]
+        return self._goto[node].get(ch, 0)
+
+    def feed(self, text: str) -> tuple[str, int] | None:
+        """Advance over `text`, the text's new characters. Of the stop strings that end
+        inside it, the first in the request's list and where it starts (an offset into
+        `text`, negative when it began before), at its first end, as vLLM's
+        `check_stop_strings` finds it; None if none ends there."""
+        node, best, end = self._state, _NO_STOP, 0
+        for i, ch in enumerate(text):
+            node = self._step(node, ch)
+            if self._first[node] < best:
+                best, end = self._first[node], i + 1
+        self._state = node
+        if best == _NO_STOP:
+            return None
+        return self.stops[best], end - len(self.stops[best])
+
+    @property
+    def held(self) -> int:
+        """Length of the longest tail of the text that could still grow into a stop string:
+        held back while streaming so a stop string is never half-shown."""
+        return self._hold[self._state]
+
+
+@dataclass(slots=True)
+class _Output:
+    """The output side's state of one request."""
+
+    stop_ids: frozenset[int]
+    text: str = ""
+    detok: IncrementalDetokenizer | None = None
+    stops: StopStrings | None = None
+    sent: _Sent | None = None  # with output_kind DELTA
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int],
                  max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._text: dict[str, str] = {}
-        self._sent: dict[str, _Sent] = {}
+        self._outputs: dict[str, _Output] = {}
 
     def add(self, req: Request) -> None:
-        self._text[req.request_id] = ""
-        if req.sampling_params.output_kind == RequestOutputKind.DELTA:
-            self._sent[req.request_id] = _Sent()
-        if self.tokenizer is not None and req.sampling_params.detokenize:
-            self._detok[req.request_id] = IncrementalDetokenizer(
-                self.tokenizer, req.prompt_token_ids, req.sampling_params.skip_special_tokens)
+        p = req.sampling_params
+        out = _Output(stop_ids=frozenset(p.stop_token_ids or ()))
+        if p.output_kind == RequestOutputKind.DELTA:
+            out.sent = _Sent()
+        if self.tokenizer is not None and p.detokenize:
+            out.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                               p.skip_special_tokens)
+            out.stops = StopStrings(p.stop_strings) if p.stop_strings else None
+        self._outputs[req.request_id] = out
 
     def check_stop(self, req: Request, token: int) -> str | None:
         """`token` was just appended to `req`: extend its text and return the finish reason
@@ -81,71 +167,68 @@ class OutputProcessor:
         if self.tokenizer is not None and req.sampling_params.detokenize:
             for entry in logprobs:
                 for token, lp in entry.items():
-                    lp.decoded_token = self.tokenizer.decode([token], skip_special_tokens=False)
+                    lp.decoded_token = self.tokenizer.token_text(token)
         return logprobs
 
     def _check_token(self, req: Request, token: int) -> str | None:
         p = req.sampling_params
         if req.num_output_tokens <= p.min_tokens - 1:
             return None
-        if token in (p.stop_token_ids or []):
+        if token in self._outputs[req.request_id].stop_ids:
             req.stop_reason = token
             return "stop"
         if not p.ignore_eos and token in self.eos_token_ids:
             return "stop"
         return None
 
-    def _extend_text(self, req: Request, token: int) -> tuple[str, str] | None:
-        """(text before, text after) `token`'s text joins req's text; None: no tokenizer."""
-        detok = self._detok.get(req.request_id)
-        if detok is None:
-            return None
-        old = self._text[req.request_id]
-        text = old + detok.add(token)
-        self._text[req.request_id] = text
-        return old, text
+    def _extend_text(self, req: Request, token: int) -> str:
+        """Append `token`'s text to req's text; returns that text ("" without a detokenizer)."""
+        out = self._outputs[req.request_id]
+        if out.detok is None:
+            return ""
+        new = out.detok.add(token)
+        out.text += new
+        return new
 
     def _check_text(self, req: Request, token: int) -> str | None:
-        extended = self._extend_text(req, token)
-        if extended is None:
+        """Stop strings: of those that end in the token's new text (the text before it was
+        checked already), the first in the request's list, at its first end (vLLM's)."""
+        new = self._extend_text(req, token)
+        out = self._outputs[req.request_id]
+        if out.stops is None:
             return None
-        old, text = extended
+        found = out.stops.feed(new)
         p = req.sampling_params
-        if not p.stop_strings or req.num_output_tokens < p.min_tokens:
+        if found is None or req.num_output_tokens < p.min_tokens:
             return None
-        for stop in p.stop_strings:
-            # Only the new text (plus an overlap for stops split across tokens) can match.
-            at = text.find(stop, max(0, len(old) - len(stop) + 1))
-            if at >= 0:
-                end = at + len(stop) if p.include_stop_str_in_output else at
-                self._text[req.request_id] = text[:end]
-                req.stop_reason = stop
-                return "stop"
-        return None
+        stop, start = found
+        at = len(out.text) - len(new) + start
+        out.text = out.text[: at + len(stop) if p.include_stop_str_in_output else at]
+        req.stop_reason = stop
+        return "stop"
 
     def finish(self, req: Request) -> None:
         """Release the detokenizer; text it held back is kept unless a stop string cut it."""
         req.finish_time = time.monotonic()
-        detok = self._detok.pop(req.request_id, None)
-        if detok is not None and not isinstance(req.stop_reason, str):
-            self._text[req.request_id] += detok.flush()
+        out = self._outputs[req.request_id]
+        if out.detok is not None and not isinstance(req.stop_reason, str):
+            out.text += out.detok.flush()
+        out.detok = out.stops = None
 
     def make_output(self, req: Request) -> RequestOutput:
         """The request's output now: everything so far, or with output_kind DELTA what is
         new since its last one (prompt logprobs once, in the first output that has them;
         cumulative_logprob stays the running sum, as vLLM's)."""
-        text = self._text[req.request_id]
-        if req.is_finished:
-            self._text.pop(req.request_id, None)
-        else:
-            text = text[: len(text) - _partial_stop_len(text, req.sampling_params.stop_strings)]
+        out = (self._outputs.pop(req.request_id) if req.is_finished
+               else self._outputs[req.request_id])
+        text = out.text
+        if not req.is_finished and out.stops is not None:
+            text = text[: len(text) - out.stops.held]
         scored = _prompt_scored(req)
         with_logprobs = req.sampling_params.logprobs is not None
         tokens, logprobs = req.output_token_ids, req.logprobs
-        sent = (self._sent.pop(req.request_id, None) if req.is_finished
-                else self._sent.get(req.request_id))
-        if sent is not None:
-            text, tokens, logprobs, scored = sent.take(text, tokens, logprobs, scored)
+        if out.sent is not None:
+            text, tokens, logprobs, scored = out.sent.take(text, tokens, logprobs, scored)
         completion = CompletionOutput(
             index=0,
             text=text,
@@ -186,15 +269,3 @@ def _length_reached(req: Request, max_model_len: int) -> bool:
     if max_tokens is not None and req.num_output_tokens >= max_tokens:
         return True
     return req.num_tokens >= max_model_len
-
-
-def _partial_stop_len(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of `text` that could still grow into a stop string: held
-    back while streaming so a stop string is never half-shown."""
-    best = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:n]):
-                best = n
-                break
-    return best

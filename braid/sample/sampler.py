@@ -20,18 +20,37 @@ on the batch, on how many drafts a verification window had, or on preemption; an
 model that samples with the same number (a coupled draft) predicts the target's own sample.
 The draw is the inverse CDF of the row's distribution in token-id order: one number per row
 (an exponential race would need one per vocabulary entry, 152k of them here).
+
+One request cannot make the others pay or fail: its long lists are tensors built once
+(constraints.py), penalties touch only the tokens of its prompt and output, a filter runs on
+the rows that ask for it, and a row whose logits are not finite takes its greedy token
+(`_finite_rows`) instead of drawing from NaN. Parameters whose float32 arithmetic would
+degenerate never get here (SamplingParams moves them onto safe bounds, see SAMPLING_EPS).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from braid.sample.constraints import (
+    PenaltyPairs,
+    RequestConstraints,
+    allowed_masks,
+    build_constraints,
+    logit_bias_triples,
+    penalty_pairs,
+    suppressed_pairs,
+)
 from braid.sampling_params import SamplingParams
+
+logger = logging.getLogger("braid")
 
 _NEG_INF = float("-inf")
 _NEUTRAL = SamplingParams()  # greedy rows get neutral random-only params
@@ -74,14 +93,13 @@ class SamplingMetadata:
     all_random: bool
     greedy_mask: torch.Tensor | None  # [B] bool; None when all_greedy or all_random
     top_k: torch.Tensor | None  # [B] int64 in [1, V]; V means off
-    max_top_k: int  # largest top-k over random rows; V when some random row has none
+    max_top_k: int  # largest top-k over the filtering random rows; V if one has none
     top_p: torch.Tensor | None  # [B] float32; 1.0 means off
     min_p: torch.Tensor | None  # [B] float32; 0.0 means off
-    presence_penalty: torch.Tensor | None  # [B] float32; the three penalties come together
+    presence_penalty: torch.Tensor | None  # [B] float32; with frequency_penalty and penalized
     frequency_penalty: torch.Tensor | None  # [B] float32
-    repetition_penalty: torch.Tensor | None  # [B] float32
-    output_token_counts: torch.Tensor | None  # [B, V] float32, counts of output tokens
-    prompt_token_mask: torch.Tensor | None  # [B, V] bool; only with a repetition penalty
+    repetition_penalty: torch.Tensor | None  # [B] float32; None when no row has one
+    penalized: PenaltyPairs | None  # the (row, token) pairs the penalties change
     suppressed: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) set to -inf
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, ids, biases)
     seeds: list[int]  # per row, its request's seed
@@ -104,19 +122,23 @@ class SamplingMetadata:
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
         stream: int | Sequence[int] = SAMPLE,
         allowed: tuple[torch.Tensor, torch.Tensor] | None = None,
+        constraints: Sequence[RequestConstraints] | None = None,
     ) -> SamplingMetadata:
         """`seeds[i]` is row i's request seed (the request's `seed`, or one the engine drew
         for it); row i's draw uses `keyed_uniform(seeds[i], len(output_token_ids[i]),
         stream)` (`stream` one for all rows or one per row). `allowed` (rows, [R, V] bool)
-        restricts those rows to a grammar's tokens; allowed_token_ids join it."""
+        restricts those rows to a grammar's tokens; allowed_token_ids join it.
+        `constraints[i]` is row i's request's lists as tensors (built here when not given)."""
         if not len(params) == len(prompt_token_ids) == len(output_token_ids) == len(seeds):
             raise ValueError("params, token ids and seeds must have one entry per row")
+        if constraints is None:
+            constraints = build_constraints(params, prompt_token_ids)
         greedy = [p.greedy for p in params]
         positions = [len(out) for out in output_token_ids]
         random_params = [_NEUTRAL if g else p for p, g in zip(params, greedy, strict=True)]
         temps = [p.temperature for p in random_params]
         top_k, max_top_k = _top_k_per_row(params, vocab_size)
-        penalties = _penalty_fields(params, prompt_token_ids, output_token_ids, vocab_size, device)
+        penalties = _penalty_fields(params, constraints, output_token_ids, vocab_size, device)
         return cls(
             temperature=torch.tensor(temps, dtype=torch.float32, device=device),
             all_greedy=all(greedy),
@@ -129,24 +151,31 @@ class SamplingMetadata:
             top_p=_optional([p.top_p for p in random_params], 1.0, torch.float32, device),
             min_p=_optional([p.min_p for p in random_params], 0.0, torch.float32, device),
             **penalties,
-            suppressed=_suppressed(params, output_token_ids, eos_token_ids, vocab_size, device),
-            logit_bias=_logit_bias(params, vocab_size, device),
+            suppressed=suppressed_pairs(params, constraints, output_token_ids, eos_token_ids,
+                                        vocab_size, device),
+            logit_bias=logit_bias_triples(constraints, vocab_size, device),
             seeds=list(seeds),
             positions=positions,
             uniforms=None if all(greedy) else torch.from_numpy(
                 keyed_uniform_array(seeds, positions, stream)).to(device),
-            allowed=_with_allowed_ids(allowed, params, vocab_size, device),
+            allowed=allowed_masks(allowed, constraints, vocab_size, device),
             fallback_token=min(eos_token_ids, default=0),
         )
 
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether `apply_penalties` changes any logit."""
+        return not (self.logit_bias is None and self.penalized is None
+                    and self.suppressed is None and self.allowed is None)
+
 
 def _top_k_per_row(params: Sequence[SamplingParams], vocab_size: int) -> tuple[list[int], int]:
-    """Per-row k in [1, V] (V = off) and the largest k over random rows. Greedy rows take that
-    largest k, so they never force the full-sort path on their own."""
+    """Per-row k in [1, V] (V = off) and the largest k over the random rows that filter (a
+    top-k or a top-p: the rows `filtered_logits` sorts). Greedy rows take that largest k, so
+    they never force the full-sort path on their own."""
     ks = [vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size) for p in params]
-    max_top_k = max(
-        (k for k, p in zip(ks, params, strict=True) if not p.greedy), default=vocab_size
-    )
+    max_top_k = max((k for k, p in zip(ks, params, strict=True)
+                     if not p.greedy and (k < vocab_size or p.top_p < 1)), default=vocab_size)
     return [max_top_k if p.greedy else k for k, p in zip(ks, params, strict=True)], max_top_k
 
 
@@ -160,154 +189,68 @@ def _optional(
 
 def _penalty_fields(
     params: Sequence[SamplingParams],
-    prompt_token_ids: Sequence[Sequence[int]],
+    constraints: Sequence[RequestConstraints],
     output_token_ids: Sequence[Sequence[int]],
     vocab_size: int,
     device: torch.device | str,
-) -> dict[str, torch.Tensor | None]:
+) -> dict[str, Any]:
     """Penalty tensors, all None when no row uses a penalty. Greedy rows are penalized too."""
-    fields: dict[str, torch.Tensor | None] = dict.fromkeys(
-        (
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-            "output_token_counts",
-            "prompt_token_mask",
-        )
-    )
+    fields: dict[str, Any] = dict.fromkeys(
+        ("presence_penalty", "frequency_penalty", "repetition_penalty", "penalized"))
     presence = [p.presence_penalty for p in params]
     frequency = [p.frequency_penalty for p in params]
     repetition = [p.repetition_penalty for p in params]
     uses_repetition = any(r != 1.0 for r in repetition)
     if not uses_repetition and not any(presence) and not any(frequency):
         return fields
-    for name, values in (
-        ("presence_penalty", presence),
-        ("frequency_penalty", frequency),
-        ("repetition_penalty", repetition),
-    ):
-        fields[name] = torch.tensor(values, dtype=torch.float32, device=device)
-    fields["output_token_counts"] = _token_counts(output_token_ids, vocab_size, device)
+    fields["presence_penalty"] = torch.tensor(presence, dtype=torch.float32, device=device)
+    fields["frequency_penalty"] = torch.tensor(frequency, dtype=torch.float32, device=device)
     if uses_repetition:
-        fields["prompt_token_mask"] = _token_counts(prompt_token_ids, vocab_size, device) > 0
+        fields["repetition_penalty"] = torch.tensor(repetition, dtype=torch.float32,
+                                                    device=device)
+    fields["penalized"] = penalty_pairs(constraints, output_token_ids, vocab_size, device)
     return fields
-
-
-def _token_counts(
-    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str
-) -> torch.Tensor:
-    """[B, V] float32 occurrence counts; ids are padded with `vocab_size` (a spill column)."""
-    width = max((len(ids) for ids in token_ids), default=0)
-    padded = torch.tensor(
-        [list(ids) + [vocab_size] * (width - len(ids)) for ids in token_ids],
-        dtype=torch.int64,
-        device=device,
-    ).view(len(token_ids), width)  # [B, L]
-    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
-    return counts[:, :vocab_size]
-
-
-def _suppressed(
-    params: Sequence[SamplingParams],
-    output_token_ids: Sequence[Sequence[int]],
-    eos_token_ids: set[int] | frozenset[int],
-    vocab_size: int,
-    device: torch.device | str,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(row, token) pairs a row may not sample now: its stop ids (and eos unless ignore_eos)
-    while it has fewer than min_tokens output tokens, and the last token of each bad word
-    whose other tokens end its output."""
-    rows: list[int] = []
-    tokens: list[int] = []
-    for row, (p, out) in enumerate(zip(params, output_token_ids, strict=True)):
-        banned: set[int] = set()
-        if len(out) < p.min_tokens:
-            banned |= set(p.stop_token_ids or []) | (
-                set() if p.ignore_eos else set(eos_token_ids))
-        for word in p.bad_words_token_ids or ():
-            if word and list(out[max(0, len(out) - len(word) + 1):]) == word[:-1]:
-                banned.add(word[-1])
-        banned = {t for t in banned if t < vocab_size}
-        rows += [row] * len(banned)
-        tokens += sorted(banned)
-    if not rows:
-        return None
-    return (
-        torch.tensor(rows, dtype=torch.int64, device=device),
-        torch.tensor(tokens, dtype=torch.int64, device=device),
-    )
-
-
-def _logit_bias(
-    params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(row, token, bias) triples of every row's logit_bias (ids past the vocabulary, which
-    the engine refuses at admission, are skipped)."""
-    triples = [(row, token, bias) for row, p in enumerate(params)
-               for token, bias in (p.logit_bias or {}).items() if token < vocab_size]
-    if not triples:
-        return None
-    rows, tokens, biases = zip(*triples, strict=True)
-    return (torch.tensor(rows, dtype=torch.int64, device=device),
-            torch.tensor(tokens, dtype=torch.int64, device=device),
-            torch.tensor(biases, dtype=torch.float32, device=device))
-
-
-def _with_allowed_ids(
-    grammar: tuple[torch.Tensor, torch.Tensor] | None, params: Sequence[SamplingParams],
-    vocab_size: int, device: torch.device | str,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The grammar masks (rows, [R, V] bool) with each row's allowed_token_ids joined in: a
-    row may take the tokens both allow."""
-    with_ids = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
-    if not with_ids:
-        return grammar
-    rows = sorted(set(with_ids) | set(() if grammar is None else grammar[0].tolist()))
-    at = {row: i for i, row in enumerate(rows)}
-    mask = torch.ones(len(rows), vocab_size, dtype=torch.bool, device=device)
-    if grammar is not None:
-        mask[[at[row] for row in grammar[0].tolist()]] = grammar[1]
-    for row in with_ids:
-        ids = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        ids[[t for t in params[row].allowed_token_ids or [] if t < vocab_size]] = True
-        mask[at[row]] &= ids
-    return torch.tensor(rows, dtype=torch.int64, device=device), mask
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """logit_bias, repetition/frequency/presence penalties (vLLM semantics), min_tokens
     suppression and grammar masks: everything a greedy argmax sees. Never modifies `logits`
-    [B, V] (may return it as is)."""
+    [B, V] (returns it as is when nothing applies; else one copy, changed in place)."""
+    if not meta.shapes_logits:
+        return logits
+    logits = logits.clone()
     if meta.logit_bias is not None:
         rows, tokens, biases = meta.logit_bias
-        logits = logits.index_put((rows, tokens), biases, accumulate=True)
-    if meta.repetition_penalty is not None:
-        assert meta.output_token_counts is not None
-        assert meta.presence_penalty is not None and meta.frequency_penalty is not None
-        counts = meta.output_token_counts  # [B, V]
-        seen = counts > 0  # [B, V]
-        if meta.prompt_token_mask is not None:
-            rep = meta.repetition_penalty.unsqueeze(1)  # [B, 1]
-            rep = torch.where(seen | meta.prompt_token_mask, rep, 1.0)  # [B, V]
-            logits = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = logits - meta.frequency_penalty.unsqueeze(1) * counts
-        logits = logits - meta.presence_penalty.unsqueeze(1) * seen
+        logits.index_put_((rows, tokens), biases, accumulate=True)
+    if meta.penalized is not None:
+        _penalize(logits, meta, meta.penalized)
     if meta.suppressed is not None:
-        logits = logits.index_put(meta.suppressed, torch.tensor(_NEG_INF, device=logits.device))
+        logits.index_put_(meta.suppressed, torch.tensor(_NEG_INF, device=logits.device))
     if meta.allowed is not None:  # last, so no bias or penalty brings a refused token back
         rows, allowed = meta.allowed
-        logits = logits.index_put((rows,), logits[rows].masked_fill(~allowed, _NEG_INF))
+        logits[rows] = logits[rows].masked_fill(~allowed, _NEG_INF)
     if meta.allowed is not None or meta.suppressed is not None:
         # Constraints that contradict each other (allowed_token_ids, bad_words, min_tokens, a
         # grammar) can leave a row no token: it takes its end token (the first eos), so the
         # request ends there instead of drawing from nothing (an id past the vocabulary).
         dead = logits.amax(dim=-1) == _NEG_INF  # [B]
         if bool(dead.any()):
-            logits = logits.index_put((dead.nonzero().squeeze(1),
-                                       torch.tensor(meta.fallback_token, device=logits.device)),
-                                      torch.tensor(0.0, device=logits.device))
+            logits[dead.nonzero().squeeze(1), meta.fallback_token] = 0.0
     return logits
+
+
+def _penalize(logits: torch.Tensor, meta: SamplingMetadata, pairs: PenaltyPairs) -> None:
+    """The penalties on the pairs they change, in place: the same float32 operations, in the
+    same order, as on the whole [B, V] table, where every other entry would keep its value."""
+    assert meta.presence_penalty is not None and meta.frequency_penalty is not None
+    rows, tokens = pairs.rows, pairs.tokens
+    values = logits[rows, tokens]  # [P]
+    if meta.repetition_penalty is not None:
+        rep = meta.repetition_penalty[rows]  # [P]
+        values = torch.where(values > 0, values / rep, values * rep)
+    values = values - meta.frequency_penalty[rows] * pairs.counts
+    values = values - meta.presence_penalty[rows] * (pairs.counts > 0)
+    logits[rows, tokens] = values
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -316,21 +259,22 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(probs < threshold, _NEG_INF)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """top-k then top-p on the rows sorted in descending order. When every random row has a
-    top-k, only the `max_top_k` highest logits are kept and sorted (topk instead of a sort),
-    unless a row's ties with its k-th logit reach past them (the next value equals it): top-k
-    keeps every tie, so a row keeps the same tokens whatever K the rest of the batch makes."""
-    width, k = logits.shape[1], meta.max_top_k
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                       top_p: torch.Tensor | None, max_top_k: int) -> torch.Tensor:
+    """top-k then top-p on the rows sorted in descending order. When every row has a top-k,
+    only the `max_top_k` highest logits are kept and sorted (topk instead of a sort), unless
+    a row's ties with its k-th logit reach past them (the next value equals it): top-k keeps
+    every tie, so a row keeps the same tokens whatever K the rest of the batch makes."""
+    width, k = logits.shape[1], max_top_k
     if k < width:
         values, order = logits.topk(k + 1, dim=-1)  # [B, K + 1] descending
-        if meta.top_k is None or not bool((values[:, k:] == _kth(values, meta.top_k)).any()):
+        if top_k is None or not bool((values[:, k:] == _kth(values, top_k)).any()):
             values, order = values[:, :k], order[:, :k]
         else:
             values, order = logits.sort(dim=-1, descending=True)  # [B, V]
     else:
         values, order = logits.sort(dim=-1, descending=True)  # [B, V]
-    values = _mask_sorted(values, meta.top_k, meta.top_p)
+    values = _mask_sorted(values, top_k, top_p)
     return torch.full_like(logits, _NEG_INF).scatter_(1, order, values)
 
 
@@ -353,7 +297,8 @@ def _mask_sorted(
         weights = (values - values[:, :1]).exp()  # [B, K], 0 where dropped
         cumulative = weights.cumsum(dim=-1)
         mass_above = (cumulative - weights) / cumulative[:, -1:]
-        kept = (mass_above < top_p.unsqueeze(1)).sum(dim=-1)  # a prefix, at least 1
+        # a prefix, at least the top token (also for a p that rounds to 0 in float32)
+        kept = (mass_above < top_p.unsqueeze(1)).sum(dim=-1).clamp_(min=1)
         # rows with top_p == 1 are off; rounding could otherwise push mass_above to 1
         drop = (values < _kth(values, kept)) & (top_p < 1).unsqueeze(1)
         values.masked_fill_(drop, _NEG_INF)
@@ -362,34 +307,89 @@ def _mask_sorted(
 
 def filtered_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Penalized logits [B, V] after temperature, min_p, top_k, top_p; dropped entries -inf.
-    Greedy rows get temperature 1 and no filter but the batch's loosest top-k, so their
+    Each filter runs on the rows that ask for it only (a sort of the whole batch would make
+    every row pay for one row's top-p). Greedy rows get temperature 1 and no filter, so their
     argmax is the greedy token (`target_probs` turns them into one-hots)."""
     logits = logits / meta.temperature.unsqueeze(1)  # a new tensor, safe to fill in place
     if meta.min_p is not None:
-        logits = _apply_min_p(logits, meta.min_p)
+        rows = _rows(meta.min_p > 0)  # greedy rows have min_p 0
+        logits[rows] = _apply_min_p(logits[rows], meta.min_p[rows])
     if meta.top_k is not None or meta.top_p is not None:
-        logits = _apply_top_k_top_p(logits, meta)
+        rows = _rows(_filtering(meta, logits.shape[1]))
+        logits[rows] = _apply_top_k_top_p(
+            logits[rows], None if meta.top_k is None else meta.top_k[rows],
+            None if meta.top_p is None else meta.top_p[rows], meta.max_top_k)
     return logits
+
+
+def _filtering(meta: SamplingMetadata, vocab_size: int) -> torch.Tensor:
+    """[B] bool: the random rows with a top-k or a top-p."""
+    wants = torch.zeros_like(meta.temperature, dtype=torch.bool)
+    if meta.top_k is not None:
+        wants |= meta.top_k < vocab_size
+    if meta.top_p is not None:
+        wants |= meta.top_p < 1
+    return wants if meta.greedy_mask is None else wants & ~meta.greedy_mask
+
+
+def _rows(mask: torch.Tensor) -> torch.Tensor | slice:
+    """The rows where `mask` [B] holds: every row as a slice (no copy), else their indices."""
+    return slice(None) if bool(mask.all()) else mask.nonzero().squeeze(1)
 
 
 def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """The distribution each row samples from, [B, V] float32; dropped entries are 0.
 
     Greedy rows get a one-hot at the argmax of the penalized logits, so the rejection
-    sampler's accept/recover rule reduces to exact greedy verification on those rows.
+    sampler's accept/recover rule reduces to exact greedy verification on those rows. So do
+    rows whose distribution is not finite (see `_finite_rows`).
     """
     penalized = apply_penalties(logits, meta)  # [B, V]
     if meta.all_greedy:
-        return _one_hot_argmax(penalized)
-    probs = filtered_logits(penalized, meta).softmax(dim=-1)  # [B, V]
-    if meta.greedy_mask is None:
+        return _one_hot(greedy_tokens(penalized, meta.fallback_token), penalized.shape[1])
+    probs = filtered_logits(penalized, meta).softmax(dim=-1)
+    if meta.greedy_mask is not None:
+        rows = meta.greedy_mask.nonzero().squeeze(1)
+        probs[rows] = _one_hot(greedy_tokens(penalized[rows], meta.fallback_token),
+                               probs.shape[1])
+    return _finite_rows(probs, penalized, meta)
+
+
+def _finite_rows(probs: torch.Tensor, penalized: torch.Tensor, meta: SamplingMetadata
+                 ) -> torch.Tensor:
+    """`probs` [B, V] with each row whose mass is not finite (its logits hold +inf or NaN:
+    from the model, since no request's parameters can make them) replaced by the one-hot of
+    its greedy token, with a warning: such a row never draws an id outside the vocabulary
+    and never fails the rest of the batch."""
+    broken = ~probs.sum(dim=-1).isfinite()  # [B]
+    if not bool(broken.any()):
         return probs
-    return torch.where(meta.greedy_mask.unsqueeze(1), _one_hot_argmax(penalized), probs)
+    rows = broken.nonzero().squeeze(1)
+    logger.warning("sampling rows %s have non-finite logits: they take their greedy token",
+                   rows.tolist())
+    probs[rows] = _one_hot(greedy_tokens(penalized[rows], meta.fallback_token), probs.shape[1])
+    return probs
 
 
-def _one_hot_argmax(scores: torch.Tensor) -> torch.Tensor:
-    one_hot = torch.zeros_like(scores, dtype=torch.float32)  # [B, V]
-    return one_hot.scatter_(1, scores.argmax(dim=-1, keepdim=True), 1.0)
+def greedy_tokens(scores: torch.Tensor, fallback_token: int) -> torch.Tensor:
+    """Each row's argmax [B] int64 of `scores` [B, V]. NaN entries count as -inf (argmax
+    would pick them), and a row with nothing above -inf takes the fallback token."""
+    tokens = scores.argmax(dim=-1)  # [B]
+    best = scores.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [B]; NaN if the row has one
+    broken = best.isnan() | (best == _NEG_INF)
+    if bool(broken.any()):
+        rows = broken.nonzero().squeeze(1)
+        clean = scores[rows].nan_to_num(nan=_NEG_INF)  # [R, V]
+        tokens[rows] = torch.where(clean.amax(dim=-1) > _NEG_INF, clean.argmax(dim=-1),
+                                   fallback_token)
+    return tokens
+
+
+def _one_hot(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] float32 one-hot rows at `tokens` [B]."""
+    one_hot = torch.zeros(tokens.shape[0], vocab_size, dtype=torch.float32,
+                          device=tokens.device)
+    return one_hot.scatter_(1, tokens.unsqueeze(1), 1.0)
 
 
 _CDF_BLOCK = 1024  # inverse_cdf finds the block first, then the token inside it
@@ -414,7 +414,8 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     # the block's own running total may round below the threshold: stay inside its mass
     rest = torch.minimum(threshold - before, inner[:, -1] * (1 - 2.0**-40))  # [B]
     token = torch.searchsorted(inner, rest.clamp(min=0).unsqueeze(1), right=True).squeeze(1)
-    return block * size + token.clamp_(max=size - 1)
+    # a row without mass (never from target_probs) would land in the last block's padding
+    return (block * size + token.clamp_(max=size - 1)).clamp_(max=width - 1)
 
 
 def keyed_uniforms(meta: SamplingMetadata, stream: int, device: torch.device) -> torch.Tensor:
@@ -428,7 +429,7 @@ def sample_rows(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Ten
     drawn from [B, V] (`target_probs`). Greedy rows take the penalized argmax."""
     logits = logits.float()
     if meta.all_greedy:
-        return apply_penalties(logits, meta).argmax(dim=-1), None
+        return greedy_tokens(apply_penalties(logits, meta), meta.fallback_token), None
     probs = target_probs(logits, meta)  # [B, V], greedy rows one-hot
     assert meta.uniforms is not None
     return inverse_cdf(probs, meta.uniforms), probs

@@ -4,6 +4,7 @@ verified in one batched call (verify.py); logprobs are taken once, from the raw 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,7 @@ from braid.engine.request import Request
 from braid.engine.runner import prompt_logprob_rows
 from braid.engine.scheduler import ScheduledRequest, SchedulerOutput
 from braid.outputs import Logprob, SampleLogprobs
+from braid.sample.constraints import RequestConstraints
 from braid.sample.sampler import SAMPLE, SamplingMetadata, gather_logprobs
 from braid.sample.verify import verify
 from braid.structured.grammar import allowed_tokens, bitmask_width
@@ -112,7 +114,24 @@ def rows_metadata(
         eos_token_ids=eos_token_ids,
         stream=stream,
         allowed=_grammar_masks(rows, vocab_size, device),
+        constraints=[request_constraints(r) for r, _ in rows],
     )
+
+
+# Each live request's lists as tensors, by the request's identity: built the first step it
+# samples in, dropped when the request object is garbage-collected.
+_CONSTRAINTS: dict[int, RequestConstraints] = {}
+
+
+def request_constraints(req: Request) -> RequestConstraints:
+    """The request's RequestConstraints, built once (its params and prompt never change)."""
+    key = id(req)
+    found = _CONSTRAINTS.get(key)
+    if found is None:
+        found = RequestConstraints.build(req.sampling_params, req.prompt_token_ids)
+        _CONSTRAINTS[key] = found
+        weakref.finalize(req, _CONSTRAINTS.pop, key, None)
+    return found
 
 
 def _grammar_masks(rows: list[tuple[Request, list[int]]], vocab_size: int,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -649,3 +650,43 @@ def test_vllm_command_lines_run_as_they_are(capsys) -> None:
     # vLLM's draft-model config names the model, not the method
     spec = SpecConfig.from_dict({"model": "tiny-draft", "num_speculative_tokens": 3})
     assert (spec.method, spec.model) == ("draft_model", "tiny-draft")
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+
+
+@pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram"])
+@pytest.mark.parametrize("degenerate", [
+    {"temperature": 1e-300}, {"temperature": 1e-45}, {"top_p": 1e-300},
+    {"repetition_penalty": 1e-300}], ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+def test_degenerate_sampling_parameters_hurt_no_other_request(degenerate: dict,
+                                                              spec: dict | None) -> None:
+    """One request whose parameters are 0 or inf in float32 (a temperature or top_p of
+    1e-300, a repetition penalty of 1e-300) batched with a greedy and a seeded random one:
+    the other two give what they give alone, and it completes as its safe bound does (a tiny
+    temperature or top_p greedily). They used to fail the whole step (top_p: an index of -1)
+    or draw a garbage id from NaN probabilities (an id past the vocabulary on the real one)."""
+    from braid.sampling_params import REPETITION_PENALTY_BOUNDS
+
+    ps = prompts()
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True)
+    odd = SamplingParams(seed=5, max_tokens=12, ignore_eos=True, **degenerate)
+
+    def outputs(requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, tuple]:
+        engine = make_engine(speculative_config=spec)
+        for rid, (prompt, params) in requests.items():
+            engine.add_request(rid, prompt, params)
+        return {o.request_id: (o.outputs[0].token_ids, o.outputs[0].finish_reason)
+                for o in engine.run_until_done() if o.finished}
+
+    requests = {"greedy": (ps[0], GREEDY), "seeded": (ps[1], seeded), "odd": (ps[2], odd)}
+    together = outputs(requests)
+    for rid in ("greedy", "seeded"):
+        assert together[rid] == outputs({rid: requests[rid]})[rid]
+    if "repetition_penalty" in degenerate:
+        bound = dataclasses.replace(odd, repetition_penalty=REPETITION_PENALTY_BOUNDS[0])
+        assert together["odd"] == outputs({"odd": (ps[2], bound)})["odd"]
+    else:
+        assert together["odd"] == outputs({"odd": (ps[2], GREEDY)})["odd"]
+    assert together["odd"][1] == "length"

@@ -225,11 +225,11 @@ def test_penalties_then_filters_match_reference() -> None:
 def test_build_skips_unused_tensors() -> None:
     meta = build([SamplingParams(), SamplingParams(temperature=0, top_p=0.5)])
     assert meta.top_k is None and meta.top_p is None and meta.min_p is None
-    assert meta.repetition_penalty is None and meta.output_token_counts is None
+    assert meta.repetition_penalty is None and meta.penalized is None
     assert meta.suppressed is None and meta.logit_bias is None
     meta = build([SamplingParams(frequency_penalty=0.5)], outputs=[[]])
-    assert meta.output_token_counts is not None and meta.prompt_token_mask is None
-    assert meta.output_token_counts.shape == (1, V) and meta.output_token_counts.sum() == 0
+    assert meta.penalized is not None and meta.repetition_penalty is None
+    assert meta.penalized.rows.numel() == 0  # no output yet, and the prompt does not count
 
 
 def test_allowed_token_ids_join_the_grammar_masks() -> None:
@@ -429,3 +429,135 @@ def test_sampler_does_not_modify_logits() -> None:
 def test_build_rejects_mismatched_rows() -> None:
     with pytest.raises(ValueError, match="one entry per row"):
         SamplingMetadata.build([SamplingParams()], [], [[]], [0], V, "cpu")
+
+
+def dense_penalties(logits: torch.Tensor, params: list[SamplingParams],
+                    prompts: list[list[int]], outputs: list[list[int]]) -> torch.Tensor:
+    """The penalties as [B, V] float32 arithmetic over the whole table."""
+    counts = torch.zeros(len(params), logits.shape[1])
+    prompt_mask = torch.zeros(len(params), logits.shape[1], dtype=torch.bool)
+    for row, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
+        prompt_mask[row, prompt] = True
+        for token in out:
+            counts[row, token] += 1
+    column = {name: torch.tensor([getattr(p, name) for p in params]).unsqueeze(1)
+              for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")}
+    seen = counts > 0
+    rep = torch.where(seen | prompt_mask, column["repetition_penalty"], 1.0)
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - column["frequency_penalty"] * counts
+    return logits - column["presence_penalty"] * seen
+
+
+def test_penalties_equal_the_dense_arithmetic_bit_for_bit() -> None:
+    """Penalties change only the (row, token) pairs of a row's prompt and output: the same
+    float32 values as the arithmetic over the whole [B, V] table."""
+    logits = random_logits(len(PENALTY_PARAMS), seed=12)
+    meta = build(PENALTY_PARAMS, PROMPTS, OUTPUTS)
+    assert torch.equal(apply_penalties(logits, meta),
+                       dense_penalties(logits, PENALTY_PARAMS, PROMPTS, OUTPUTS))
+
+
+@settings(max_examples=80, deadline=None)
+@given(words=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3), max_size=12),
+       outputs=st.lists(st.lists(st.integers(0, 5), max_size=5), min_size=1, max_size=4))
+def test_bad_words_refuse_the_token_that_would_complete_one(
+    words: list[list[int]], outputs: list[list[int]]
+) -> None:
+    """vLLM's bad words: a word's last token is refused where the output ends with the rest
+    of it (a one-token word always)."""
+    params = [SamplingParams(bad_words_token_ids=words)] * len(outputs)
+    refused = apply_penalties(torch.zeros(len(outputs), V), build(params, outputs=outputs))
+    for row, out in enumerate(outputs):
+        expected = {w[-1] for w in words
+                    if len(w) - 1 <= len(out) and out[len(out) - len(w) + 1:] == w[:-1]}
+        assert set((refused[row] == -math.inf).nonzero().flatten().tolist()) == expected
+
+
+def test_logit_bias_and_allowed_ids_apply_to_every_row_of_their_request() -> None:
+    """Long lists apply to each row of a window alike; ids past the vocabulary (a draft
+    model's may be smaller) are skipped."""
+    bias = {t: t / 4 for t in range(0, V + 8, 3)}
+    allowed = list(range(1, V + 8, 2))
+    params = [SamplingParams(logit_bias=bias, allowed_token_ids=allowed)] * 2
+    params.append(SamplingParams())
+    logits = random_logits(3, seed=13)
+    shaped = apply_penalties(logits, build(params))
+    expected = logits[:2].clone()
+    expected[:, list(range(0, V, 3))] += torch.tensor([t / 4 for t in range(0, V, 3)])
+    expected[:, [t for t in range(V) if t % 2 == 0]] = -math.inf
+    assert torch.equal(shaped[:2], expected) and torch.equal(shaped[2], logits[2])
+
+
+def test_rows_with_non_finite_logits_take_their_greedy_token(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A row whose logits hold NaN or +inf (a broken model; no request's parameters can make
+    them) takes its greedy token, NaN counting as -inf, with a warning; a row with nothing
+    left takes its end token. The other rows draw what they draw alone, and no row gets an
+    id past the vocabulary (1100 tokens: the inverse CDF's last block is padded)."""
+    vocab = 1100
+    logits = random_logits(6, seed=14, vocab_size=vocab)
+    logits[0, 7] = math.nan
+    logits[1, 1050] = math.inf
+    logits[2] = math.nan
+    logits[3, [3, 1090]] = math.inf
+    params = [SamplingParams(seed=i) for i in range(5)] + [SamplingParams(temperature=0)]
+    logits[5, 9] = math.nan
+    seeds = list(range(6))
+    with caplog.at_level("WARNING", logger="braid"):
+        tokens, probs = sample_rows(logits, build(params, seeds=seeds, vocab_size=vocab))
+    assert "non-finite" in caplog.text
+    assert probs is not None and probs.sum(dim=-1).isfinite().all()
+    alone = sample_rows(logits[4:5], build(params[4:5], seeds=seeds[4:5], vocab_size=vocab))
+    assert tokens.tolist() == [int(logits[0].nan_to_num(nan=-math.inf).argmax()), 1050, EOS,
+                               3, int(alone[0][0]),
+                               int(logits[5].nan_to_num(nan=-math.inf).argmax())]
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_top_token() -> None:
+    """top_p 1e-300 is 0 in float32: the top token (and its ties) still survives, as for any
+    tiny p. SamplingParams moves such a p onto MIN_TOP_P, which means the same."""
+    from braid.sampling_params import MIN_TOP_P
+
+    past_the_bound = SamplingParams()
+    past_the_bound.top_p = 1e-300
+    assert SamplingParams(top_p=1e-300).top_p == MIN_TOP_P
+    logits = random_logits(2, seed=15)
+    for p in (past_the_bound, SamplingParams(top_p=1e-300)):
+        kept = filtered_logits(logits, build([p, SamplingParams(top_p=0.5)])).isfinite()
+        assert kept[0].nonzero().flatten().tolist() == [int(logits[0].argmax())]
+
+
+@pytest.mark.parametrize("degenerate", [
+    {"temperature": 1e-300}, {"temperature": 1e-45}, {"top_p": 1e-300},
+    {"repetition_penalty": 1e-300}, {"repetition_penalty": 1e300}])
+def test_degenerate_parameters_leave_the_other_rows_alone(degenerate: dict) -> None:
+    """Values whose float32 arithmetic degenerates (a temperature or penalty that is 0 or
+    inf in float32): the row draws a token of the vocabulary (a tiny temperature or top_p
+    its greedy one) and the rows beside it draw what they draw alone."""
+    vocab = 1100
+    params = [SamplingParams(seed=1, **degenerate), SamplingParams(temperature=0),
+              SamplingParams(temperature=0.8, seed=2)]
+    logits = random_logits(3, seed=16, vocab_size=vocab)
+    prompts, outputs = [[1, 2, 40]] * 3, [[5, 6, 700]] * 3
+    tokens = sample_rows(logits, build(params, prompts, outputs, [1, 0, 2], vocab))[0]
+    for row in (1, 2):
+        alone = build(params[row:row + 1], prompts[:1], outputs[:1], [row], vocab)
+        assert int(tokens[row]) == int(sample_rows(logits[row:row + 1], alone)[0][0])
+    assert 0 <= int(tokens[0]) < vocab
+    if "repetition_penalty" not in degenerate:
+        assert int(tokens[0]) == int(logits[0].argmax())
+
+
+def test_filters_run_on_the_rows_that_ask_for_them() -> None:
+    """One row's top-p or min-p leaves the rows without a filter as they are (only the
+    temperature divides them), and its own row is what it is alone."""
+    params = [SamplingParams(top_p=0.5), SamplingParams(temperature=0.5),
+              SamplingParams(temperature=0), SamplingParams(min_p=0.2, top_k=3)]
+    logits = random_logits(4, seed=17)
+    shown = filtered_logits(logits, build(params))
+    assert torch.equal(shown[1], logits[1] / 0.5) and torch.equal(shown[2], logits[2])
+    for row in (0, 3):
+        alone = filtered_logits(logits[row:row + 1], build(params[row:row + 1]))
+        assert torch.equal(shown[row], alone[0])

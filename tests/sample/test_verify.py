@@ -26,7 +26,7 @@ def same_params_meta(
     row's tensors, expanded; row i keyed by (seeds[i], positions[i]). Only for params without
     min_tokens or penalties."""
     one = build([params], vocab_size=vocab_size)
-    assert one.suppressed is None and one.output_token_counts is None
+    assert one.suppressed is None and one.penalized is None
     rows = len(seeds)
     fields = {f.name: getattr(one, f.name) for f in dataclasses.fields(one)}
     for name, value in fields.items():
