@@ -221,6 +221,8 @@ class LLMEngine:
         self.structured = None if tokenizer is None else StructuredOutputManager(
             tokenizer, model.config.vocab_size, self.outputs.eos_token_ids, self.stats.grammar)
         self._compiling: list[Request] = []  # requests whose grammar is not compiled yet
+        # (group, prompt, prompt_logprobs) -> the request that scores that prompt for its group
+        self._prompt_scorers: dict[tuple[str, tuple[int, ...], int], Request] = {}
         self._seeds = random.Random(config.seed)  # unseeded requests' seeds, in arrival order
 
     def _check_memory(self) -> None:
@@ -295,6 +297,11 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
         req = Request(request_id, ids, params, prompt=text, seed=seed, priority=priority,
                       group=group or request_id)
+        if params.prompt_logprobs is not None and group is not None:
+            # n choices of one prompt: the first scores it for all
+            scorer = self._prompt_scorers.setdefault((group, tuple(ids), params.prompt_logprobs),
+                                                     req)
+            req.prompt_scorer = None if scorer is req else scorer
         if arrival_time is not None:
             req.arrival_time = arrival_time
         if params.structured_outputs is not None:
@@ -358,6 +365,10 @@ class LLMEngine:
         self.outputs.finish(req)
         if self.speculator is not None:
             self.speculator.forget(req.request_id)
+        if req.prompt_scorer is None and req.sampling_params.prompt_logprobs is not None:
+            key = (req.group, tuple(req.prompt_token_ids), req.sampling_params.prompt_logprobs)
+            if self._prompt_scorers.get(key) is req:
+                del self._prompt_scorers[key]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished

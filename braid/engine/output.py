@@ -244,7 +244,7 @@ class OutputProcessor:
             prompt_token_ids=req.prompt_token_ids,
             outputs=[completion],
             finished=req.is_finished,
-            prompt_logprobs=list(req.prompt_logprobs) if scored else None,
+            prompt_logprobs=list(req.prompt_scores) if scored else None,
             num_cached_tokens=req.num_cached_tokens or 0,
             metrics=RequestMetrics(
                 arrival_time=req.arrival_time,
@@ -260,8 +260,7 @@ class OutputProcessor:
 
 def _prompt_scored(req: Request) -> bool:
     """Whether the request asked for prompt logprobs and every prompt token has them."""
-    return (req.sampling_params.prompt_logprobs is not None
-            and len(req.prompt_logprobs) >= req.num_prompt_tokens)
+    return req.sampling_params.prompt_logprobs is not None and req.prompt_scored
 
 
 def _length_reached(req: Request, max_model_len: int) -> bool:

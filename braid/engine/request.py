@@ -69,6 +69,10 @@ class Request:
     # Steps it sits out before it decodes again (its grammar's masks cost much; scheduler)
     rest_steps: int = 0
     last_scheduled_step: int = -1  # the scheduler's step count when it last ran
+    # With prompt_logprobs and n > 1: the first choice, which scores the prompt for every
+    # choice of its group with the same prompt (once, not n times); this one waits until
+    # it has, then shares its entries and its cached prefix.
+    prompt_scorer: Request | None = None
 
     def __post_init__(self) -> None:
         self.group = self.group or self.request_id
@@ -84,6 +88,22 @@ class Request:
         """The compiled grammar (None without structured output, or while compiling)."""
         f = self.grammar_future
         return f.result() if f is not None and f.done() and f.exception() is None else None
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its own steps compute its prompt logprobs (asked for, no scorer)."""
+        return self.sampling_params.prompt_logprobs is not None and self.prompt_scorer is None
+
+    @property
+    def prompt_scores(self) -> PromptLogprobs:
+        """Its prompt logprobs so far: its own, or its scorer's."""
+        return (self.prompt_logprobs if self.prompt_scorer is None
+                else self.prompt_scorer.prompt_logprobs)
+
+    @property
+    def prompt_scored(self) -> bool:
+        """Every prompt token has its logprobs (its own, or its scorer's)."""
+        return len(self.prompt_scores) >= self.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

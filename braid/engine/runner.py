@@ -20,7 +20,7 @@ def prompt_logprob_rows(req: Request, num_new_tokens: int) -> range:
     """Offsets in this step's span of `req` whose logits score a prompt token that has no
     logprob yet: position p scores prompt token p + 1. Positions scored before a preemption
     are not scored again; output and draft positions never are."""
-    if req.sampling_params.prompt_logprobs is None:
+    if not req.scores_prompt:
         return range(0)
     start = req.num_computed_tokens
     first = max(start, len(req.prompt_logprobs) - 1)

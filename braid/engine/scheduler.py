@@ -280,16 +280,28 @@ class Scheduler:
     def _next_waiting(self) -> Request | None:
         """The first waiting request that can run (FCFS, or by priority), passing over those
         whose grammar is still compiling or failed (they keep their place; the engine ends
-        failed ones)."""
-        ready = (r for r in self.waiting if r.grammar is not None or r.grammar_future is None)
+        failed ones) and those whose prompt scorer has not scored the prompt yet."""
+        ready = (r for r in self.waiting if (r.grammar is not None or r.grammar_future is None)
+                 and self._scorer_done(r))
         if self.priority:
             return min(ready, key=_rank, default=None)
         return next(ready, None)
 
+    def _scorer_done(self, req: Request) -> bool:
+        """Whether the request's prompt scorer (if any) has scored the prompt; one that
+        finished without (aborted, failed) leaves the request to score it itself."""
+        scorer = req.prompt_scorer
+        if scorer is None or scorer.prompt_scored:
+            return True
+        if scorer.is_finished:
+            req.prompt_scorer = None
+            return True
+        return False
+
     def _looks_up(self, req: Request) -> bool:
         """Whether admission looks the request's prefix up in the cache: caching is on, and
         the request's prompt logprobs do not need every prompt position's logits."""
-        return self.blocks.enable_caching and req.sampling_params.prompt_logprobs is None
+        return self.blocks.enable_caching and not req.scores_prompt
 
     def _cached_prefix(self, req: Request) -> list[int]:
         """Published blocks of the request's prefix. The last token is always computed (its
