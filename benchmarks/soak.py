@@ -1,5 +1,6 @@
 """Soak test of `braid serve`: open-loop load for N minutes with random client aborts, bad
-requests and n > 1 mixed in; then the checks a long-running server must pass.
+requests, n > 1 and hostile requests (braid/bench/hostile.py) mixed in; then the checks a
+long-running server must pass.
 
     python benchmarks/soak.py [--minutes 10] [--rate 0.1] [--model M]
                               [--speculative-config JSON] [--out F.json] [-- extra serve flags]
@@ -14,24 +15,34 @@ some are bad (malformed JSON, unknown or invalid fields, a lone surrogate, a bod
 - after the load, running, waiting and KV usage return to 0;
 - resident memory does not grow (the second half's peak against the first half's);
 - the longest gap in a running stream while the server handles the largest allowed body,
-  beyond the stream's usual gap between chunks (goal: under 100 ms).
+  beyond the stream's usual gap between chunks (goal: under 100 ms);
+- every hostile request got a 4xx or a completion, none a 5xx; one is sent every
+  --hostile-every seconds after the first third of the run, in turn;
+- an innocent stream runs all along: its tokens/s while a hostile request is in flight
+  within 2x of its median pace while none is;
+- /health, probed every 50 ms all along, answers under 100 ms at p99.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
+import multiprocessing
 import random
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from braid.bench.datasets import humaneval
+from braid.bench.hostile import HOSTILE, Hostile, encoded
 from braid.bench.server_metrics import scrape
 from braid.bench.server_process import ServerProcess, check_serve_flags
 from braid.config import positive_float
@@ -56,6 +67,12 @@ class Report:
     stall_ms: float = 0.0
     usual_gap_ms: float = 0.0
     added_stall_ms: float = 0.0  # stall_ms beyond the usual gap: what the large body cost
+    hostile: dict[str, list[str]] = field(default_factory=dict)  # name -> "status in s"
+    hostile_wrong: list[str] = field(default_factory=list)
+    pace_calm: float = 0.0  # the innocent stream's median tokens/s, no hostile in flight
+    pace_hostile: list[tuple[str, float]] = field(default_factory=list)  # (in flight, tok/s)
+    worst_pace_ratio: float = 0.0  # pace_calm / the slowest pace beside a hostile request
+    health_ms: dict[str, float] = field(default_factory=dict)  # p50, p99, max
 
     @property
     def ok(self) -> bool:
@@ -63,7 +80,14 @@ class Report:
         half = len(self.rss_mb) // 2
         grew = half > 0 and max(self.rss_mb[half:]) > 1.1 * max(self.rss_mb[:half])
         return (not self.mismatched and not self.bad_wrong_status and not self.server_errors
-                and idle and not grew)
+                and idle and not grew and not self.hostile_wrong
+                and self.worst_pace_ratio <= 2.0 and self.health_ms.get("p99", 0) < 100)
+
+
+def vocab_size(model: str) -> int:
+    from braid.models.loader import load_config, model_folder
+
+    return load_config(model_folder(model)).vocab_size
 
 
 def rss_mb(pid: int) -> float:
@@ -83,11 +107,56 @@ def bad_requests(model: str, max_model_len: int) -> list[tuple[str, bytes, int]]
         ("unknown field", body(frobnicate=1), 400),
         ("negative temperature", body(temperature=-1), 400),
         ("lone surrogate", body(prompt="a\ud800"), 400),
-        ("json response_format", body(response_format={"type": "json_object"}), 400),
         ("seed overflow", body(seed=2**64), 400),
         ("prompt over max_model_len", body(prompt="x " * max_model_len), 400),
         ("body over the limit", body(prompt="x" * (BODY_LIMIT + 10)), 413),
     ]
+
+
+class Observer:
+    """A process of its own (the soak's client does heavy work of its own: large bodies in
+    and out) that probes /health every 50 ms and runs one innocent greedy stream after
+    another until `deadline` (time.monotonic, which processes share)."""
+
+    def __init__(self, url: str, stream_body: dict, deadline: float) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._queue = context.Queue()
+        self._process = context.Process(target=_observe, args=(
+            url, stream_body, deadline, self._queue), daemon=True)
+        self._process.start()
+
+    def results(self) -> tuple[list[float], list[tuple[float, float, float]]]:
+        """(/health answer times in ms, innocent streams as (start, end, tokens/s))."""
+        out = self._queue.get()
+        self._process.join()
+        return out
+
+
+def _observe(url: str, stream_body: dict, deadline: float, queue: Any) -> None:
+    health: list[float] = []
+    streams: list[tuple[float, float, float]] = []
+
+    def probe() -> None:
+        with httpx.Client(base_url=url, timeout=600) as client:
+            while time.monotonic() < deadline:
+                start = time.monotonic()
+                client.get("/health")
+                health.append((time.monotonic() - start) * 1e3)
+                time.sleep(0.05)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    with httpx.Client(base_url=url, timeout=600) as client:
+        while time.monotonic() < deadline:
+            times = []
+            with client.stream("POST", "/v1/completions", json=stream_body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        times.append(time.monotonic())
+            if len(times) > 1:
+                streams.append((times[0], times[-1], (len(times) - 1) / (times[-1] - times[0])))
+    thread.join()
+    queue.put((health, streams))
 
 
 class Soak:
@@ -98,6 +167,8 @@ class Soak:
         self.outputs: dict[tuple[int, int], list[str]] = {}  # (prompt, max_tokens) -> texts
         self.report = Report(args.minutes, args.rate, args.speculative_config)
         self.rng = random.Random(0)
+        self.hostile_spans: list[tuple[float, float, str]] = []  # (start, end, name)
+        self.vocab = vocab_size(args.model)
 
     def body(self, i: int, max_tokens: int, **fields: object) -> dict:
         return {"model": self.server.model, "prompt": self.prompts[i], "max_tokens": max_tokens,
@@ -150,9 +221,56 @@ class Soak:
         except httpx.HTTPError as e:
             self.report.server_errors.append(f"{kind}: {type(e).__name__}: {e}")
 
+    async def hostile_loop(self, deadline: float) -> None:
+        """One hostile request every --hostile-every seconds, in turn, from a third of the
+        run on (the innocent stream's calm pace is measured before)."""
+        await asyncio.sleep(self.args.minutes * 20)
+        tasks = []
+        async with httpx.AsyncClient(base_url=self.server.url, timeout=900) as client:
+            for i in itertools.count():
+                if time.monotonic() >= deadline:
+                    break
+                tasks.append(asyncio.create_task(self.send_hostile(
+                    client, HOSTILE[i % len(HOSTILE)])))
+                await asyncio.sleep(self.args.hostile_every)
+            await asyncio.gather(*tasks)
+
+    async def send_hostile(self, client: httpx.AsyncClient, hostile: Hostile) -> None:
+        raw = await asyncio.to_thread(encoded, hostile, self.server.model, self.vocab)
+        start = time.monotonic()
+        try:
+            r = await client.post(hostile.path, content=raw,
+                                  headers={"content-type": "application/json"})
+            status = str(r.status_code)
+            if r.status_code not in hostile.statuses:
+                self.report.hostile_wrong.append(f"{hostile.name}: {status} {r.text[:200]}")
+        except httpx.HTTPError as e:
+            status = type(e).__name__
+            self.report.hostile_wrong.append(f"{hostile.name}: {status}: {e}")
+        self.hostile_spans.append((start, time.monotonic(), hostile.name))
+        self.report.hostile.setdefault(hostile.name, []).append(
+            f"{status} in {time.monotonic() - start:.2f} s")
+
+    def judge_paces(self, streams: list[tuple[float, float, float]]) -> None:
+        """Each innocent stream (start, end, tokens/s) beside the hostile requests in flight
+        during it: the calm pace is the median of those beside none."""
+        calm = []
+        for start, end, pace in streams:
+            beside = sorted({name for s, e, name in self.hostile_spans if s < end and e > start})
+            if beside:
+                self.report.pace_hostile.append((", ".join(beside), round(pace, 1)))
+            else:
+                calm.append(pace)
+        self.report.pace_calm = round(statistics.median(calm), 1) if calm else 0.0
+        slowest = min((p for _, p in self.report.pace_hostile), default=0.0)
+        self.report.worst_pace_ratio = round(self.report.pace_calm / slowest, 2) \
+            if slowest else 0.0
+
     async def load(self) -> None:
         deadline = time.monotonic() + self.args.minutes * 60
         tasks: set[asyncio.Task] = set()
+        watcher = Observer(self.server.url, self.body(1, 48, stream=True), deadline)
+        side = [asyncio.create_task(self.hostile_loop(deadline))]
         next_sample, started = time.monotonic(), time.monotonic()
         async with httpx.AsyncClient(base_url=self.server.url, timeout=600) as client:
             while time.monotonic() < deadline:
@@ -166,10 +284,17 @@ class Soak:
                     done = (time.monotonic() - started) / 60
                     print(f"  {done:.1f} / {self.args.minutes} min: {self.report.good} good, "
                           f"{self.report.aborted} dropped, {self.report.bad} bad, "
+                          f"{sum(map(len, self.report.hostile.values()))} hostile, "
                           f"{len(tasks)} in flight, RSS {self.report.rss_mb[-1]:.0f} MB",
                           flush=True)
-            await asyncio.gather(*tasks)
+            await asyncio.gather(*tasks, *side)
         self.report.rss_mb.append(round(rss_mb(self.server.proc.pid), 1))
+        health, streams = await asyncio.to_thread(watcher.results)
+        health.sort()
+        self.report.health_ms = {"p50": round(health[len(health) // 2], 1),
+                                 "p99": round(health[int(0.99 * (len(health) - 1))], 1),
+                                 "max": round(health[-1], 1)}
+        self.judge_paces(streams)
 
     def check_outputs(self) -> None:
         """Each (prompt, length) run alone now; every output under load must equal it."""
@@ -206,8 +331,12 @@ class Soak:
             text = ("x" * 1000 + " ") * ((BODY_LIMIT - 1000) // 1001)
             raw = json.dumps({"model": self.server.model, "prompt": text, "max_tokens": 1})
             task = asyncio.create_task(stream())
-            while len(gaps) < 20:
+            while len(gaps) < 20 and not task.done():
                 await asyncio.sleep(0.05)
+            if len(gaps) < 20:
+                self.report.server_errors.append("the stall check's stream gave fewer than 20 "
+                                                 "chunks (a prompt too long for the model?)")
+                return
             usual = statistics.median(gaps)
             mark = len(gaps)
             status = await asyncio.to_thread(lambda: httpx.post(
@@ -230,6 +359,8 @@ def main() -> int:
                     "cores")
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--speculative-config", default=None)
+    ap.add_argument("--hostile-every", type=positive_float, default=15.0,
+                    help="seconds between hostile requests (after the first third)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("serve_flags", nargs="*", help="more `braid serve` flags (after --)")
     args = ap.parse_args()

@@ -102,6 +102,16 @@ def _generation_config(config: EngineConfig, folder: Path | None) -> dict[str, A
     return defaults
 
 
+def with_bad_words(params: SamplingParams, tokenizer: Tokenizer | None) -> SamplingParams:
+    """`params` with its bad_words as token ids. It takes a tokenizer call per word (100,000
+    words: ~1.5 s): the server does it in a worker thread before it adds the request."""
+    if tokenizer is None:
+        raise RequestError("bad_words needs a tokenizer: this engine has none")
+    return dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(
+        params.bad_words or [],
+        lambda texts: tokenizer.encode_batch(texts, add_special_tokens=False)))
+
+
 class Checked(NamedTuple):
     folder: Path  # the target's
     tokenizer: Tokenizer | None  # --tokenizer's, loaded to check it
@@ -277,13 +287,8 @@ class LLMEngine:
             raise RequestError(f"priority must be an integer, got {priority!r}")
         if priority != 0 and not self.scheduler.priority:
             raise RequestError(f"priority {priority} needs --scheduling-policy priority")
-        if params.bad_words:
-            if self.tokenizer is None:
-                raise RequestError("bad_words needs a tokenizer: this engine has none")
-            tokenizer = self.tokenizer
-            params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(
-                params.bad_words,
-                lambda texts: tokenizer.encode_batch(texts, add_special_tokens=False)))
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = with_bad_words(params, self.tokenizer)
         if -1 in (params.logprobs, params.prompt_logprobs):  # vLLM's: the whole vocabulary
             vocab = self.model_config.vocab_size
             params = dataclasses.replace(

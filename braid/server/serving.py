@@ -21,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from braid.engine.engine import RequestError
+from braid.engine.engine import RequestError, with_bad_words
 from braid.outputs import RequestOutput
 from braid.sampling_params import SamplingParams, StructuredOutputsParams, choice_seed
 from braid.server.bodies import INLINE_BYTES, json_response, off_loop
@@ -250,6 +250,14 @@ def kept_prompt_tokens(ctx: ServerContext, truncate_prompt_tokens: int | None) -
         raise bad_request(f"truncate_prompt_tokens must be -1 or in [1, {ctx.max_model_len}] "
                           f"(max_model_len), got {k}", "truncate_prompt_tokens")
     return ctx.max_model_len if k == -1 else k
+
+
+async def prepared(ctx: ServerContext, params: SamplingParams) -> SamplingParams:
+    """`params` with what is costly to derive from them done here, in a worker thread, not
+    on the engine's: bad_words as token ids."""
+    if not params.bad_words:
+        return params
+    return await asyncio.to_thread(with_bad_words, params, ctx.tokenizer)
 
 
 def make_job(prefix: str, prompts: list[list[int]], params: SamplingParams, n: int,

@@ -44,6 +44,7 @@ from braid.server.serving import (
     force_usage,
     kept_prompt_tokens,
     make_job,
+    prepared,
     request_id,
     request_params,
     respond,
@@ -103,6 +104,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     if keep is not None:
         prompt = prompt[-keep:]
     check_room(ctx, [prompt], asked, asked_field, "messages")
+    params = await prepared(ctx, params)
     job = make_job("chatcmpl", [prompt], params, body.n, request_id(body, raw))
     await submit(ctx, job, prompt_field="messages", priority=body.priority)
     tools = {c.index: ChoiceTools(mode, body) for c in job.choices} if mode else {}

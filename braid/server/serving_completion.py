@@ -38,6 +38,7 @@ from braid.server.serving import (
     force_usage,
     kept_prompt_tokens,
     make_job,
+    prepared,
     request_id,
     request_params,
     respond,
@@ -74,6 +75,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest,
     if keep is not None:
         prompts = [p[-keep:] for p in prompts]
     check_room(ctx, prompts, max_tokens, "max_tokens", "prompt")
+    params = await prepared(ctx, params)
     job = make_job("cmpl", prompts, params, body.n, request_id(body, raw))
     if score_only:
         job.view = _prompt_only
