@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 
 from braid import __version__
 from braid.config import ConfigError, config_from_args
+from braid.server import heap
 from braid.server.bodies import json_response, off_loop, parse_body, read_json
 from braid.server.engine_loop import AsyncEngine, ShuttingDown
 from braid.server.errors import bad_request, install_error_handlers, validation_error
@@ -204,6 +205,7 @@ def _detokenized(ctx: ServerContext, body: DetokenizeRequest) -> Response:
 def run_server(args: argparse.Namespace) -> int:
     from braid.engine.engine import LLMEngine
 
+    heap.limit_arenas()  # before any thread starts (heap.py)
     config = config_from_args(args)
     _check_tls(args)
     if args.enable_log_requests and args.disable_log_requests:

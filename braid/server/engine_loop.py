@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from braid.engine.stats import EngineStats
 from braid.outputs import RequestOutput
 from braid.sampling_params import SamplingParams
+from braid.server import heap
 from braid.server.metrics import ServerMetrics
 from braid.spec_decode.speculator import SpeculatorFigures
 
@@ -201,14 +202,19 @@ class AsyncEngine:
             raise
 
     def _loop_forever(self) -> None:
+        worked = False  # since the heap was last trimmed
         while True:
             idle = not self.engine.has_unfinished_requests()
             if not self._apply(self._take_commands(block=idle)):
                 return
             if self.engine.has_unfinished_requests():
                 self._step()
+                worked = True
             else:  # the stats line of the work that just ended, once its interval is up
                 self.engine.log_idle_stats()
+                if worked:
+                    heap.trim()
+                    worked = False
             self._publish()
 
     def _take_commands(self, block: bool) -> list[_Command]:
