@@ -181,6 +181,36 @@ def test_real_tokenizer_matches_transformers(target_gguf: Path, reference_tokeni
         tokenizer.eos_token_ids)
 
 
+def long_text(seed: int) -> str:
+    """~200k characters of words, digits, punctuation, runs of spaces and newlines, special
+    tokens' text and non-Latin letters: every kind of boundary a cut could fall near."""
+    import random
+
+    words = ["hello", "the", "ünïcode", "日本語", "x", "'s", "don't", "  ", "\n", "\t", "123",
+             "a.b", "<|im_end|>", "émoji😀", "CamelCase", "-->", " "]
+    rng = random.Random(seed)
+    return " ".join(rng.choice(words) for _ in range(40_000))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_long_text_encodes_in_pieces_as_whole(tiny_tokenizer: Tokenizer, seed: int) -> None:
+    """Long texts are encoded in pieces cut at spaces between letters (the GIL is held
+    while each piece's ids become a list): the ids are the whole text's."""
+    text = long_text(seed)
+    assert tiny_tokenizer._splits_words
+    assert tiny_tokenizer.encode(text, False) == tiny_tokenizer.backend.encode(
+        text, add_special_tokens=False).ids
+
+
+@pytest.mark.real_model
+def test_a_long_text_encodes_in_pieces_as_whole_with_the_real_tokenizer(
+        target_gguf: Path) -> None:
+    tokenizer = Tokenizer.from_folder(model_folder(str(target_gguf)))
+    for text in (long_text(2), REAL_TEXT * 2000):
+        assert tokenizer.encode(text, False) == tokenizer.backend.encode(
+            text, add_special_tokens=False).ids
+
+
 @pytest.mark.real_model
 def test_bad_words_tokenized_as_vllm_does(target_gguf: Path) -> None:
     """A bad word bare and, where it spells the same count of other tokens, after a space

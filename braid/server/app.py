@@ -9,7 +9,8 @@ import logging
 import signal
 import socket
 import ssl
-from collections.abc import AsyncIterator
+import sys
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +24,16 @@ from pydantic import BaseModel, ValidationError
 
 from braid import __version__
 from braid.config import ConfigError, config_from_args
+from braid.sampling_params import is_int
 from braid.server import heap
-from braid.server.bodies import json_response, off_loop, parse_body, read_json
+from braid.server.bodies import (
+    json_lists,
+    json_response,
+    off_loop,
+    parse_body,
+    read_json,
+    validate,
+)
 from braid.server.engine_loop import AsyncEngine, ShuttingDown
 from braid.server.errors import bad_request, install_error_handlers, validation_error
 from braid.server.metrics import ServerMetrics
@@ -38,17 +47,17 @@ from braid.server.protocol import (
     ModelList,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
-    TokenizeResponse,
 )
-from braid.server.serving import ServerContext, check_model
+from braid.server.serving import ServerContext, check_fan_out, check_model
 from braid.server.serving_chat import (
     check_template_fields,
     create_chat_completion,
     render_chat,
 )
-from braid.server.serving_completion import create_completion
+from braid.server.serving_completion import create_completion, num_prompts
 
 logger = logging.getLogger("braid.server")
+GIL_SWITCH_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -120,7 +129,12 @@ def _add_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> Non
     # Bodies are read by hand (bodies.py): a large one is parsed off the event loop.
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
-        return await create_completion(ctx, await parse_body(raw, CompletionRequest), raw)
+        data, size = await read_json(raw)
+        if isinstance(data, dict):  # before validation: 700,000 prompts took 0.2 s of it
+            check_fan_out(ctx, num_prompts(data.get("prompt", "")),
+                          data["n"] if is_int(data.get("n")) else 1)
+        body = await off_loop(size, validate, CompletionRequest, data)
+        return await create_completion(ctx, body, raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
@@ -183,14 +197,19 @@ def _add_token_routes(app: FastAPI, ctx: ServerContext) -> None:
 
 def _tokenized(ctx: ServerContext, body: TokenizeChatRequest | TokenizeCompletionRequest
                ) -> Response:
+    """vLLM's TokenizeResponse, written in slices (json_lists): the answer to a 4 MB text
+    is millions of ids and strings."""
     if isinstance(body, TokenizeChatRequest):
         tokens = render_chat(ctx.tokenizer, body)
     else:
         tokens = ctx.tokenizer.encode(body.prompt, body.add_special_tokens)
-    return json_response(TokenizeResponse(
-        count=len(tokens), max_model_len=ctx.max_model_len, tokens=tokens,
-        token_strs=ctx.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs
-        else None))
+    head: dict[str, Any] = {"count": len(tokens), "max_model_len": ctx.max_model_len}
+    lists: dict[str, Callable[[list[int]], list[Any]]] = {"tokens": lambda ids: ids}
+    if body.return_token_strs:
+        lists["token_strs"] = ctx.tokenizer.convert_ids_to_tokens
+    else:
+        head["token_strs"] = None
+    return Response(json_lists(head, tokens, lists), media_type="application/json")
 
 
 def _detokenized(ctx: ServerContext, body: DetokenizeRequest) -> Response:
@@ -206,6 +225,10 @@ def run_server(args: argparse.Namespace) -> int:
     from braid.engine.engine import LLMEngine
 
     heap.limit_arenas()  # before any thread starts (heap.py)
+    # The engine thread shares the GIL with the event loop and the worker threads that
+    # parse, validate and write large requests: asked for it, it waits at most this long
+    # for pure-Python work to let go (the default, 5 ms, is a decode step of a small model)
+    sys.setswitchinterval(GIL_SWITCH_S)
     config = config_from_args(args)
     _check_tls(args)
     if args.enable_log_requests and args.disable_log_requests:

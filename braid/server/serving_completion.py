@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import cast
+from typing import Any, cast
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -108,10 +108,12 @@ def fill_in_middle(tokenizer: Tokenizer, body: CompletionRequest
     return prompts[0] if isinstance(body.prompt, str) else prompts
 
 
-def num_prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> int:
-    """How many prompts a completion request's prompt field holds."""
-    return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) \
-        else len(prompt)
+def num_prompts(prompt: object) -> int:
+    """How many prompts a completion request's prompt field holds (of any JSON value: a body
+    is counted before it is validated)."""
+    if not isinstance(prompt, list) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
 
 
 def tokenize_prompts(tokenizer: Tokenizer, prompt: str | list[int] | list[str] | list[list[int]],
@@ -155,14 +157,16 @@ def _logprobs(ctx: ServerContext, body: CompletionRequest, delta: Delta,
 def _response(ctx: ServerContext, job: Job, body: CompletionRequest, model: str,
               finals: list[RequestOutput]) -> CompletionResponse:
     choices = []
+    scored: dict[int, Any] = {}  # prompt index -> its prompt logprobs, which its choices share
     for choice, out in zip(job.choices, finals, strict=True):
         c = out.outputs[0]
         delta = _joined(_echo(ctx, body, out), Delta(c.text, c.token_ids, c.logprobs))
+        if body.prompt_logprobs is not None and choice.prompt_index not in scored:
+            scored[choice.prompt_index] = prompt_logprobs(ctx.tokenizer, out)
         choices.append(CompletionChoice(
             index=choice.index, text=delta.text, logprobs=_logprobs(ctx, body, delta, 0),
             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-            prompt_logprobs=prompt_logprobs(ctx.tokenizer, out) if body.prompt_logprobs
-            is not None else None))
+            prompt_logprobs=scored.get(choice.prompt_index)))
     return CompletionResponse(id=job.id, model=model, choices=choices,
                               usage=usage(job.prompts, job.choices), braid=braid_info(finals))
 
