@@ -29,7 +29,7 @@ def check_invariants_after_every_step(monkeypatch: pytest.MonkeyPatch) -> Iterat
         out = plain_schedule(self, prefill_cap)
         if self.enable_chunked_prefill:  # prefill-first steps leave the decodes out
             served = {s.request.request_id for s in out.scheduled} | set(out.preempted) | {
-                r.request_id for r in out.held}  # held back by the fair share (_fair)
+                r.request_id for r in out.held}  # held back by the fair share
             starved = [r.request_id for r in decoding if r.request_id not in served]
             assert not starved, f"decodes {starved} got no token this step"
         return out

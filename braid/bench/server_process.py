@@ -38,7 +38,7 @@ def check_serve_flags(flags: Sequence[str], option: str, model: str | None = Non
     anything, instead of reporting a server that exited after its start."""
     from braid.cli import build_parser
     from braid.config import config_from_args
-    from braid.engine.engine import check_before_loading, sampling_defaults
+    from braid.engine.bootstrap import check_before_loading, sampling_defaults
 
     usage = io.StringIO()
     try:

@@ -24,6 +24,7 @@ from types import MappingProxyType
 import torch
 
 from braid.engine.block_manager import BlockManager
+from braid.engine.fairness import fair_decodes, seat_giver
 from braid.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,8 @@ class SchedulerOutput:
     published: list[int] = field(default_factory=list)
     num_cache_queries: int = 0  # prompt tokens looked up in the prefix cache this step
     num_cache_hits: int = 0  # of which found cached
-    held: list[Request] = field(default_factory=list)  # decodes sitting this step out (_fair)
+    held: list[Request] = field(default_factory=list)  # decodes sitting this step out
+    # (fair shares: fairness.py)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -94,9 +96,6 @@ class RequestUpdate:
     finish_reason: str | None  # set when this step finished it
     num_grammar_rejected: int = 0  # drafts proposed for it that its grammar cut
 
-
-# Decodes a group may run in a step beyond those of every other group together (see _fair).
-FAIR_SLACK = 2
 
 # (request, the token just appended) -> finish reason or None: the output processor's stop
 # rules (stop ids, EOS, stop strings, lengths), asked once per appended token.
@@ -157,8 +156,9 @@ class Scheduler:
             # Classic prefill-first: whole prompts in a step of their own, ahead of decodes.
             self._admit(out, budget)
             return out
+        seat_shared = self._share_seats(out)
         decoding, prefilling = self._split_running()
-        decoding, out.held = self._fair(decoding)
+        decoding, out.held = fair_decodes(decoding)
         for req in out.held:
             req.rest_steps = max(0, req.rest_steps - 1)
         budget = self._schedule_running(out, decoding, budget, decodes=True)
@@ -170,7 +170,8 @@ class Scheduler:
         # (another choice of the same prompt, say) shares what this step computes.
         for s in out.scheduled:
             self._publish(s, out)
-        if self.enable_chunked_prefill and not out.preempted:
+        # no admission beside a preemption for memory (what it freed is needed back)
+        if self.enable_chunked_prefill and len(out.preempted) == seat_shared:
             self._admit(out, budget)
         return out
 
@@ -216,26 +217,21 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _fair(self, decoding: list[Request]) -> tuple[list[Request], list[Request]]:
-        """(the decodes that run this step, those held back). While other decodes are ready,
-        a request rests the steps `rest` gave it, and a group (an API request's choices)
-        runs at most as many decodes as every other group together, plus FAIR_SLACK: its
-        members take turns, longest waiting first. One request of n = 64 made every step
-        64 rows, and the other clients' tokens 30 times slower on the CPU."""
-        ready = [r for r in decoding if r.rest_steps == 0] or list(decoding)
-        groups: dict[str, list[Request]] = {}
-        for r in ready:
-            groups.setdefault(r.group, []).append(r)
-        chosen = {id(r) for r in ready}
-        if len(groups) > 1:
-            for members in groups.values():
-                allowed = len(ready) - len(members) + FAIR_SLACK
-                waited = sorted(members, key=lambda r: r.last_scheduled_step)
-                chosen.difference_update(map(id, waited[allowed:]))
-        if len(chosen) == len(decoding):
-            return decoding, []
-        return ([r for r in decoding if id(r) in chosen],
-                [r for r in decoding if id(r) not in chosen])
+    def _share_seats(self, out: SchedulerOutput) -> int:
+        """When every seat is taken and the next waiting request's group has none, the
+        group that holds the most gives one up (fairness.py `seat_giver`): its newest member
+        waits behind that request and recomputes its KV later, from the prefix cache where
+        it can. Returns the number of seats given up (0 or 1)."""
+        if self.priority or len(self.running) < self.max_num_seqs:
+            return 0
+        req = self._next_waiting()
+        victim = None if req is None else seat_giver(self.running, req)
+        if req is None or victim is None:
+            return 0
+        self._preempt(victim, out)
+        self.waiting.remove(victim)
+        self.waiting.insert(self.waiting.index(req) + 1, victim)
+        return 1
 
     def rest(self, req: Request, num_steps: int) -> None:
         """Let `req` sit out its next `num_steps` steps while others decode (the engine
@@ -461,7 +457,7 @@ class Scheduler:
     def next_step(self) -> NextStep:
         """The next step as `schedule` would build it now, drafts and caps aside."""
         decoding, prefilling = self._split_running()
-        decoding = self._fair(decoding)[0]
+        decoding = fair_decodes(decoding)[0]
         demand = 0
         if self.enable_chunked_prefill:  # otherwise prompts run in steps of their own
             demand = sum(r.num_tokens - r.num_computed_tokens for r in prefilling)

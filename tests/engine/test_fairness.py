@@ -1,4 +1,4 @@
-"""Fair shares between API requests (braid/engine/scheduler.py `_fair`): a group of many
+"""Fair shares between API requests (braid/engine/fairness.py): a group of many
 choices decodes at most as many rows as every other group together (plus FAIR_SLACK), its
 members taking turns; a request whose grammar masks are dear rests steps in proportion. No
 output changes: a request's tokens do not depend on which step computes them."""
@@ -10,7 +10,8 @@ from dataclasses import replace
 import torch
 
 from braid.engine.engine import LLMEngine
-from braid.engine.scheduler import FAIR_SLACK, ScheduledRequest, SchedulerOutput
+from braid.engine.fairness import FAIR_SLACK
+from braid.engine.scheduler import ScheduledRequest, SchedulerOutput
 from braid.sampling_params import SamplingParams, StructuredOutputsParams
 from braid.structured.grammar import bitmask_width
 from braid.tokenizer import Tokenizer
@@ -91,3 +92,21 @@ def test_a_request_with_dear_masks_rests_while_others_decode() -> None:
         engine.scheduler.discard_published(out)
     done = {o.request_id: o.outputs[0].token_ids for o in engine.run_until_done() if o.finished}
     assert bytes(done["heavy"]) == literal[:6].encode()
+
+
+def test_a_request_gets_a_seat_from_a_group_that_took_them_all() -> None:
+    """Every seat taken by one group: a request of another group waits one step at most (the
+    group's newest member gives its seat up and waits behind it); no output changes."""
+    engine = make_engine(max_num_seqs=6)
+    add_group(engine, "big", 6, list(b"shared"))
+    engine.step()
+    assert len(engine.scheduler.running) == 6
+    engine.add_request("late", list(b"hello"), GREEDY)
+    engine.step()
+    assert "late" in {r.request_id for r in engine.scheduler.running}
+    assert engine.requests["big-5"].num_preemptions == 1
+    done, _ = outputs(engine)
+    alone = make_engine()
+    add_group(alone, "big", 6, list(b"shared"))
+    alone.add_request("late", list(b"hello"), GREEDY)
+    assert done == outputs(alone)[0]

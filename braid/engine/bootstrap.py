@@ -1,0 +1,129 @@
+"""Bootstrap: what an engine checks and reads before it loads a model. The checks that need
+only config.json files (context length, KV cache, memory, the draft against the target,
+--tokenizer), the default sampling of --generation-config and --override-generation-config,
+and the tokenizer given by --tokenizer. `braid serve` runs them at start, benchmarks on the
+flags they pass."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from braid.config import ConfigError, EngineConfig
+from braid.engine.memory import kv_cache_blocks
+from braid.sampling_params import (
+    GENERATION_DEFAULTS,
+    SamplingParams,
+    generation_defaults,
+    hf_names,
+)
+from braid.spec_decode.build import check_draft
+from braid.tokenizer import Tokenizer
+
+logger = logging.getLogger("braid")
+
+
+def sampling_defaults(config: EngineConfig, folder: Path | None) -> dict[str, Any]:
+    """--generation-config's default sampling: auto, the model `folder`'s (None: a model
+    given in memory has none); vllm, none; else the folder it names; then
+    --override-generation-config's values over them."""
+    defaults = _generation_config(config, folder)
+    if config.override_generation_config:
+        unknown = sorted(set(config.override_generation_config) - set(GENERATION_DEFAULTS))
+        if unknown:
+            raise ConfigError(f"--override-generation-config: {', '.join(unknown)} is not one "
+                              f"of {', '.join(GENERATION_DEFAULTS)}")
+        override = {GENERATION_DEFAULTS[name]: value
+                    for name, value in config.override_generation_config.items()}
+        try:
+            SamplingParams(**override)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"--override-generation-config: {hf_names(str(e))}") from None
+        defaults = {**defaults, **override}
+        logger.info("default sampling: %s, for what a request leaves unset", defaults)
+    return defaults
+
+
+def _generation_config(config: EngineConfig, folder: Path | None) -> dict[str, Any]:
+    choice = config.generation_config
+    if choice == "vllm":
+        return {}
+    if choice != "auto":
+        folder = Path(choice)
+        if not (folder / "generation_config.json").is_file():
+            raise ConfigError(f"--generation-config {choice}: expected auto, vllm or a folder "
+                              "holding a generation_config.json")
+    if folder is None:
+        return {}
+    try:
+        defaults = generation_defaults(folder)
+    except ValueError as e:
+        raise ConfigError(f"--generation-config: {e}") from None
+    if defaults:
+        logger.info("default sampling from %s: %s, for what a request leaves unset "
+                    "(--generation-config vllm: none)", folder / "generation_config.json",
+                    defaults)
+    return defaults
+
+
+class Checked(NamedTuple):
+    folder: Path  # the target's
+    tokenizer: Tokenizer | None  # --tokenizer's, loaded to check it
+
+
+def check_before_loading(config: EngineConfig, draft: bool = True) -> Checked:
+    """The checks that need only the models' config.json files (and --tokenizer's), before
+    any weight loads: --max-model-len against the model, the KV cache against --block-size
+    and the machine's memory, the draft's vocabulary against the target's (unless `draft` is
+    False: a draft model given as an object), --tokenizer's against the target's.
+    ConfigError or ModelLoadError naming what is wrong. `braid serve` runs them at start,
+    benchmarks on the serve flags they pass (`check_serve_flags`)."""
+    from braid.models.build import loads_quantized
+    from braid.models.errors import ModelLoadError
+    from braid.models.loader import folder_of, load_config, model_folder, resolve_model_path
+
+    path = resolve_model_path(config.model)
+    folder = folder_of(path)
+    model_config = load_config(folder)
+    config.finalize(model_config.max_position_embeddings)
+    quantized = loads_quantized(path, config.quantization)
+    kv_cache_blocks(config, model_config, config.kv_dtype(config.torch_dtype, quantized))
+    spec = config.spec_config
+    if draft and spec is not None and spec.model is not None:
+        try:
+            draft_config = load_config(model_folder(spec.model))
+        except ModelLoadError as e:
+            raise ModelLoadError(f"--speculative-config model: {e}") from None
+        check_draft(config, model_config, draft_config)
+    tokenizer = (None if config.tokenizer is None
+                 else load_tokenizer(config.tokenizer, model_config.vocab_size))
+    return Checked(folder, tokenizer)
+
+
+def load_tokenizer(name_or_path: str, vocab_size: int) -> Tokenizer:
+    """--tokenizer's: a folder with tokenizer.json (config.json not needed), a GGUF file or a
+    default model's name, with no more tokens than the model's vocabulary has rows."""
+    from braid.models.errors import ModelLoadError
+    from braid.models.loader import model_folder
+
+    folder = Path(name_or_path).expanduser()
+    try:
+        if not (folder / "tokenizer.json").is_file():
+            folder = model_folder(name_or_path)
+        tokenizer = Tokenizer.from_folder(folder)
+    except ModelLoadError as e:
+        raise ConfigError(f"--tokenizer {name_or_path}: {e}") from None
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(f"--tokenizer {name_or_path}: its {tokenizer.vocab_size} tokens are "
+                          f"more than the model's vocabulary ({vocab_size})")
+    return tokenizer
+
+
+def warn_without_tokenizer(model: str, folder: Path) -> None:
+    from braid.models.gguf_loader import NO_TOKENIZER
+
+    why = folder / NO_TOKENIZER
+    reason = why.read_text().strip() if why.is_file() else "no tokenizer.json"
+    logger.warning("%s: %s; it runs without a tokenizer, on token ids only (give one with "
+                   "--tokenizer)", model, reason)
