@@ -2,10 +2,10 @@
 gives up a seat, as pure functions of the requests.
 
 An engine request belongs to a group: the API request it came from (its prompts x n
-choices; alone, a request is its own group). On a CPU a step's cost grows with its rows, so
-one request of n = 64 made every step 64 rows and every other client's tokens ~30 times
-slower; and holding every seat, it kept a later request waiting ~150 s for one. While other
-groups decode, a group runs at most as many decodes as all the others together, plus
+choices; alone, a request is its own group). On a CPU a step's cost grows with its rows, so a
+group of many choices would slow every other client's tokens in proportion, and holding every
+seat, keep later requests from starting at all. While other groups decode, a group runs at
+most as many decodes as all the others together, plus
 FAIR_SLACK (its members take turns, longest waiting first), and a request whose grammar masks
 are dear rests the steps the engine gave it (`Request.rest_steps`). Alone, a group is never
 held back.

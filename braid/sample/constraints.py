@@ -25,8 +25,7 @@ class BadWords:
     """bad_words_token_ids indexed by prefix: the words' last tokens by (length of the prefix
     before it, the prefix). A row looks its output's tail up once per prefix length the words
     have, so its cost is the number of distinct word lengths, not the number of words; the
-    index is built with a dict insert per word (a trie of node objects took 1 s of the engine
-    thread for 100,000 words)."""
+    index costs one dict insert per word to build (on the engine thread, once)."""
 
     def __init__(self, words: Sequence[Sequence[int]]) -> None:
         lasts: dict[tuple[int, ...], set[int]] = {}

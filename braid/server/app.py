@@ -130,7 +130,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> Non
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
         data, size = await read_json(raw)
-        if isinstance(data, dict):  # before validation: 700,000 prompts took 0.2 s of it
+        if isinstance(data, dict):  # counted before validation, which grows with them
             check_fan_out(ctx, num_prompts(data.get("prompt", "")),
                           data["n"] if is_int(data.get("n")) else 1)
         body = await off_loop(size, validate, CompletionRequest, data)

@@ -306,8 +306,8 @@ def _is_request_id(text: str) -> bool:
 def check_fan_out(ctx: ServerContext, num_prompts: int, n: int,
                   prompt_field: str = "prompt") -> None:
     """400 for a request of more engine requests (prompts x n) than may wait at once: asked
-    before anything is done per prompt or per choice (a 4 MB body of 700,000 prompts held
-    the event loop 18 s before this answer)."""
+    before anything is done per prompt or per choice (tens of microseconds each: a 4 MB body
+    holds 700,000 prompts)."""
     size, limit = num_prompts * n, ctx.max_waiting_requests
     if size > limit:
         name = "n" if num_prompts == 1 else prompt_field
