@@ -29,20 +29,17 @@ import argparse
 import asyncio
 import itertools
 import json
-import multiprocessing
 import random
 import statistics
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 from braid.bench.datasets import humaneval
-from braid.bench.hostile import HOSTILE, Hostile, encoded
+from braid.bench.hostile import HOSTILE, Hostile, Observer, encoded, paces, percentiles
 from braid.bench.server_metrics import scrape
 from braid.bench.server_process import ServerProcess, check_serve_flags
 from braid.config import positive_float
@@ -111,52 +108,6 @@ def bad_requests(model: str, max_model_len: int) -> list[tuple[str, bytes, int]]
         ("prompt over max_model_len", body(prompt="x " * max_model_len), 400),
         ("body over the limit", body(prompt="x" * (BODY_LIMIT + 10)), 413),
     ]
-
-
-class Observer:
-    """A process of its own (the soak's client does heavy work of its own: large bodies in
-    and out) that probes /health every 50 ms and runs one innocent greedy stream after
-    another until `deadline` (time.monotonic, which processes share)."""
-
-    def __init__(self, url: str, stream_body: dict, deadline: float) -> None:
-        context = multiprocessing.get_context("spawn")
-        self._queue = context.Queue()
-        self._process = context.Process(target=_observe, args=(
-            url, stream_body, deadline, self._queue), daemon=True)
-        self._process.start()
-
-    def results(self) -> tuple[list[float], list[tuple[float, float, float]]]:
-        """(/health answer times in ms, innocent streams as (start, end, tokens/s))."""
-        out = self._queue.get()
-        self._process.join()
-        return out
-
-
-def _observe(url: str, stream_body: dict, deadline: float, queue: Any) -> None:
-    health: list[float] = []
-    streams: list[tuple[float, float, float]] = []
-
-    def probe() -> None:
-        with httpx.Client(base_url=url, timeout=600) as client:
-            while time.monotonic() < deadline:
-                start = time.monotonic()
-                client.get("/health")
-                health.append((time.monotonic() - start) * 1e3)
-                time.sleep(0.05)
-
-    thread = threading.Thread(target=probe)
-    thread.start()
-    with httpx.Client(base_url=url, timeout=600) as client:
-        while time.monotonic() < deadline:
-            times = []
-            with client.stream("POST", "/v1/completions", json=stream_body) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        times.append(time.monotonic())
-            if len(times) > 1:
-                streams.append((times[0], times[-1], (len(times) - 1) / (times[-1] - times[0])))
-    thread.join()
-    queue.put((health, streams))
 
 
 class Soak:
@@ -252,24 +203,19 @@ class Soak:
             f"{status} in {time.monotonic() - start:.2f} s")
 
     def judge_paces(self, streams: list[tuple[float, float, float]]) -> None:
-        """Each innocent stream (start, end, tokens/s) beside the hostile requests in flight
-        during it: the calm pace is the median of those beside none."""
-        calm = []
-        for start, end, pace in streams:
-            beside = sorted({name for s, e, name in self.hostile_spans if s < end and e > start})
-            if beside:
-                self.report.pace_hostile.append((", ".join(beside), round(pace, 1)))
-            else:
-                calm.append(pace)
-        self.report.pace_calm = round(statistics.median(calm), 1) if calm else 0.0
-        slowest = min((p for _, p in self.report.pace_hostile), default=0.0)
+        """Each innocent stream beside the hostile requests in flight during it against the
+        median pace of those beside none."""
+        self.report.pace_calm, beside = paces(streams, self.hostile_spans)
+        self.report.pace_hostile = [(names, round(pace, 1)) for names, pace in beside]
+        slowest = min((p for _, p in beside), default=0.0)
         self.report.worst_pace_ratio = round(self.report.pace_calm / slowest, 2) \
             if slowest else 0.0
+        self.report.pace_calm = round(self.report.pace_calm, 1)
 
     async def load(self) -> None:
         deadline = time.monotonic() + self.args.minutes * 60
         tasks: set[asyncio.Task] = set()
-        watcher = Observer(self.server.url, self.body(1, 48, stream=True), deadline)
+        watcher = Observer(self.server.url, self.body(1, 48, stream=True))
         side = [asyncio.create_task(self.hostile_loop(deadline))]
         next_sample, started = time.monotonic(), time.monotonic()
         async with httpx.AsyncClient(base_url=self.server.url, timeout=600) as client:
@@ -289,11 +235,8 @@ class Soak:
                           flush=True)
             await asyncio.gather(*tasks, *side)
         self.report.rss_mb.append(round(rss_mb(self.server.proc.pid), 1))
-        health, streams = await asyncio.to_thread(watcher.results)
-        health.sort()
-        self.report.health_ms = {"p50": round(health[len(health) // 2], 1),
-                                 "p99": round(health[int(0.99 * (len(health) - 1))], 1),
-                                 "max": round(health[-1], 1)}
+        health, streams = await asyncio.to_thread(watcher.stop)
+        self.report.health_ms = percentiles(health)
         self.judge_paces(streams)
 
     def check_outputs(self) -> None:

@@ -5,9 +5,14 @@ each alone (a 4xx, or a completion) and keep every other request's pace."""
 from __future__ import annotations
 
 import json
+import multiprocessing
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import httpx
 
 
 @dataclass(frozen=True)
@@ -107,3 +112,72 @@ HOSTILE = [
 def encoded(hostile: Hostile, model: str, vocab: int) -> bytes:
     """The body as JSON text (json.dumps keeps lone surrogates as escapes)."""
     return json.dumps(hostile.body(model, vocab)).encode()
+
+
+class Observer:
+    """A process of its own (a benchmark's client does heavy work of its own: large bodies in
+    and out) that probes /health every 50 ms and runs one innocent greedy stream after
+    another until `stop`. Times are time.monotonic's, which processes share."""
+
+    def __init__(self, url: str, stream_body: dict[str, Any]) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._queue = context.Queue()
+        self._stop = context.Event()
+        self._process = context.Process(target=_observe, args=(
+            url, stream_body, self._stop, self._queue), daemon=True)
+        self._process.start()
+
+    def stop(self) -> tuple[list[float], list[tuple[float, float, float]]]:
+        """(/health answer times in ms, innocent streams as (start, end, tokens/s))."""
+        self._stop.set()
+        out = self._queue.get()
+        self._process.join()
+        return out
+
+
+def _observe(url: str, stream_body: dict[str, Any], stop: Any, queue: Any) -> None:
+    health: list[float] = []
+    streams: list[tuple[float, float, float]] = []
+
+    def probe() -> None:
+        with httpx.Client(base_url=url, timeout=600) as client:
+            while not stop.is_set():
+                start = time.monotonic()
+                client.get("/health")
+                health.append((time.monotonic() - start) * 1e3)
+                time.sleep(0.05)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    with httpx.Client(base_url=url, timeout=600) as client:
+        while not stop.is_set():
+            times = []
+            with client.stream("POST", "/v1/completions", json=stream_body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        times.append(time.monotonic())
+            if len(times) > 1:
+                streams.append((times[0], times[-1], (len(times) - 1) / (times[-1] - times[0])))
+    thread.join()
+    queue.put((health, streams))
+
+
+def paces(streams: list[tuple[float, float, float]], spans: list[tuple[float, float, str]]
+          ) -> tuple[float, list[tuple[str, float]]]:
+    """The median pace of the streams beside no span, and each other stream's pace with the
+    names of the spans it overlapped."""
+    calm, beside = [], []
+    for start, end, pace in streams:
+        names = sorted({name for s, e, name in spans if s < end and e > start})
+        if names:
+            beside.append((", ".join(names), pace))
+        else:
+            calm.append(pace)
+    calm.sort()
+    return (calm[len(calm) // 2] if calm else 0.0), beside
+
+
+def percentiles(times: list[float]) -> dict[str, float]:
+    times = sorted(times) or [0.0]
+    return {"p50": round(times[len(times) // 2], 1),
+            "p99": round(times[int(0.99 * (len(times) - 1))], 1), "max": round(times[-1], 1)}
