@@ -52,7 +52,8 @@ class SpecConfig:
     # "coupled" (a draw from its own distribution with the keyed number the target's draw at
     # that position uses), "independent" (a draw with numbers of its own) or "auto":
     # independent where verification is rejection sampling, greedy where it is coupled (what
-    # accepted most in docs/benchmarks.md section 7). Greedy requests always draft greedily.
+    # accepted most in docs/benchmarks.md, Sampling with speculation). Greedy requests always
+    # draft greedily.
     draft_sampling: str = "auto"
     # The draft model proposes only token ids below this (None: its whole vocabulary), and
     # its LM head computes only those rows. In a byte-level BPE vocabulary the low ids are
@@ -258,7 +259,7 @@ class EngineConfig:
             raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: braid has no 8-bit KV "
                               "cache; with no scale per block, fp8 raised the default model's "
                               "perplexity by a third (e4m3) to tenfold (e5m2) (docs/"
-                              "benchmarks.md, run 17). float16 or bfloat16 halve the cache")
+                              "benchmarks.md, KV cache type). float16 or bfloat16 halve the cache")
         if self.kv_cache_dtype not in DTYPES:
             raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(DTYPES)}, got "
                               f"{self.kv_cache_dtype!r}")
@@ -364,7 +365,7 @@ class EngineConfig:
     def kv_dtype(self, model_dtype: Any, quantized: bool = False) -> Any:
         """The KV cache's torch dtype for a model whose activations are `model_dtype` (and
         whose weights are `quantized`). auto: float16 beside quantized weights (their float32
-        activations; half the bytes for ~0.2% perplexity, docs/benchmarks.md run 15), else
+        activations; half the bytes for ~0.2% perplexity, docs/benchmarks.md, KV cache type), else
         the activation dtype (float checkpoints and --quantization none, the reference)."""
         import torch
 

@@ -263,7 +263,7 @@ inline void quantize_q8_k(const float* x, ActQ8_K* out, int64_t k) {
 
 // Software prefetch of the weight stream, this many bytes ahead of the block being read: with
 // the products' arithmetic between loads the hardware prefetcher alone keeps too few misses
-// in flight (docs/benchmarks.md section 5 has the A/B). Prefetches never fault past the end.
+// in flight (docs/benchmarks.md, Kernels, has the A/B). Prefetches never fault past the end.
 constexpr int64_t PREFETCH_BYTES = 8192;
 
 // Prefetch the cache lines of the block at `p` (of BYTES bytes) PREFETCH_BYTES ahead.

@@ -106,7 +106,7 @@ def _huge_page_buffer(nbytes: int) -> torch.Tensor | None:
     (MADV_HUGEPAGE: transparent huge pages in the usual "madvise" mode), or None for small
     buffers, systems without madvise and BRAID_HUGE_PAGES=0. A decode streams every weight
     byte once per step; with 4 KB pages each page costs a TLB walk, and on 2 MB ones the same
-    decode ran ~13% faster (docs/benchmarks.md section 5, run 6). Where the kernel has no huge
+    decode ran ~13% faster (docs/benchmarks.md, Huge pages). Where the kernel has no huge
     page to give, the mapping gets small ones (the same bytes, only slower). Finding free 2 MB
     pages can stall on a fragmented machine (the kernel compacts memory: 5.5 s for the first
     1 GB once, 0.4 s after)."""

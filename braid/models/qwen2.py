@@ -40,7 +40,7 @@ PACK_MIN_ROWS = 4
 # logit is within this many of the row's best are scored again with the exact head. On the
 # default draft (Q8_0 head) the exact argmax's coarse logit trailed the coarse maximum by at
 # most 1.48 over 2,363 HumanEval and ShareGPT positions (0.87 at the 99.9th percentile),
-# leaving 7 candidates a row on average (docs/benchmarks.md section 5, run 9).
+# leaving 7 candidates a row on average (docs/benchmarks.md, The draft's LM head).
 COARSE_MARGIN = 3.0
 MAX_RESCORED = 4096  # candidates in one forward beyond which the exact head runs whole
 KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the kernels read

@@ -18,7 +18,7 @@ from braid.spec_decode.cost_model import StepCostModel, attention_work
 # prompt) is planned with the plain global acceptance, not the optimistic one: the catch-up
 # is a draft forward over the whole backlog, a costly way to explore once the evidence is in
 # (on chat, where the draft is accepted ~0.6, the optimism started requests whose catch-up
-# was then spent on a few windows: docs/benchmarks.md section 5, run 4).
+# was then spent on a few windows).
 EXPLORE_TRIALS = 16
 # Per step in which no request drafts, the global evidence is worth this much less (its mean
 # unchanged), down to half of EXPLORE_TRIALS. Without it a policy that stopped drafting never

@@ -36,7 +36,7 @@ logger = logging.getLogger("braid")
 # Prior acceptance before any verification (roughly what each method gets on code).
 PRIOR_ALPHA = {"draft_model": 0.7, "ngram": 0.3}
 # Prior of lookups beside a draft model: about what n-grams of 2-5 accept on the target's
-# own outputs, code and chat alike (docs/benchmarks.md section 5, run 10).
+# own outputs, code and chat alike (docs/benchmarks.md, What the policy's rules rest on).
 LOOKUP_PRIOR_ALPHA = 0.5
 # Warm-up forwards (query tokens, logits rows): verification-like windows that need logits
 # at every position (every size up to 8: small forwards are not smooth in size on a CPU, and
@@ -124,7 +124,8 @@ class Speculator:
                 # neither starts nor stops the draft model's drafting; the tokens this window
                 # emits are lag the draft catches up on when the model drafts for the request
                 # again, priced then like any backlog beyond the usual lag (a start; counting
-                # them as usual lag measured no better, docs/benchmarks.md section 5 run 11)
+                # them as usual lag measured no better: docs/benchmarks.md, What the
+                # policy's rules rest on)
                 if d:
                     self._looked_up.add(r.request_id)
                 self.acceptance.rest(r.request_id)  # no model drafts: its evidence ages
@@ -232,8 +233,8 @@ class Speculator:
         """The lag up to which a request is not starting to draft: a model window leaves the
         draft 1-2 tokens behind, a short lookup window up to k + 1 more; a longer lag (its
         prompt, tokens emitted at k = 0) is a backlog that starting must pay. (Within it the
-        lag is charged as it is; docs/benchmarks.md section 5 run 12 tried charging starts
-        the 1-2 tokens of a drafting request's lag instead.)"""
+        lag is charged as it is: charging starts only the 1-2 tokens of a drafting request's
+        lag measured no better.)"""
         return self.config.num_speculative_tokens + 1
 
     def _catch_up_cost(self, req: Request, alpha: float, lag: int) -> float:

@@ -86,10 +86,10 @@ def test_goodput_policy_is_lossless_on_humaneval(default_target: Any, float_targ
                                                  default_draft: Any, plain: Any,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The default policy, one request at a time, lossless whatever it chooses: with the
-    quantized target on a CPU like this one it mostly keeps k = 0 (docs/benchmarks.md section
-    5). Beside the float32 target the quantized draft is cheap and drafting pays; there the
-    policy sees fixed step costs of that shape (fixed_step_costs: measured ones made this
-    half depend on the machine's load) and the draft really proposes."""
+    quantized target on a CPU like this one it mostly keeps k = 0 (docs/benchmarks.md,
+    Speculation). Beside the float32 target the quantized draft is cheap and drafting pays;
+    there the policy sees fixed step costs of that shape (fixed_step_costs: measured ones
+    made this half depend on the machine's load) and the draft really proposes."""
     prompts, reference = plain
     spec_out, _ = run(default_target, default_draft, prompts[:2], "goodput", concurrency=1)
     assert spec_out == reference[:2]
