@@ -26,13 +26,13 @@ import torch
 
 from braid.bench.sweep_report import machine_info
 from braid.config import comma_list, positive_int
+from braid.core.request import Request
 from braid.engine.output import OutputProcessor
-from braid.engine.request import Request
 from braid.outputs import Logprob
-from braid.sample.step import rows_metadata
-from braid.sample.verify import verify
 from braid.sampling_params import SamplingParams
 from braid.tokenizer import Tokenizer
+from braid.worker.step import rows_metadata
+from braid.worker.verify import verify
 
 VOCAB = 151_936
 EOS = frozenset({151_643, 151_645})

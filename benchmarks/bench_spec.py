@@ -47,14 +47,15 @@ from braid.config import (
     SpecConfig,
     comma_list,
     positive_int,
-    resolve_draft_dtype,
 )
+from braid.core.stats import SpecStats
 from braid.engine.engine import LLMEngine
-from braid.engine.runner import QuerySpan
-from braid.engine.stats import SpecStats
 from braid.models.build import load_model
 from braid.sampling_params import SamplingParams
+from braid.spec_decode.build import resolve_draft_dtype
 from braid.spec_decode.policy import expected_tokens
+from braid.spec_decode.speculator import Speculator
+from braid.worker.runner import QuerySpan
 
 SAMPLING_MODES = {
     "greedy": {"draft_sampling": "greedy", "verification": "coupled"},
@@ -258,11 +259,12 @@ def ceiling(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
     max_tokens come at one decode each, or at the best fixed k for a per-draft acceptance
     alpha (k draft forwards and a window of k + 1 per expected_tokens(alpha, k)). Host time,
     prompt lookups and a request's last window are left out."""
-    proposer = getattr(engine.speculator, "proposer", None)
-    assert proposer is not None and hasattr(proposer, "runner"), "needs a draft model"
+    assert isinstance(engine.speculator, Speculator), "needs a draft model"
+    proposer, draft = engine.speculator.proposer, engine.speculator.draft_runner
+    assert draft is not None, "needs a draft model"
     n = round(statistics.mean(len(p) for p in prompts))
     context = n + max_tokens // 2
-    target, draft = engine.runner, proposer.runner
+    target = engine.runner
     draft_run = draft.execute_greedy if proposer.coarse_head else draft.execute
     sizes = range(1, 10)
     times: dict[str, list[float]] = {}
@@ -300,7 +302,7 @@ def measure(engine: LLMEngine, mode: str, c: int, count: int, prompts: list[list
             args: argparse.Namespace, temperature: float = 0.0) -> dict[str, Any]:
     """One run of `mode` at concurrency c (its figures from this run only)."""
     engine.stats.spec_stats = SpecStats()
-    if engine.speculator is not None:
+    if isinstance(engine.speculator, Speculator):
         engine.speculator.chosen_k.clear()
     return {"mode": mode, "concurrency": c, "temperature": temperature, "prompts": count,
             **run_mode(engine, prompts[:count], c, args.max_tokens, temperature)}

@@ -117,12 +117,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+# A pid: the server exits when that process dies (set by braid.bench.server_process).
+PARENT_ENV = "BRAID_EXIT_WITH_PARENT"
+
+
 def follow_parent() -> None:
     """Started by braid.bench.server_process (its pid in BRAID_EXIT_WITH_PARENT): get
     SIGTERM when that process (strictly, the thread that started this one) dies, however
     it dies: Linux's PR_SET_PDEATHSIG. Elsewhere, or without the variable, nothing."""
-    from braid.bench.server_process import PARENT_ENV
-
     parent = os.environ.get(PARENT_ENV)
     if not parent or not sys.platform.startswith("linux"):
         return

@@ -165,21 +165,6 @@ class SpecConfig:
                               f"{self.model!r}")
 
 
-def resolve_draft_dtype(name: str, target_dtype: Any, device: str = "cpu") -> Any:
-    """A draft dtype name -> torch dtype; "auto" is bfloat16 where the CPU runs it natively
-    and the target is float32, else the target's dtype."""
-    import torch
-
-    from braid.models.qwen2 import native_bf16
-
-    if name != "auto":
-        return getattr(torch, name)
-    if (torch.device(device).type == "cpu" and target_dtype == torch.float32
-            and native_bf16()):
-        return torch.bfloat16
-    return target_dtype
-
-
 def _opt(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 

@@ -14,9 +14,9 @@ from tqdm.auto import tqdm
 
 from braid.config import DEFAULT_TARGET, EngineConfig
 from braid.engine.engine import LLMEngine
+from braid.messages import ChatMessage
 from braid.outputs import RequestOutput
 from braid.sampling_params import RequestOutputKind, SamplingParams, choice_seed
-from braid.server.protocol import ChatMessage
 
 logger = logging.getLogger("braid")
 # vLLM options with nothing to do in braid (see LLM.__init__)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from braid.models.errors import read_json_object
+from braid.files import read_json_object
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -177,6 +177,11 @@ class SamplingParams:
         return self.stop
 
     def _validate(self) -> None:
+        self._check_types()
+        self._check_ranges()
+        self._check_lists()
+
+    def _check_types(self) -> None:
         for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
                      "seed", "truncate_prompt_tokens"):
             value = getattr(self, name)
@@ -191,6 +196,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not is_finite_number(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+    def _check_ranges(self) -> None:
         checks: list[tuple[bool, str]] = [
             (self.n >= 1, "n must be >= 1"),
             (self.temperature >= 0, "temperature must be >= 0"),
@@ -227,6 +234,8 @@ class SamplingParams:
         if self.stop_strings and not self.detokenize:
             raise ValueError(f"stop strings need the output's text: set detokenize=True or "
                              f"use stop_token_ids, got stop={self.stop!r}")
+
+    def _check_lists(self) -> None:
         if any(t < 0 for t in self.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
         if self.allowed_token_ids is not None and (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from functools import cached_property, lru_cache
+from functools import cache, cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +14,20 @@ import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from braid.models.errors import ModelLoadError, read_json_object
-from braid.models.gguf_tokenizer import SPECIAL_NAMES, bytes_to_unicode
+from braid.files import ModelLoadError, read_json_object
+
+SPECIAL_NAMES = ("bos", "eos", "unk", "pad")  # the special tokens a tokenizer config names
+
+
+@cache
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable spelling of each byte, the alphabet of byte-level BPE vocabularies."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in keep]
+    chars = keep + [256 + i for i in range(len(extra))]
+    return dict(zip(keep + extra, map(chr, chars), strict=True))
+
 
 # Tokens that end a turn or a document; any of them present as a special token stops generation
 # (what generation_config.json lists for Qwen2.5 and Llama 3 instruct models).

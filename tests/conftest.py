@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 
-from braid.models.gguf_loader import cache_root
-from braid.models.gguf_tokenizer import bytes_to_unicode
+from braid.files import cache_root
+from braid.tokenizer import bytes_to_unicode
 from tests.tiny import CHAT_TEMPLATE, SPECIALS
 
 TARGET = "qwen2.5-coder-1.5b-instruct"

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from braid.core.scheduler import Scheduler, SchedulerOutput
 from braid.engine.engine import LLMEngine
-from braid.engine.scheduler import Scheduler, SchedulerOutput
 from braid.outputs import RequestOutput
 
 

@@ -32,3 +32,19 @@ def test_the_command_line_starts_without_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_no_function_is_longer_than_a_screen() -> None:
+    """At most 60 lines a function (it reads on one screen); flat tables
+    of command-line flags (`add_*_args`) are the exception."""
+    import ast
+
+    long = []
+    for path in (ROOT / "braid").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                flags = node.name.startswith("add_") and node.name.endswith("_args")
+                if lines > 60 and not flags:
+                    long.append(f"{path.relative_to(ROOT)}: {node.name} ({lines} lines)")
+    assert not long, "\n".join(long)

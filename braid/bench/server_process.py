@@ -19,8 +19,9 @@ from pathlib import Path
 
 import httpx
 
+from braid.cli import PARENT_ENV
+
 START_TIMEOUT_S = 90.0
-PARENT_ENV = "BRAID_EXIT_WITH_PARENT"  # a pid: the server exits when that process dies
 
 
 def free_port() -> int:

@@ -1,17 +1,18 @@
-"""Bootstrap: what an engine checks and reads before it loads a model. The checks that need
+"""Bootstrap: what an engine checks and reads around loading a model. The checks that need
 only config.json files (context length, KV cache, memory, the draft against the target,
 --tokenizer), the default sampling of --generation-config and --override-generation-config,
-and the tokenizer given by --tokenizer. `braid serve` runs them at start, benchmarks on the
-flags they pass."""
+the tokenizer given by --tokenizer, the target's loading, and the memory check once the
+weights are in. `braid serve` runs the first ones at start, benchmarks on the flags they
+pass."""
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from braid.config import ConfigError, EngineConfig
-from braid.engine.memory import kv_cache_blocks
 from braid.sampling_params import (
     GENERATION_DEFAULTS,
     SamplingParams,
@@ -20,6 +21,15 @@ from braid.sampling_params import (
 )
 from braid.spec_decode.build import check_draft
 from braid.tokenizer import Tokenizer
+from braid.worker.memory import (
+    available_memory,
+    kv_cache_blocks,
+    refuse_beyond_memory,
+    warn_beyond_available,
+)
+
+if TYPE_CHECKING:
+    from braid.models.interface import CausalLM
 
 logger = logging.getLogger("braid")
 
@@ -79,8 +89,8 @@ def check_before_loading(config: EngineConfig, draft: bool = True) -> Checked:
     False: a draft model given as an object), --tokenizer's against the target's.
     ConfigError or ModelLoadError naming what is wrong. `braid serve` runs them at start,
     benchmarks on the serve flags they pass (`check_serve_flags`)."""
+    from braid.files import ModelLoadError
     from braid.models.build import loads_quantized
-    from braid.models.errors import ModelLoadError
     from braid.models.loader import folder_of, load_config, model_folder, resolve_model_path
 
     path = resolve_model_path(config.model)
@@ -104,7 +114,7 @@ def check_before_loading(config: EngineConfig, draft: bool = True) -> Checked:
 def load_tokenizer(name_or_path: str, vocab_size: int) -> Tokenizer:
     """--tokenizer's: a folder with tokenizer.json (config.json not needed), a GGUF file or a
     default model's name, with no more tokens than the model's vocabulary has rows."""
-    from braid.models.errors import ModelLoadError
+    from braid.files import ModelLoadError
     from braid.models.loader import model_folder
 
     folder = Path(name_or_path).expanduser()
@@ -127,3 +137,50 @@ def warn_without_tokenizer(model: str, folder: Path) -> None:
     reason = why.read_text().strip() if why.is_file() else "no tokenizer.json"
     logger.warning("%s: %s; it runs without a tokenizer, on token ids only (give one with "
                    "--tokenizer)", model, reason)
+
+
+def set_threads(threads: int) -> None:
+    """torch's intra-op threads (--num-threads), with a warning where they outnumber the
+    cores this process may use."""
+    import torch
+
+    torch.set_num_threads(threads)
+    cores = len(os.sched_getaffinity(0))
+    if threads > cores:
+        logger.warning("--num-threads %d is more than the %d cores this process may use: the "
+                       "threads share them and every step slows down", threads, cores)
+
+
+class Target(NamedTuple):
+    model: CausalLM
+    tokenizer: Tokenizer | None
+    sampling_defaults: dict[str, Any]  # what requests leave unset (sampling_defaults)
+
+
+def load_target(config: EngineConfig, draft: bool) -> Target:
+    """The target model and its tokenizer (or --tokenizer's), after the checks that need only
+    config.json files (`draft`: the draft model's too)."""
+    from braid.models.build import load_model
+
+    checked = check_before_loading(config, draft=draft)
+    defaults = sampling_defaults(config, checked.folder)
+    model, tokenizer = load_model(config.model, config.torch_dtype, config.device,
+                                  config.quantization, with_tokenizer=checked.tokenizer is None)
+    if checked.tokenizer is not None:
+        tokenizer = checked.tokenizer
+    elif tokenizer is None:
+        warn_without_tokenizer(config.model, checked.folder)
+    return Target(model, tokenizer, defaults)
+
+
+def check_memory(config: EngineConfig, weights: int, kv: int) -> None:
+    """The weights and KV caches (bytes; the target's and the draft's) against the machine's
+    memory. The KV caches are mapped, not yet touched: one too large would fail under load,
+    not here, so it is refused now."""
+    if not config.device.startswith("cpu"):
+        return
+    flag = "--kv-cache-gib" if config.num_kv_blocks is None else "--num-kv-blocks"
+    refuse_beyond_memory(kv + weights, f"{flag}: the weights and KV caches (the draft's "
+                         "included) take {:.1f} GiB, which does not")
+    # the weights are resident by now, the caches not yet
+    warn_beyond_available(kv, flag, available_memory())

@@ -1,51 +1,37 @@
-"""The engine: add_request / step / abort over one scheduler, one runner and one sampler."""
+"""The engine: add_request / step / abort. It orchestrates a step: the scheduler decides it,
+the executor computes it, speculation proposes the next drafts, the output processor
+turns tokens into outputs."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
-import random
 import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
-import torch
-
 from braid.config import EngineConfig
-from braid.engine.block_manager import BlockManager
-from braid.engine.bootstrap import (
-    check_before_loading,
-    sampling_defaults,
-    warn_without_tokenizer,
-)
-from braid.engine.isolation import StepResult, isolate
-from braid.engine.memory import (
-    available_memory,
-    kv_cache_blocks,
-    refuse_beyond_memory,
-    warn_beyond_available,
-)
+from braid.core.block_manager import BlockManager
+from braid.core.request import Request
+from braid.core.scheduler import Scheduler, SchedulerOutput
+from braid.core.stats import EngineStats, StepStats
+from braid.engine.bootstrap import check_memory, load_target, sampling_defaults, set_threads
+from braid.engine.input import InputProcessor, RequestError
+from braid.engine.isolation import isolate
 from braid.engine.output import OutputProcessor
-from braid.engine.request import Request
-from braid.engine.runner import ModelRunner
-from braid.engine.scheduler import Scheduler, SchedulerOutput
-from braid.engine.stats import EngineStats, StepStats
-from braid.models.qwen2 import Qwen2ForCausalLM
+from braid.models.interface import CausalLM
 from braid.outputs import RequestOutput
-from braid.sample.step import StepSample, StepSampler, score_prompts
-from braid.sampling_params import (
-    RequestOutputKind,
-    SamplingParams,
-    bad_words_token_ids,
-    is_int,
-)
+from braid.sampling_params import RequestOutputKind, SamplingParams
 from braid.spec_decode.build import make_speculator
 from braid.spec_decode.cost_model import attention_work
 from braid.spec_decode.speculator import SpeculatorFigures
 from braid.structured.manager import StructuredOutputManager
 from braid.tokenizer import Tokenizer
+from braid.worker.executor import InProcessExecutor, StepResult
+from braid.worker.memory import kv_cache_blocks
+from braid.worker.step import StepSample
+
+__all__ = ["LLMEngine", "RequestError"]
 
 logger = logging.getLogger("braid")
 
@@ -56,48 +42,19 @@ GRAMMAR_SHARE = 0.5
 MAX_REST_STEPS = 200
 
 
-class RequestError(ValueError):
-    """A request the engine cannot serve (too long, bad ids); the message names the field."""
-
-
-def with_bad_words(params: SamplingParams, tokenizer: Tokenizer | None) -> SamplingParams:
-    """`params` with its bad_words as token ids. It takes a tokenizer call per word (100,000
-    words: ~1.5 s): the server does it in a worker thread before it adds the request."""
-    if tokenizer is None:
-        raise RequestError("bad_words needs a tokenizer: this engine has none")
-    return dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(
-        params.bad_words or [],
-        lambda texts: tokenizer.encode_batch(texts, add_special_tokens=False)))
-
-
 class LLMEngine:
     def __init__(
         self,
         config: EngineConfig,
-        model: Qwen2ForCausalLM | None = None,
+        model: CausalLM | None = None,
         tokenizer: Tokenizer | None = None,
-        draft_model: Qwen2ForCausalLM | None = None,
+        draft_model: CausalLM | None = None,
     ) -> None:
-        torch.set_num_threads(config.threads)
-        cores = len(os.sched_getaffinity(0))
-        if config.threads > cores:
-            logger.warning("--num-threads %d is more than the %d cores this process may use: "
-                           "the threads share them and every step slows down",
-                           config.threads, cores)
+        set_threads(config.threads)
         # what requests leave unset: generation_config.json's and --override-generation-config
         self.default_sampling: dict[str, Any]
         if model is None:
-            from braid.models.build import load_model
-
-            checked = check_before_loading(config, draft=draft_model is None)
-            self.default_sampling = sampling_defaults(config, checked.folder)
-            model, tokenizer = load_model(config.model, config.torch_dtype, config.device,
-                                          config.quantization,
-                                          with_tokenizer=checked.tokenizer is None)
-            if checked.tokenizer is not None:
-                tokenizer = checked.tokenizer
-            elif tokenizer is None:
-                warn_without_tokenizer(config.model, checked.folder)
+            model, tokenizer, self.default_sampling = load_target(config, draft_model is None)
         else:
             self.default_sampling = sampling_defaults(config, None)
         # --override-generation-config's max_new_tokens caps the server's requests (vLLM's)
@@ -107,7 +64,6 @@ class LLMEngine:
         self.config = config
         self.model_config = model.config
         self.tokenizer = tokenizer
-        self.device = torch.device(config.device)
         kv_dtype = config.kv_dtype(model.dtype, model.quant_type is not None)
         num_blocks = kv_cache_blocks(config, model.config, kv_dtype)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -116,38 +72,27 @@ class LLMEngine:
             self.blocks, config.max_num_batched_tokens, config.max_num_seqs,
             config.enable_chunked_prefill, priority=config.scheduling_policy == "priority",
         )
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.device, kv_dtype)
         self.outputs = OutputProcessor(tokenizer, self._eos_token_ids(model),
                                        config.max_model_len or 0)
-        self.sampler = StepSampler(self.device, self.outputs.eos_token_ids, config.spec_config)
+        self.executor = InProcessExecutor(config, model, self.blocks, kv_dtype,
+                                          self.outputs.eos_token_ids)
+        self.runner = self.executor.runner  # the speculator's warm-up and draft share it
         self.speculator = make_speculator(config, self.runner, self.scheduler, draft_model,
                                           self.outputs.eos_token_ids)
-        self._check_memory()
+        weights, kv = self.executor.weight_and_kv_bytes
+        if (draft := self.speculator.draft_runner) is not None:
+            weights += draft.model.weight_bytes()
+            kv += draft.kv_cache.numel() * draft.kv_cache.element_size()
+        check_memory(config, weights, kv)
         self.stats = EngineStats(num_kv_blocks=num_blocks)
         self.structured = None if tokenizer is None else StructuredOutputManager(
             tokenizer, model.config.vocab_size, self.outputs.eos_token_ids, self.stats.grammar)
         self._compiling: list[Request] = []  # requests whose grammar is not compiled yet
         # (group, prompt, prompt_logprobs) -> the request that scores that prompt for its group
         self._prompt_scorers: dict[tuple[str, tuple[int, ...], int], Request] = {}
-        self._seeds = random.Random(config.seed)  # unseeded requests' seeds, in arrival order
+        self.inputs = InputProcessor(config, model.config.vocab_size, tokenizer)
 
-    def _check_memory(self) -> None:
-        """The weights and KV caches of the target and the draft against the machine's
-        memory. The KV caches are mapped, not yet touched: one too large would fail under
-        load, not here, so it is refused now."""
-        runners = [r for r in (self.runner, getattr(getattr(self.speculator, "proposer", None),
-                                                    "runner", None)) if r is not None]
-        kv = sum(r.kv_cache.numel() * r.kv_cache.element_size() for r in runners)
-        if self.device.type == "cpu":
-            flag = ("--kv-cache-gib" if self.config.num_kv_blocks is None
-                    else "--num-kv-blocks")
-            refuse_beyond_memory(kv + sum(r.model.weight_bytes() for r in runners),
-                                 f"{flag}: the weights and KV caches (the draft's included) "
-                                 "take {:.1f} GiB, which does not")
-            # the weights are resident by now, the caches not yet
-            warn_beyond_available(kv, flag, available_memory())
-
-    def _eos_token_ids(self, model: Qwen2ForCausalLM) -> frozenset[int]:
+    def _eos_token_ids(self, model: CausalLM) -> frozenset[int]:
         if self.tokenizer is not None:
             return frozenset(self.tokenizer.eos_token_ids)
         eos = model.config.eos_token_id
@@ -157,8 +102,7 @@ class LLMEngine:
 
     def max_logprobs(self) -> int:
         """The most logprobs per position a request may ask for (--max-logprobs)."""
-        cap = self.config.max_logprobs
-        return self.model_config.vocab_size if cap == -1 else cap
+        return self.inputs.max_logprobs()
 
     def add_request(
         self,
@@ -173,44 +117,24 @@ class LLMEngine:
         priority; elsewhere only 0 is accepted, as vLLM. `group` names the API request it
         belongs to (its prompts x n choices): the scheduler shares decode rows fairly
         between groups (alone, a request is its own group)."""
-        params = sampling_params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
-        if params.n != 1:
-            raise RequestError(f"n must be 1 for one engine request, got {params.n}: add one "
-                               "request per completion (LLM.generate and the server do)")
-        if not is_int(priority):
-            raise RequestError(f"priority must be an integer, got {priority!r}")
-        if priority != 0 and not self.scheduler.priority:
-            raise RequestError(f"priority {priority} needs --scheduling-policy priority")
-        if params.bad_words and params.bad_words_token_ids is None:
-            params = with_bad_words(params, self.tokenizer)
-        if -1 in (params.logprobs, params.prompt_logprobs):  # vLLM's: the whole vocabulary
-            vocab = self.model_config.vocab_size
-            params = dataclasses.replace(
-                params, logprobs=vocab if params.logprobs == -1 else params.logprobs,
-                prompt_logprobs=vocab if params.prompt_logprobs == -1 else params.prompt_logprobs)
-        text, ids = self._tokenize(prompt)
-        keep = params.truncate_prompt_tokens  # vLLM's: the prompt's last k tokens
-        if keep is not None:
-            ids = ids[-(self.config.max_model_len or len(ids) if keep == -1 else keep):]
-        self._check_prompt(ids, params)
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
-        req = Request(request_id, ids, params, prompt=text, seed=seed, priority=priority,
-                      group=group or request_id)
-        if params.prompt_logprobs is not None and group is not None:
-            # n choices of one prompt: the first scores it for all
-            scorer = self._prompt_scorers.setdefault((group, tuple(ids), params.prompt_logprobs),
-                                                     req)
-            req.prompt_scorer = None if scorer is req else scorer
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
+        req = self.inputs.process(request_id, prompt, sampling_params or SamplingParams(),
+                                  priority, group)
+        params = req.sampling_params
         if params.structured_outputs is not None:
             if self.structured is None:
                 raise RequestError("structured_outputs needs a tokenizer: this engine has none")
             req.grammar_future = self.structured.submit(params.structured_outputs,
                                                         params.ignore_eos)
             self._compiling.append(req)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        if params.prompt_logprobs is not None and group is not None:
+            # n choices of one prompt: the first scores it for all
+            key = (group, tuple(req.prompt_token_ids), params.prompt_logprobs)
+            scorer = self._prompt_scorers.setdefault(key, req)
+            req.prompt_scorer = None if scorer is req else scorer
         self.outputs.add(req)
         self.scheduler.add(req)
         return req
@@ -219,37 +143,6 @@ class LLMEngine:
     def requests(self) -> Mapping[str, Request]:
         """Unfinished requests by id (the scheduler's registry, read-only)."""
         return self.scheduler.requests
-
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("prompt must be token ids: this engine has no tokenizer")
-            return prompt, self.tokenizer.encode(prompt)
-        return None, list(prompt)
-
-    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        max_len = self.config.max_model_len
-        assert max_len is not None
-        if not ids:
-            raise RequestError("prompt must not be empty")
-        if len(ids) >= max_len:
-            raise RequestError(
-                f"prompt is {len(ids)} tokens, the maximum is {max_len - 1} (max_model_len "
-                f"{max_len} includes at least one generated token)")
-        vocab = self.model_config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise RequestError(f"prompt token ids must be in [0, {vocab})")
-        if any(token >= vocab for token in params.logit_bias or {}):
-            raise RequestError(f"logit_bias token ids must be in [0, {vocab})")
-        for name in ("allowed_token_ids", "stop_token_ids"):  # a stop id never sampled: a slip
-            if any(token >= vocab for token in getattr(params, name) or []):
-                raise RequestError(f"{name} must be token ids in [0, {vocab})")
-        for name in ("logprobs", "prompt_logprobs"):
-            n = getattr(params, name) or 0
-            if n > self.max_logprobs():
-                raise RequestError(f"{name} {n} exceeds --max-logprobs ({self.max_logprobs()})")
-            if n > vocab:
-                raise RequestError(f"{name} must be <= the vocabulary size ({vocab}), got {n}")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV blocks; unknown or finished ids are ignored."""
@@ -264,8 +157,7 @@ class LLMEngine:
         """The one path every finished request takes after the scheduler finished it: the
         output side and the speculator drop their per-request state."""
         self.outputs.finish(req)
-        if self.speculator is not None:
-            self.speculator.forget(req.request_id)
+        self.speculator.forget(req.request_id)
         if req.prompt_scorer is None and req.sampling_params.prompt_logprobs is not None:
             key = (req.group, tuple(req.prompt_token_ids), req.sampling_params.prompt_logprobs)
             if self._prompt_scorers.get(key) is req:
@@ -283,7 +175,7 @@ class LLMEngine:
         return len(self.scheduler.running)
 
     def speculation_figures(self) -> SpeculatorFigures | None:
-        return None if self.speculator is None else self.speculator.figures()
+        return self.speculator.figures()
 
     @property
     def num_used_blocks(self) -> int:
@@ -314,7 +206,7 @@ class LLMEngine:
             self.outputs.add_prompt_logprobs(self.requests[rid], lp)
         outputs = self._update(sched, result.in_order(sched))
         target_time = time.perf_counter() - start
-        if self.speculator is not None and not culprits:
+        if not culprits:
             self.speculator.observe_step(sched.num_batched_tokens, attention, rows, target_time)
         self._propose(sched)
         self._share_grammar_time(sched, time.perf_counter() - start)
@@ -341,7 +233,7 @@ class LLMEngine:
         read KV another request of the step was computing go back to waiting, and every
         other request gets its result."""
         try:
-            return self._compute(sched), []
+            return self.executor.execute(sched), []
         except Exception:
             logger.exception("engine step failed; running it again in parts to find the "
                              "request that fails it")
@@ -350,22 +242,13 @@ class LLMEngine:
             self._forget_preempted(sched)
             raise
         self.scheduler.requeue_dependents(sched)
-        result, culprits = isolate(self._compute, list(sched.scheduled))
+        result, culprits = isolate(self.executor.execute, list(sched.scheduled))
         failed = []
         for s in culprits:
             self.scheduler.fail(s.request, sched)
             self._release(s.request)
             failed.append(self.outputs.make_output(s.request))
         return result, failed
-
-    def _compute(self, sched: SchedulerOutput) -> StepResult:
-        """One forward over `sched` and its sampling; no scheduling state changes."""
-        inp = self.runner.prepare(sched, self.blocks)
-        logits = self.runner.execute(inp)
-        forward_end = time.perf_counter()
-        prompt_logprobs = score_prompts(sched, logits[: inp.num_prompt_rows])
-        sampled = self.sampler.sample(sched, logits[inp.num_prompt_rows :])
-        return StepResult(prompt_logprobs, {id(r.scheduled): r for r in sampled}, forward_end)
 
     def _check_grammars(self) -> list[RequestOutput]:
         """Forget compiled grammars' requests; finish those whose grammar failed to compile
@@ -389,22 +272,17 @@ class LLMEngine:
     def _prefill_cap(self) -> int | None:
         """The ITL target's prefill cap, computed for the step about to be scheduled (from
         the requests running and waiting now, so new arrivals always count)."""
-        if self.speculator is None:
-            return None
         return self.speculator.prefill_cap(self.scheduler)
 
     def _forget_preempted(self, sched: SchedulerOutput) -> None:
         """The speculator's state of the requests the step preempted goes (their KV did)."""
-        if self.speculator is not None:
-            for rid in sched.preempted:
-                self.speculator.forget(rid)
+        for rid in sched.preempted:
+            self.speculator.forget(rid)
 
     def _propose(self, sched: SchedulerOutput) -> None:
         """Drafts for the next step. A proposer that raises costs this step's drafts only:
         the draft model's progress is forgotten (it catches up later), and a request at
         fault fails alone in the next target step, which meets the same fault."""
-        if self.speculator is None:
-            return
         self._forget_preempted(sched)
         try:
             drafts, probs = self.speculator.propose(self.scheduler)
@@ -413,7 +291,8 @@ class LLMEngine:
             for req in self.scheduler.running:
                 self.speculator.forget(req.request_id)
             return
-        self.scheduler.update_draft_token_ids(drafts, probs)
+        cuts = self.scheduler.update_draft_token_ids(drafts)
+        self.executor.set_draft_probs(probs, drafts, cuts)
 
     def _update(self, sched: SchedulerOutput, sampled: list[StepSample]) -> list[RequestOutput]:
         """Hand the step's tokens to the scheduler, then the figures and outputs of every
@@ -430,10 +309,10 @@ class LLMEngine:
                 self.stats.prompt_tokens += req.num_prompt_tokens
             if (lp := logprobs[id(req)]) is not None:
                 self.outputs.add_logprobs(req, lp[: u.num_new_tokens])
-            if u.num_drafts and self.speculator is not None:
+            if u.num_drafts:
                 req.spec_stats.record(u.num_drafts, u.num_accepted)
                 self.stats.spec_stats.record(u.num_drafts, u.num_accepted)
-            if (u.num_drafts or u.num_grammar_rejected) and self.speculator is not None:
+            if u.num_drafts or u.num_grammar_rejected:
                 # the policy learns from what it proposed: drafts a grammar cut count as
                 # rejected
                 self.speculator.on_verified(req, u.num_drafts + u.num_grammar_rejected,
@@ -445,7 +324,7 @@ class LLMEngine:
             elif req.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY:
                 continue
             out = self.outputs.make_output(req)
-            if out.metrics.spec_stats and self.speculator is not None:
+            if out.metrics.spec_stats:
                 out.metrics.spec_stats.update(self.speculator.request_figures(req))
             outputs.append(out)
         return outputs

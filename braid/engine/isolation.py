@@ -14,30 +14,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from braid.engine.scheduler import ScheduledRequest, SchedulerOutput
-from braid.outputs import SampleLogprobs
-from braid.sample.step import StepSample
+from braid.core.scheduler import ScheduledRequest, SchedulerOutput
+from braid.worker.executor import StepResult
 
 logger = logging.getLogger("braid")
-
-
-@dataclass(slots=True)
-class StepResult:
-    """What a step computed: prompt logprobs by request id, and each scheduled request's
-    sample (by the identity of its ScheduledRequest)."""
-
-    prompt_logprobs: dict[str, SampleLogprobs] = field(default_factory=dict)
-    samples: dict[int, StepSample] = field(default_factory=dict)
-    forward_end: float = 0.0  # time.perf_counter() when its (last) forward ended
-
-    def merge(self, other: StepResult) -> None:
-        self.prompt_logprobs.update(other.prompt_logprobs)
-        self.samples.update(other.samples)
-
-    def in_order(self, sched: SchedulerOutput) -> list[StepSample]:
-        return [self.samples[id(s)] for s in sched.scheduled]
 
 
 Compute = Callable[[SchedulerOutput], StepResult]

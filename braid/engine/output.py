@@ -12,7 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from braid.engine.request import Request
+from braid.core.request import Request
 from braid.outputs import CompletionOutput, RequestMetrics, RequestOutput, SampleLogprobs
 from braid.sampling_params import RequestOutputKind
 from braid.tokenizer import IncrementalDetokenizer, Tokenizer

@@ -20,6 +20,8 @@ from types import ModuleType
 
 import torch
 
+from braid.files import cache_root
+
 logger = logging.getLogger("braid")
 
 SOURCES = [Path(__file__).with_name(name)
@@ -30,8 +32,6 @@ ISAS = ("avx512-vnni", "avx2", "scalar")
 
 def _build_dir(digest: str) -> Path:
     """Where this source's build lives: $BRAID_KERNEL_DIR, else the cache's kernels folder."""
-    from braid.models.gguf_loader import cache_root
-
     root = os.environ.get("BRAID_KERNEL_DIR") or cache_root() / "kernels"
     return Path(root).expanduser() / f"quant-{digest}"
 

@@ -23,6 +23,8 @@ from braid.tokenizer import Tokenizer
 logger = logging.getLogger("braid")
 
 Weights = Iterator[tuple[str, torch.Tensor | QuantWeight]]
+# config.json's architecture -> the model class that runs it (models/config.py reads it)
+FAMILIES = {"qwen2": Qwen2ForCausalLM, "llama": Qwen2ForCausalLM}
 
 
 def load_model(
@@ -50,7 +52,7 @@ def load_model(
                         "(--quantization none)", name_or_path, dtype)
         dtype = torch.float32  # the kernels take and give float32 activations
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(cfg, quant_type).to(dtype)
+        model = FAMILIES[cfg.architecture](cfg, quant_type).to(dtype)
     model.to_empty(device=device)
     model.rotary.reset()
     model.load_weights(weights)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from braid.models.errors import ModelLoadError
+from braid.files import ModelLoadError
 
 # GGUF value types: fixed sizes, 8 = string, 9 = array.
 _SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}

@@ -27,8 +27,8 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from tqdm import tqdm
 
+from braid.files import ModelLoadError, cache_root
 from braid.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from braid.models.errors import ModelLoadError
 from braid.models.gguf_index import GGUFTensor, read_tensors
 from braid.models.quant import QuantWeight, runnable
 
@@ -61,11 +61,6 @@ FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16,
                          GGMLQuantizationType.BF16, GGMLQuantizationType.F64})
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
-
-
-def cache_root() -> Path:
-    # expanded here: a unit file or `docker -e` passes "~/..." unexpanded
-    return Path(os.environ.get("BRAID_CACHE_DIR") or Path.home() / ".cache" / "braid").expanduser()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ files (tokenizer.json, tokenizer_config.json) that braid.tokenizer reads."""
 from __future__ import annotations
 
 import json
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,8 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 
-from braid.models.errors import ModelLoadError
+from braid.files import ModelLoadError
+from braid.tokenizer import SPECIAL_NAMES, bytes_to_unicode
 
 # Split regexes by `tokenizer.ggml.pre` (the same as transformers' Qwen2 / Llama-3 tokenizers).
 QWEN2_SPLIT = (
@@ -33,19 +33,8 @@ PRE_TOKENIZER_SPLITS = {
     "smaug-bpe": LLAMA3_SPLIT,
 }
 TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
-SPECIAL_NAMES = ("bos", "eos", "unk", "pad")
 SPECIAL_ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id",
                     "pad": "padding_token_id"}
-
-
-@cache
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable spelling of each byte, the alphabet of byte-level BPE vocabularies."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
-    extra = [b for b in range(256) if b not in keep]
-    chars = keep + [256 + i for i in range(len(extra))]
-    return dict(zip(keep + extra, map(chr, chars), strict=True))
 
 
 def _spell(token: str, alphabet: set[str]) -> str:

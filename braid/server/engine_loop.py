@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from braid.engine.stats import EngineStats
+from braid.core.stats import EngineStats
 from braid.outputs import RequestOutput
 from braid.sampling_params import SamplingParams
 from braid.server import heap

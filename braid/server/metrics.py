@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from braid.engine.stats import EngineStats
+from braid.core.stats import EngineStats
 from braid.outputs import RequestOutput
 from braid.spec_decode.speculator import SpeculatorFigures
 

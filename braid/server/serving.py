@@ -21,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from braid.engine.engine import RequestError, with_bad_words
+from braid.engine.input import RequestError, with_bad_words
 from braid.outputs import RequestOutput
 from braid.sampling_params import SamplingParams, StructuredOutputsParams, choice_seed
 from braid.server.bodies import INLINE_BYTES, json_response, off_loop

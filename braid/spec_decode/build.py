@@ -3,25 +3,31 @@ loaded here unless one is given), the policy's state, and its warm-up forwards."
 
 from __future__ import annotations
 
-from braid.config import ConfigError, EngineConfig, resolve_draft_dtype
-from braid.engine.runner import ModelRunner
-from braid.engine.scheduler import Scheduler
+from typing import Any
+
+import torch
+
+from braid.config import ConfigError, EngineConfig
+from braid.core.scheduler import Scheduler
 from braid.models.config import ModelConfig
-from braid.models.qwen2 import Qwen2ForCausalLM
+from braid.models.interface import CausalLM
+from braid.models.qwen2 import native_bf16
 from braid.spec_decode.draft import DraftModelProposer
 from braid.spec_decode.ngram import NgramProposer
 from braid.spec_decode.proposer import Proposer
-from braid.spec_decode.speculator import Speculator
+from braid.spec_decode.speculator import Speculation, Speculator
+from braid.worker.runner import ModelRunner
 
 
 def make_speculator(cfg: EngineConfig, target: ModelRunner, scheduler: Scheduler,
-                    draft: Qwen2ForCausalLM | None = None,
-                    eos_token_ids: frozenset[int] = frozenset()) -> Speculator | None:
-    """None without `speculative_config`. `eos_token_ids` are the target's (the draft's
-    sampling rows suppress and fall back to them as the target's do)."""
+                    draft: CausalLM | None = None,
+                    eos_token_ids: frozenset[int] = frozenset()) -> Speculation:
+    """Speculation off (the base class) without `speculative_config`. `eos_token_ids` are
+    the target's (the draft's sampling rows suppress and fall back to them as the target's
+    do)."""
     spec = cfg.spec_config
     if spec is None:
-        return None
+        return Speculation()
     proposer: Proposer
     if spec.method == "ngram":
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -34,7 +40,7 @@ def make_speculator(cfg: EngineConfig, target: ModelRunner, scheduler: Scheduler
     assert cfg.max_model_len is not None
     speculator = Speculator(spec, proposer, cfg.max_model_len,
                             None if cfg.target_itl_ms is None else cfg.target_itl_ms / 1e3)
-    speculator.warm_up(target, getattr(proposer, "runner", None), scheduler)
+    speculator.warm_up(target, proposer.runner, scheduler)
     return speculator
 
 
@@ -57,7 +63,7 @@ def check_draft(cfg: EngineConfig, target: ModelConfig, draft: ModelConfig) -> N
                           f"--max-model-len {cfg.max_model_len}; lower --max-model-len")
 
 
-def _load_draft(cfg: EngineConfig) -> Qwen2ForCausalLM:
+def _load_draft(cfg: EngineConfig) -> CausalLM:
     from braid.models.build import load_model
 
     spec = cfg.spec_config
@@ -67,3 +73,14 @@ def _load_draft(cfg: EngineConfig) -> Qwen2ForCausalLM:
                           dtype_given=spec.draft_dtype != "auto" or cfg.dtype != "auto",
                           with_tokenizer=False)
     return draft
+
+
+def resolve_draft_dtype(name: str, target_dtype: Any, device: str = "cpu") -> Any:
+    """A draft dtype name -> torch dtype; "auto" is bfloat16 where the CPU runs it natively
+    and the target is float32, else the target's dtype."""
+    if name != "auto":
+        return getattr(torch, name)
+    if (torch.device(device).type == "cpu" and target_dtype == torch.float32
+            and native_bf16()):
+        return torch.bfloat16
+    return target_dtype

@@ -27,13 +27,13 @@ from dataclasses import dataclass
 import torch
 
 from braid.config import SpecConfig
-from braid.engine.block_manager import BlockManager
-from braid.engine.request import Request
-from braid.engine.runner import ModelRunner, QuerySpan
-from braid.models.qwen2 import Qwen2ForCausalLM
-from braid.sample.sampler import DRAFT, SAMPLE, apply_penalties, sample_rows
-from braid.sample.step import rows_metadata
+from braid.core.block_manager import BlockManager
+from braid.core.request import Request
+from braid.models.interface import CausalLM
 from braid.spec_decode.proposer import DraftForward, Proposal, Proposer
+from braid.worker.runner import ModelRunner, QuerySpan
+from braid.worker.sampler import DRAFT, SAMPLE, apply_penalties, sample_rows
+from braid.worker.step import rows_metadata
 
 
 @dataclass(slots=True)
@@ -43,10 +43,11 @@ class _Proposal:
 
 
 class DraftModelProposer(Proposer):
+    runner: ModelRunner
     needs_kv_slots = True  # drafts 1..k-1 get KV at positions num_tokens..num_tokens+k-2
 
     def __init__(
-        self, model: Qwen2ForCausalLM, blocks: BlockManager, block_size: int, device: torch.device,
+        self, model: CausalLM, blocks: BlockManager, block_size: int, device: torch.device,
         spec: SpecConfig | None = None, kv_dtype: torch.dtype | None = None,
         eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:

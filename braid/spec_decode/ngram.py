@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from braid.engine.request import Request
+from braid.core.request import Request
 from braid.spec_decode.proposer import Proposal, Proposer
 
 

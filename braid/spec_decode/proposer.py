@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from braid.engine.request import Request
+from braid.core.request import Request
+from braid.worker.runner import ModelRunner
 
 
 @dataclass(slots=True)
@@ -32,6 +33,8 @@ class Proposer(ABC):
     # Whether drafting needs KV slots beyond the request's tokens (a draft model writes KV
     # for its own drafts); the speculator has the scheduler reserve them first.
     needs_kv_slots = False
+    runner: ModelRunner | None = None  # a draft model's runner (weights, KV cache)
+    coarse_head = False  # its greedy drafts take the draft's two-stage LM head
 
     @abstractmethod
     def propose(self, requests: list[Request], ks: list[int]) -> Proposal:

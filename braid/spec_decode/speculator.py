@@ -15,9 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from braid.config import SpecConfig
-from braid.engine.request import Request
-from braid.engine.runner import ModelRunner, QuerySpan
-from braid.engine.scheduler import NextStep, Scheduler
+from braid.core.request import Request
+from braid.core.scheduler import NextStep, Scheduler
 from braid.spec_decode.cost_model import StepCostModel, attention_work
 from braid.spec_decode.ngram import NgramProposer
 from braid.spec_decode.policy import (
@@ -30,6 +29,7 @@ from braid.spec_decode.policy import (
     step_seconds,
 )
 from braid.spec_decode.proposer import Proposer
+from braid.worker.runner import ModelRunner, QuerySpan
 
 logger = logging.getLogger("braid")
 
@@ -73,7 +73,42 @@ class SpeculatorFigures:
     lookup_acceptance_estimate: float | None  # the lookups' own (None: no lookups beside)
 
 
-class Speculator:
+class Speculation:
+    """What the engine asks of speculation, once per step. This base is speculation off (no
+    drafts, nothing to learn, no prefill cap), so the engine runs one path either way;
+    `Speculator` below is speculation on."""
+
+    def prefill_cap(self, scheduler: Scheduler) -> int | None:
+        """Prefill tokens the next step may carry (None: no cap)."""
+        return None
+
+    def propose(self, scheduler: Scheduler
+                ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+        """Drafts for the next step by request id, and the q [k, V] of sampled ones."""
+        return {}, {}
+
+    def observe_step(self, tokens: int, attention: int, rows: int, seconds: float) -> None:
+        """A target step's size and duration (the cost model's evidence)."""
+
+    def on_verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
+        """A window of `req`'s drafts was verified."""
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or lost its KV blocks (preempted)."""
+
+    def request_figures(self, req: Request) -> dict[str, float | str]:
+        return {}
+
+    def figures(self) -> SpeculatorFigures | None:
+        return None
+
+    @property
+    def draft_runner(self) -> ModelRunner | None:
+        """The draft model's runner (its weights and KV cache), if it has one."""
+        return None
+
+
+class Speculator(Speculation):
     def __init__(self, spec: SpecConfig, proposer: Proposer, max_model_len: int,
                  target_itl: float | None = None) -> None:
         self.config = spec
@@ -302,6 +337,10 @@ class Speculator:
                 self.lookup_acceptance.alpha(req.request_id), 4)
         return figures
 
+    @property
+    def draft_runner(self) -> ModelRunner | None:
+        return self.proposer.runner
+
     def figures(self) -> SpeculatorFigures:
         return SpeculatorFigures(
             dict(self.chosen_k), self.predicted_step_time, self.cost.error_ema,
@@ -326,7 +365,7 @@ class Speculator:
                                          _time_forward(target, table, n, rows), anchor=True)
             if draft is not None:
                 # greedy drafts go through the draft's coarse head where it has one
-                greedy = getattr(self.proposer, "coarse_head", False)
+                greedy = self.proposer.coarse_head
                 for n, rows in WARMUP_DRAFT:
                     self.cost.observe_draft(n, rows, _time_forward(draft, table, n, rows, greedy),
                                             anchor=True)

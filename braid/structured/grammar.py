@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import llguidance
 import torch
 
-from braid.engine.stats import GrammarStats
+from braid.core.stats import GrammarStats
 from braid.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:

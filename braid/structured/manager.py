@@ -22,7 +22,8 @@ import llguidance
 import tokenizers
 import torch
 
-from braid.engine.stats import GrammarStats
+from braid.core.request import Grammar
+from braid.core.stats import GrammarStats
 from braid.sampling_params import StructuredOutputsParams
 from braid.structured.grammar import (
     LIMITS,
@@ -113,12 +114,12 @@ class StructuredOutputManager:
     def _check(self, params: StructuredOutputsParams) -> None:
         self._template(params)
 
-    def submit(self, params: StructuredOutputsParams, ignore_eos: bool) -> Future[GrammarState]:
+    def submit(self, params: StructuredOutputsParams, ignore_eos: bool) -> Future[Grammar]:
         """The request's grammar state, compiled on the worker."""
         eos = () if ignore_eos else self._eos_token_ids
         return self._worker.submit(self._state, params, eos)
 
-    def _state(self, params: StructuredOutputsParams, eos: Collection[int]) -> GrammarState:
+    def _state(self, params: StructuredOutputsParams, eos: Collection[int]) -> Grammar:
         key = spec_key(params)
         matcher = self._template(params)
         return GrammarState(matcher.deep_copy(), eos, self.stats,

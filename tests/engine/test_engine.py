@@ -240,7 +240,7 @@ def test_a_draft_that_cannot_draft_is_refused_before_the_weights_load(
         tmp_path, draft: str, spec: dict, match: str) -> None:
     """The draft model's config.json is checked against the target's before either loads
     (a missing draft, or one with another vocabulary, failed after the target loaded)."""
-    from braid.models.errors import ModelLoadError
+    from braid.files import ModelLoadError
 
     for name, overrides in (("m", {}), ("same", {}), ("other-vocab", {"vocab_size": 300})):
         save_tiny_model(tmp_path / name, **overrides)
@@ -260,7 +260,7 @@ def test_a_draft_s_tokenizer_is_not_read(tmp_path) -> None:
     spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": str(tmp_path / "d")}
     engine = LLMEngine(EngineConfig(model=str(tmp_path / "m"), speculative_config=spec,
                                     log_stats_interval=0))
-    assert engine.tokenizer is not None and engine.speculator is not None
+    assert engine.tokenizer is not None and engine.speculator.draft_runner is not None
 
 
 def test_server_port_is_checked_by_the_parser(capsys) -> None:
@@ -348,7 +348,7 @@ def test_memory_limit_is_the_container_s_where_lower(tmp_path, caplog) -> None:
     """A cgroup's memory limit below the machine's memory is the one KV caches are checked
     against (v2 memory.max, v1 memory.limit_in_bytes; "max" or a huge v1 value: none); KV
     caches beyond the memory available now are a warning."""
-    from braid.engine.memory import (
+    from braid.worker.memory import (
         available_memory,
         memory_limit,
         warn_beyond_available,
@@ -484,7 +484,7 @@ def test_stats_lines_report_their_own_interval(caplog) -> None:
     """Each stats line gives the prefix cache hit rate and the speculation figures of its
     interval, as vLLM's do (not the totals since start); an idle engine writes one line
     after its last busy one, and no more while nothing runs."""
-    from braid.engine.stats import EngineStats, StepStats
+    from braid.core.stats import EngineStats, StepStats
 
     def step(queries: int, hits: int) -> StepStats:
         return StepStats(1, 0, 1, 0, 0, 0.0, 0.01, 0.5, 0, 0, num_cache_queries=queries,

@@ -1,4 +1,4 @@
-"""Fair shares between API requests (braid/engine/fairness.py): a group of many
+"""Fair shares between API requests (braid/core/fairness.py): a group of many
 choices decodes at most as many rows as every other group together (plus FAIR_SLACK), its
 members taking turns; a request whose grammar masks are dear rests steps in proportion. No
 output changes: a request's tokens do not depend on which step computes them."""
@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import torch
 
+from braid.core.fairness import FAIR_SLACK
+from braid.core.scheduler import ScheduledRequest, SchedulerOutput
 from braid.engine.engine import LLMEngine
-from braid.engine.fairness import FAIR_SLACK
-from braid.engine.scheduler import ScheduledRequest, SchedulerOutput
 from braid.sampling_params import SamplingParams, StructuredOutputsParams
 from braid.structured.grammar import bitmask_width
 from braid.tokenizer import Tokenizer

@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from braid.core.request import Request
 from braid.engine.output import OutputProcessor, StopStrings
-from braid.engine.request import Request
 from braid.outputs import Logprob
 from braid.sampling_params import SamplingParams
 from braid.tokenizer import Tokenizer

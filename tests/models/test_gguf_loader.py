@@ -10,8 +10,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 
+from braid.files import cache_root
 from braid.models import gguf_loader
-from braid.models.gguf_loader import cache_root, gguf_to_hf_folder
+from braid.models.gguf_loader import gguf_to_hf_folder
 from braid.models.loader import ModelLoadError, load_model_files
 from tests.conftest import tiny_vocab, write_gguf
 

@@ -19,9 +19,9 @@ from torch import nn
 
 from braid.config import ConfigError, EngineConfig
 from braid.engine.engine import LLMEngine
+from braid.files import ModelLoadError
 from braid.kernels import quant_ops
 from braid.models.build import load_model
-from braid.models.errors import ModelLoadError
 from braid.models.quant import (
     HUGE_PAGE,
     QuantEmbedding,
@@ -417,8 +417,8 @@ def test_a_16_bit_kv_cache(gguf_path: Path, target: Qwen2ForCausalLM, kv_cache_d
     draft = load_model(str(gguf_path))[0]
     e = engine(target, draft, **{**options, "max_num_batched_tokens": 16},
                speculative_config=spec_config("draft_model", 3, draft_prompt_lookup=False))
-    assert e.speculator is not None
-    assert e.speculator.proposer.runner.kv_cache.dtype == getattr(torch, kv_cache_dtype)
+    assert e.speculator.draft_runner is not None
+    assert e.speculator.draft_runner.kv_cache.dtype == getattr(torch, kv_cache_dtype)
     assert run(e, STAGGERED, GREEDY) == batched
     assert e.stats.spec_stats.num_drafts > 0 and e.stats.spec_stats.acceptance_rate == 1.0
     steps = [{"a": PROMPT[:39]}, {"a": PROMPT[39:]}]  # a prefill, then a decode over it

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from braid.files import ModelLoadError
 from braid.models.attention import build_attention_metadata
-from braid.models.errors import ModelLoadError
 from braid.models.qwen2 import can_pack
 from tests.tiny import braid_model, hf_model, random_weights, tiny_config
 

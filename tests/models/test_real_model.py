@@ -15,10 +15,10 @@ import torch
 
 from braid.config import EngineConfig
 from braid.engine.engine import LLMEngine
-from braid.engine.runner import ModelRunner, QuerySpan
 from braid.models.quant import QuantLinear
 from braid.models.qwen2 import Qwen2ForCausalLM
 from braid.sampling_params import SamplingParams
+from braid.worker.runner import ModelRunner, QuerySpan
 
 pytestmark = pytest.mark.real_model
 

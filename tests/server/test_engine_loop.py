@@ -6,7 +6,7 @@ import asyncio
 import threading
 import time
 
-from braid.engine.stats import EngineStats
+from braid.core.stats import EngineStats
 from braid.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from braid.sampling_params import SamplingParams
 from braid.server.engine_loop import AsyncEngine, OutputQueue, RequestFailed

@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from braid.engine.request import Request
+from braid.core.request import Request
 from braid.sampling_params import SamplingParams
 from braid.spec_decode.ngram import NgramMatcher, TokenHistory
 

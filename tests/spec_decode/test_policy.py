@@ -491,7 +491,7 @@ def test_a_backlog_s_catch_up_is_spread_over_what_started_requests_drafted() -> 
     """The backlog is charged over the request's remaining tokens, at most the persistence:
     where started requests stopped after a few windows a start costs far more a step."""
     from braid.config import SpecConfig
-    from braid.engine.request import Request
+    from braid.core.request import Request
     from braid.sampling_params import SamplingParams
     from braid.spec_decode.ngram import NgramProposer
     from braid.spec_decode.speculator import Speculator

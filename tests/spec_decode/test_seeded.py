@@ -99,7 +99,7 @@ CONFIGS = {
 def test_seeded_outputs_equal_no_speculation_alone(alone, config: str) -> None:
     engine = CONFIGS[config]()
     assert run_seeded(engine, STAGGERED, unseeded=True) == alone
-    if engine.speculator is not None:
+    if engine.config.spec_config is not None:
         assert engine.stats.spec_stats.num_drafts > 0
     if config.endswith("lookups_preempted"):
         assert engine.speculator.lookup_windows > 0  # type: ignore[union-attr]

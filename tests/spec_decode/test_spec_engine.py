@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from braid.config import ConfigError, EngineConfig, resolve_draft_dtype
-from braid.engine.scheduler import SchedulerOutput
+from braid.config import ConfigError, EngineConfig
+from braid.core.scheduler import SchedulerOutput
 from braid.models.qwen2 import can_pack, native_bf16
 from braid.sampling_params import SamplingParams
+from braid.spec_decode.build import resolve_draft_dtype
 from braid.spec_decode.cost_model import StepCostModel, attention_work
 from braid.spec_decode.speculator import WARMUP_DRAFT, WARMUP_TARGET
 from tests.engine.test_engine import CFG, STAGGERED, WEIGHTS, make_engine, prompts, run

@@ -9,7 +9,7 @@ import llguidance
 import pytest
 import torch
 
-from braid.engine.stats import GrammarStats
+from braid.core.stats import GrammarStats
 from braid.sampling_params import StructuredOutputsParams
 from braid.structured.grammar import (
     GrammarState,

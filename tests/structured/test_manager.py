@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from braid.engine.stats import GrammarStats
+from braid.core.stats import GrammarStats
 from braid.sampling_params import StructuredOutputsParams
 from braid.structured.grammar import MAX_GBNF_RULES, MAX_GRAMMAR_BYTES, GrammarError
 from braid.structured.manager import StructuredOutputManager

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from braid.config import ConfigError, EngineConfig
-from braid.engine.runner import kv_bytes_per_token
 from braid.models.config import ModelConfig
+from braid.worker.runner import kv_bytes_per_token
 
 logger = logging.getLogger("braid")
 

@@ -6,14 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
-from braid.engine.block_manager import BlockManager
-from braid.engine.request import Request
-from braid.engine.scheduler import SchedulerOutput
+from braid.core.block_manager import BlockManager
+from braid.core.request import Request
+from braid.core.scheduler import SchedulerOutput
 from braid.kernels import quant_ops
 from braid.models.attention import AttentionMetadata, build_attention_metadata
 from braid.models.config import ModelConfig
+from braid.models.interface import CausalLM
 from braid.models.quant import huge_page_zeros
-from braid.models.qwen2 import Qwen2ForCausalLM
 
 
 def prompt_logprob_rows(req: Request, num_new_tokens: int) -> range:
@@ -57,7 +57,7 @@ class ModelRunner:
     """Owns a model and its paged KV cache ([layers, 2, slots, KVH, D])."""
 
     def __init__(
-        self, model: Qwen2ForCausalLM, num_blocks: int, block_size: int, device: torch.device,
+        self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
         kv_dtype: torch.dtype | None = None,
     ) -> None:
         """kv_dtype: the cache's element type (None: the model's activation dtype)."""
@@ -118,12 +118,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor:
         """-> logits [R, vocab] float32 at inp.logits_indices only."""
-        hidden = self.model(inp.input_ids, inp.positions, inp.attn_metadata)
+        hidden = self.model.forward(inp.input_ids, inp.positions, inp.attn_metadata)
         return self.model.compute_logits(hidden[inp.logits_indices], self.logit_ids)
 
     @torch.inference_mode()
     def execute_greedy(self, inp: ModelInput) -> torch.Tensor:
-        """-> the argmax token id [R] at inp.logits_indices (Qwen2ForCausalLM.greedy_tokens:
+        """-> the argmax token id [R] at inp.logits_indices (CausalLM.greedy_tokens:
         through the coarse LM head where the model has one)."""
-        hidden = self.model(inp.input_ids, inp.positions, inp.attn_metadata)
+        hidden = self.model.forward(inp.input_ids, inp.positions, inp.attn_metadata)
         return self.model.greedy_tokens(hidden[inp.logits_indices], self.logit_ids)

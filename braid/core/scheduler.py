@@ -21,11 +21,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-import torch
-
-from braid.engine.block_manager import BlockManager
-from braid.engine.fairness import fair_decodes, seat_giver
-from braid.engine.request import Request, RequestStatus
+from braid.core.block_manager import BlockManager
+from braid.core.fairness import fair_decodes, seat_giver
+from braid.core.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -424,16 +422,17 @@ class Scheduler:
         sched.scheduled = [s for s in sched.scheduled if s.request is not req]
         self.finish(req, "error")
 
-    def update_draft_token_ids(self, drafts: dict[str, list[int]],
-                               probs: dict[str, torch.Tensor] | None = None) -> None:
-        """Drafts for the next step, by request id (the only way drafts enter), with the
-        draft's q [k, V] for those that sampled them (rejection sampling). A request with a
-        grammar keeps its drafts up to the first one the grammar refuses."""
+    def update_draft_token_ids(self, drafts: Mapping[str, list[int]]) -> dict[str, int]:
+        """Drafts for the next step, by request id (the only way drafts enter). A request with
+        a grammar keeps its drafts up to the first one the grammar refuses. Returns, by
+        request id, the drafts kept where a grammar cut one that did not follow an end token
+        (a sampled draft may be cut there only where the draft was certain of it: the
+        worker, which holds the draft's probabilities, checks)."""
+        cuts = {}
         for request_id, draft in drafts.items():
             req = self._requests.get(request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
-            q = None if probs is None else probs.get(request_id)
             draft, rejected = list(draft), 0
             grammar = req.grammar
             if grammar is not None and draft:
@@ -445,12 +444,11 @@ class Scheduler:
                 # p refuses it too, so verification would draw from p). Cutting any other
                 # would select on the draft's own sample and bias rejection sampling.
                 n = grammar.num_valid(draft)
-                after_eos = n > 0 and grammar.is_eos(draft[n - 1])
-                certain = q is not None and n < len(draft) and bool(q[n, draft[n]] == 1.0)
-                assert q is None or n == len(draft) or after_eos or certain, \
-                    "a sampled draft broke its grammar"
+                if n < len(draft) and not (n > 0 and grammar.is_eos(draft[n - 1])):
+                    cuts[request_id] = n
                 draft, rejected = draft[:n], len(draft) - n
-            req.set_drafts(draft, q, rejected)
+            req.set_drafts(draft, rejected)
+        return cuts
 
     # ---- what the speculator asks -------------------------------------------------------
 

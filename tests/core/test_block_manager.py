@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from braid.engine.block_manager import BlockManager, block_hash
+from braid.core.block_manager import BlockManager, block_hash
 
 
 def tokens(ids: list[int]):

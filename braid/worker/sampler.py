@@ -39,7 +39,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from braid.sample.constraints import (
+from braid.sampling_params import SamplingParams
+from braid.worker.constraints import (
     PenaltyPairs,
     RequestConstraints,
     allowed_masks,
@@ -48,7 +49,6 @@ from braid.sample.constraints import (
     penalty_pairs,
     suppressed_pairs,
 )
-from braid.sampling_params import SamplingParams
 
 logger = logging.getLogger("braid")
 

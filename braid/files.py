@@ -1,10 +1,19 @@
-"""Errors a user can cause while loading a model (bad path, missing package, bad file)."""
+"""Where braid keeps its files, and the JSON files a model comes with: the bottom of the
+package, imported by every layer."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
+
+
+def cache_root() -> Path:
+    """$BRAID_CACHE_DIR, else ~/.cache/braid (assembled models, converted tokenizers, the
+    kernels' builds)."""
+    # expanded here: a unit file or `docker -e` passes "~/..." unexpanded
+    return Path(os.environ.get("BRAID_CACHE_DIR") or Path.home() / ".cache" / "braid").expanduser()
 
 
 class ModelLoadError(ValueError):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from braid.engine.request import Request
+from braid.core.request import Request
 
 FAIR_SLACK = 2  # decodes a group may run beyond those of every other group together
 

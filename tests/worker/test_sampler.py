@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from braid.sample.sampler import (
+from braid.sampling_params import SamplingParams
+from braid.worker.sampler import (
     DRAFT,
     SAMPLE,
     SamplingMetadata,
@@ -19,7 +20,6 @@ from braid.sample.sampler import (
     sample_rows,
     target_probs,
 )
-from braid.sampling_params import SamplingParams
 
 V = 32
 EOS = 0

@@ -4,18 +4,33 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-import torch
-
-from braid.engine.stats import SpecStats
+from braid.core.stats import SpecStats
 from braid.outputs import PromptLogprobs, SampleLogprobs
 from braid.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from braid.structured.grammar import GrammarState
+
+class Grammar(Protocol):
+    """A request's compiled grammar as the layers above drive it (its implementation:
+    braid/structured/grammar.py's GrammarState)."""
+
+    def advance(self, token: int) -> str | None:
+        """Accept an emitted token: "stop" once the grammar is complete, else None."""
+
+    def num_valid(self, drafts: Sequence[int]) -> int:
+        """How many leading drafts the grammar allows from its current state."""
+
+    def is_eos(self, token: int) -> bool: ...
+
+    def fill_mask(self, drafts: Sequence[int], out: Any) -> None:
+        """The allowed tokens after `drafts`, as a bitmask written into `out`."""
+
+    def take_mask_time(self) -> float:
+        """Seconds spent on its masks since the last call."""
 
 
 class RequestStatus(enum.Enum):
@@ -37,12 +52,10 @@ class Request:
     num_computed_tokens: int = 0
     # Draft tokens proposed for the next step; never part of num_tokens until accepted.
     spec_token_ids: list[int] = field(default_factory=list)
-    # The draft's q [len(spec_token_ids), V] for rejection sampling; None for one-hot drafts.
-    spec_token_probs: torch.Tensor | None = None
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
-    # Keys the request's random numbers (braid/sample/sampler.py): sampling_params.seed,
+    # Keys the request's random numbers (braid/worker/sampler.py): sampling_params.seed,
     # or one the engine drew for an unseeded request.
     seed: int = 0
     first_scheduled_time: float | None = None  # its first admission (the end of its queueing)
@@ -60,7 +73,7 @@ class Request:
     spec_stats: SpecStats = field(default_factory=SpecStats)  # this request's speculation figures
     # With sampling_params.structured_outputs: its grammar, compiled off the engine loop; the
     # scheduler admits the request once it is done.
-    grammar_future: Future[GrammarState] | None = None
+    grammar_future: Future[Grammar] | None = None
     # Drafts of the current proposal cut because the grammar refused them.
     num_grammar_rejected: int = 0
     # The API request it belongs to (its prompts x n choices share one group; alone: its
@@ -77,14 +90,12 @@ class Request:
     def __post_init__(self) -> None:
         self.group = self.group or self.request_id
 
-    def set_drafts(self, token_ids: list[int], probs: torch.Tensor | None = None,
-                   num_grammar_rejected: int = 0) -> None:
+    def set_drafts(self, token_ids: list[int], num_grammar_rejected: int = 0) -> None:
         self.spec_token_ids = token_ids
-        self.spec_token_probs = probs
         self.num_grammar_rejected = num_grammar_rejected
 
     @property
-    def grammar(self) -> GrammarState | None:
+    def grammar(self) -> Grammar | None:
         """The compiled grammar (None without structured output, or while compiling)."""
         f = self.grammar_future
         return f.result() if f is not None and f.done() and f.exception() is None else None

@@ -5,19 +5,20 @@ verified in one batched call (verify.py); logprobs are taken once, from the raw 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from braid.config import SpecConfig
-from braid.engine.request import Request
-from braid.engine.runner import prompt_logprob_rows
-from braid.engine.scheduler import ScheduledRequest, SchedulerOutput
+from braid.core.request import Request
+from braid.core.scheduler import ScheduledRequest, SchedulerOutput
 from braid.outputs import Logprob, SampleLogprobs
-from braid.sample.constraints import RequestConstraints
-from braid.sample.sampler import SAMPLE, SamplingMetadata, gather_logprobs
-from braid.sample.verify import verify
 from braid.structured.grammar import allowed_tokens, bitmask_width
+from braid.worker.constraints import RequestConstraints
+from braid.worker.runner import prompt_logprob_rows
+from braid.worker.sampler import SAMPLE, SamplingMetadata, gather_logprobs
+from braid.worker.verify import verify
 
 
 @dataclass(slots=True)
@@ -35,6 +36,20 @@ class StepSampler:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.spec = spec  # its verification mode, when the engine speculates
+        # The draft's q [k, V] of each request whose pending drafts it sampled, by request id
+        # (rejection sampling reads them; one-hot drafts have none).
+        self.draft_probs: dict[str, torch.Tensor] = {}
+
+    def set_draft_probs(self, probs: Mapping[str, torch.Tensor],
+                        drafts: Mapping[str, list[int]], cuts: Mapping[str, int]) -> None:
+        """The probabilities of the drafts just proposed (every running request's: they
+        replace the last proposal's). A grammar may cut a sampled draft only where the draft
+        was certain of it (`cuts`: Scheduler.update_draft_token_ids)."""
+        for request_id, n in cuts.items():
+            q = probs.get(request_id)
+            assert q is None or bool(q[n, drafts[request_id][n]] == 1.0), \
+                "a sampled draft broke its grammar"
+        self.draft_probs = dict(probs)
 
     def sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[StepSample]:
         """One result per scheduled request, in scheduling order (`logits` holds the rows
@@ -57,11 +72,15 @@ class StepSampler:
             logits,
             drafts,
             self.metadata(to_sample, logits.shape[-1]),
-            [_draft_probs(s) for s in to_sample],
+            [self._draft_probs(s) for s in to_sample],
             [self.uses_rejection(s.request) and s.num_spec_tokens > 0 for s in to_sample],
         )
         ids = out.output_token_ids.tolist()
         return [row[: n + 1] for row, n in zip(ids, out.num_accepted.tolist(), strict=True)]
+
+    def _draft_probs(self, s: ScheduledRequest) -> torch.Tensor | None:
+        probs = self.draft_probs.get(s.request.request_id)
+        return None if probs is None or not s.num_spec_tokens else probs[: s.num_spec_tokens]
 
     def uses_rejection(self, req: Request) -> bool:
         """Seeded requests are always verified coupled, so their tokens never depend on k."""
@@ -147,11 +166,6 @@ def _grammar_masks(rows: list[tuple[Request, list[int]]], vocab_size: int,
         grammar.fill_mask(drafts, bitmask[j])
     rows_index = torch.tensor([i for i, _, _ in constrained], dtype=torch.int64, device=device)
     return rows_index, allowed_tokens(bitmask, vocab_size).to(device)
-
-
-def _draft_probs(s: ScheduledRequest) -> torch.Tensor | None:
-    probs = s.request.spec_token_probs
-    return None if probs is None or not s.num_spec_tokens else probs[: s.num_spec_tokens]
 
 
 def _entries(row_logprobs: torch.Tensor, tokens: torch.Tensor, n: int

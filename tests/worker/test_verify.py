@@ -5,16 +5,16 @@ import dataclasses
 import pytest
 import torch
 
-from braid.sample.sampler import (
+from braid.sampling_params import SamplingParams
+from braid.worker.sampler import (
     SamplingMetadata,
     inverse_cdf,
     keyed_uniform_array,
     sample_rows,
     target_probs,
 )
-from braid.sample.verify import verify
-from braid.sampling_params import SamplingParams
-from tests.sample.test_sampler import V, build
+from braid.worker.verify import verify
+from tests.worker.test_sampler import V, build
 
 TV_TOLERANCE = 0.01
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from braid.sample.sampler import (
+from braid.worker.sampler import (
     ACCEPT,
     RESIDUAL,
     SamplingMetadata,
