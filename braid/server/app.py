@@ -6,14 +6,17 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import ssl
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -22,10 +25,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
-from braid import __version__
+from braid import __version__, heap
 from braid.config import ConfigError, EngineConfig, config_from_args
+from braid.core.stats import GrammarStats
+from braid.engine.bootstrap import check_before_loading
+from braid.engine.process import EngineProcess
 from braid.sampling_params import is_int
-from braid.server import heap
 from braid.server.bodies import (
     json_lists,
     json_response,
@@ -55,12 +60,17 @@ from braid.server.serving_chat import (
     render_chat,
 )
 from braid.server.serving_completion import create_completion, num_prompts
-
-if TYPE_CHECKING:
-    from braid.engine.engine import LLMEngine
+from braid.structured.manager import StructuredOutputManager
+from braid.tokenizer import Tokenizer
 
 logger = logging.getLogger("braid.server")
 GIL_SWITCH_S = 0.0005
+# The server's request threads run at the lowest CPU priority, the engine's process at the
+# normal one: the engine's step keeps the cores busy with torch's threads, which wait for the
+# slowest of them, so a request's tokenization beside them would stretch every step for
+# everyone; at this priority it takes the cycles the step leaves. (In one process the same
+# priority backfired: a low-priority thread holding the GIL kept the engine waiting.)
+REQUEST_THREAD_NICE = 19
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,9 @@ def create_app(ctx: ServerContext, metrics: ServerMetrics,
                options: AppOptions = AppOptions()) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # asyncio.to_thread's threads (tokenizing, parsing and writing large requests)
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(
+            thread_name_prefix="braid-request", initializer=_lower_priority))
         ctx.engine.start()
         yield
         # uvicorn has drained the in-flight requests (bounded by its graceful timeout).
@@ -232,16 +245,26 @@ def run_server(args: argparse.Namespace) -> int:
         raise ConfigError("--enable-log-requests and --disable-log-requests contradict each "
                           "other; give one")
     sock = _bind(args.host, args.port)  # before the load: a busy port fails in a second
-    engine = _load_engine(config, args.chat_template)
+    tokenizer = _served_tokenizer(config, args.chat_template)
+    engine = EngineProcess(config)  # loads the models in its own process
+    try:
+        return _serve(args, sock, engine, tokenizer)
+    finally:
+        engine.shutdown()
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket, engine: EngineProcess,
+           tokenizer: Tokenizer) -> int:
+    info = engine.info
+    config = info.config
     names = list(dict.fromkeys(args.served_model_name or [config.model]))  # each name once
-    cache = engine.runner.kv_cache
     metrics = ServerMetrics(names[0], cache_config={
         "block_size": config.block_size,
-        "cache_dtype": str(cache.dtype).removeprefix("torch."),
-        "num_gpu_blocks": engine.blocks.num_blocks,  # vLLM's name for the cache's blocks
+        "cache_dtype": info.kv_cache_dtype,
+        "num_gpu_blocks": info.num_kv_blocks,  # vLLM's name for the cache's blocks
         "enable_prefix_caching": config.enable_prefix_caching,
-        "kv_cache_gib": f"{cache.nbytes / 2**30:.4g}"})  # the target's, as allocated
-    ctx = _context(args, engine, metrics, names)
+        "kv_cache_gib": f"{info.kv_cache_bytes / 2**30:.4g}"})  # the target's, as allocated
+    ctx = _context(args, engine, tokenizer, metrics, names)
     app = create_app(ctx, metrics, AppOptions(
         args.max_request_bytes, args.api_key, args.enable_docs, tuple(args.allowed_origins),
         tuple(args.allowed_methods), tuple(args.allowed_headers), args.allow_credentials,
@@ -265,6 +288,14 @@ def run_server(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
+def _lower_priority() -> None:
+    """A request thread's start: REQUEST_THREAD_NICE (Linux sets it per thread; elsewhere, or
+    where it is refused, nothing changes)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), REQUEST_THREAD_NICE)
+
+
 def _set_up_process() -> None:
     """Process-wide settings, before any thread starts."""
     heap.limit_arenas()  # heap.py
@@ -274,41 +305,45 @@ def _set_up_process() -> None:
     sys.setswitchinterval(GIL_SWITCH_S)
 
 
-def _load_engine(config: EngineConfig, chat_template: str | None) -> LLMEngine:
-    """The engine, with the tokenizer and chat template a server needs, its grammar engine
-    warmed up before any request."""
-    from braid.engine.engine import LLMEngine
-
-    engine = LLMEngine(config)
-    if engine.tokenizer is None:
+def _served_tokenizer(config: EngineConfig, chat_template: str | None) -> Tokenizer:
+    """The tokenizer and chat template requests are read with (the model's, --tokenizer's,
+    --chat-template's), after the checks that need only config.json files."""
+    checked = check_before_loading(config)
+    tokenizer = checked.tokenizer
+    if tokenizer is None and (checked.folder / "tokenizer.json").is_file():
+        tokenizer = Tokenizer.from_folder(checked.folder)
+    if tokenizer is None:
         raise ConfigError(f"--model {config.model}: the server needs a model with a tokenizer "
                           "(tokenizer.json), or one given with --tokenizer")
     if chat_template is not None:
-        engine.tokenizer.chat_template = chat_template
-    elif engine.tokenizer.chat_template:
-        warn_of_a_broken_chat_template(engine.tokenizer.chat_template, config.model)
-    assert engine.structured is not None
-    engine.structured.warm_up()  # the grammar engine's tokenizer view, before any request
-    return engine
+        tokenizer.chat_template = chat_template
+    elif tokenizer.chat_template:
+        warn_of_a_broken_chat_template(tokenizer.chat_template, config.model)
+    return tokenizer
 
 
-def _context(args: argparse.Namespace, engine: LLMEngine, metrics: ServerMetrics,
-             names: list[str]) -> ServerContext:
-    config = engine.config
-    assert engine.tokenizer is not None and config.max_model_len is not None
+def _context(args: argparse.Namespace, engine: EngineProcess, tokenizer: Tokenizer,
+             metrics: ServerMetrics, names: list[str]) -> ServerContext:
+    info = engine.info
+    config = info.config
+    assert config.max_model_len is not None
+    # the server's own grammar engine: requests' grammars are checked here, off the engine
+    grammars = StructuredOutputManager(tokenizer, info.vocab_size, info.eos_token_ids,
+                                       GrammarStats())
+    grammars.warm_up()  # its tokenizer view, before any request
     return ServerContext(AsyncEngine(engine, metrics, args.enable_log_requests),
-                         engine.tokenizer, names,
+                         tokenizer, names,
                          config.max_model_len, args.max_waiting_requests,
                          trust_request_chat_template=args.trust_request_chat_template,
-                         default_sampling=engine.default_sampling,
+                         default_sampling=info.default_sampling,
                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                         root=config.model, max_logprobs=engine.max_logprobs(),
-                         vocab_size=engine.model_config.vocab_size,
+                         root=config.model, max_logprobs=info.max_logprobs,
+                         vocab_size=info.vocab_size,
                          response_role=args.response_role,
-                         max_tokens_cap=engine.max_tokens_cap,
+                         max_tokens_cap=info.max_tokens_cap,
                          force_include_usage=args.enable_force_include_usage,
                          log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
-                         grammars=engine.structured)
+                         grammars=grammars)
 
 
 def _check_tls(args: argparse.Namespace) -> None:

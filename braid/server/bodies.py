@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from braid.server import heap
+from braid import heap
 from braid.server.errors import bad_request, validation_error
 
 INLINE_BYTES = 64 * 1024

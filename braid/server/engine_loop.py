@@ -19,10 +19,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from braid import heap
 from braid.core.stats import EngineStats
+from braid.engine.process import EngineDied
 from braid.outputs import RequestOutput
 from braid.sampling_params import SamplingParams
-from braid.server import heap
 from braid.server.metrics import ServerMetrics
 from braid.spec_decode.speculator import SpeculatorFigures
 
@@ -283,6 +284,8 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except EngineDied:
+            raise  # nothing left to serve with: the loop ends, /health says so
         except Exception as e:
             # The step mixes every scheduled request in one forward, so it cannot be pinned
             # on one of them: fail the requests in the engine, keep serving new ones.

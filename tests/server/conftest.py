@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,3 +43,22 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     proc = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("server-log"), *ENGINE_FLAGS)
     yield proc
     assert proc.stop() == 0, proc.log()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:  # the parent pid, stat's 4th field
+                found.append(int(stat.parent.name))
+    return found
+
+
+def engine_pid(server: ServerProcess) -> int:
+    """The engine's process: the server's child that holds the model (the other child is
+    multiprocessing's resource tracker)."""
+    for pid in _children(server.proc.pid):
+        if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text():
+            return pid
+    raise AssertionError("no engine process")

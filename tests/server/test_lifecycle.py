@@ -4,6 +4,7 @@ server: both need a server in a particular state."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import threading
@@ -14,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import ENGINE_FLAGS, ServerProcess, tls_flags
+from tests.server.conftest import ENGINE_FLAGS, ServerProcess, engine_pid, tls_flags
 from tests.server.metrics_util import wait_until_in_engine
 
 
@@ -203,3 +204,27 @@ def _new_connections_refused(server: ServerProcess, streams: list[_Stream]) -> b
             return True
         time.sleep(0.02)
     return False
+
+
+def test_the_engine_runs_in_its_own_process_and_its_death_is_reported(
+        tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The engine process dies mid-stream: the stream ends with an error event, /health says
+    503, a new request gets 503; SIGTERM still ends the server with 0, and no process of it
+    is left."""
+    server = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("engine-dies"),
+                           *ENGINE_FLAGS)
+    try:
+        engine = engine_pid(server)
+        stream = _Stream(server)
+        stream.thread.start()
+        assert stream.started.wait(30), server.log()
+        os.kill(engine, signal.SIGKILL)
+        stream.thread.join(30)
+        assert stream.events[-1] == "data: [DONE]", stream.events[-3:]
+        assert '"error"' in stream.events[-2], stream.events[-3:]
+        assert httpx.get(f"{server.url}/health").status_code == 503
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503, r.text
+    finally:
+        assert server.stop() == 0, server.log()
+    assert not Path(f"/proc/{engine}").exists()
