@@ -6,14 +6,11 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import socket
 import ssl
 import sys
-import threading
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -65,12 +62,6 @@ from braid.tokenizer import Tokenizer
 
 logger = logging.getLogger("braid.server")
 GIL_SWITCH_S = 0.0005
-# The server's request threads run at the lowest CPU priority, the engine's process at the
-# normal one: the engine's step keeps the cores busy with torch's threads, which wait for the
-# slowest of them, so a request's tokenization beside them would stretch every step for
-# everyone; at this priority it takes the cycles the step leaves. (In one process the same
-# priority backfired: a low-priority thread holding the GIL kept the engine waiting.)
-REQUEST_THREAD_NICE = 19
 
 
 @dataclass(frozen=True)
@@ -90,9 +81,6 @@ def create_app(ctx: ServerContext, metrics: ServerMetrics,
                options: AppOptions = AppOptions()) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # asyncio.to_thread's threads (tokenizing, parsing and writing large requests)
-        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(
-            thread_name_prefix="braid-request", initializer=_lower_priority))
         ctx.engine.start()
         yield
         # uvicorn has drained the in-flight requests (bounded by its graceful timeout).
@@ -286,14 +274,6 @@ def _serve(args: argparse.Namespace, sock: socket.socket, engine: EngineProcess,
         "https" if args.ssl_certfile else "http", f"[{host}]" if ":" in host else host, port)
     server.run(sockets=[sock])
     return 0 if server.started else 1
-
-
-def _lower_priority() -> None:
-    """A request thread's start: REQUEST_THREAD_NICE (Linux sets it per thread; elsewhere, or
-    where it is refused, nothing changes)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), REQUEST_THREAD_NICE)
 
 
 def _set_up_process() -> None:

@@ -6,7 +6,6 @@ give the innocent requests the outputs they get alone."""
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,7 +15,7 @@ from typing import TypeVar
 import httpx
 import pytest
 
-from tests.server.conftest import ENGINE_FLAGS, ServerProcess, engine_pid
+from tests.server.conftest import ENGINE_FLAGS, ServerProcess
 
 T = TypeVar("T")
 
@@ -191,22 +190,3 @@ def test_a_response_with_logprobs_is_written_in_pieces(server: ServerProcess) ->
         assert len(c["prompt_logprobs"]) == len(prompt) and len(c["logprobs"]["tokens"]) == 8
     assert body["usage"]["completion_tokens"] == 32
 
-
-def _nice(pid: int) -> dict[str, int]:
-    """Each thread's nice value (stat's 19th field)."""
-    return {task.name: int((task / "stat").read_text().rsplit(")", 1)[1].split()[16])
-            for task in Path(f"/proc/{pid}/task").iterdir()}
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
-def test_request_threads_run_below_the_engine(server: ServerProcess) -> None:
-    """After a request worked in a thread (/tokenize), the server's process has a thread at
-    the request threads' priority, its event loop keeps the normal one, and so does every
-    thread of the engine's process."""
-    from braid.server.app import REQUEST_THREAD_NICE
-
-    assert post(server, "/tokenize", {"prompt": "hello " * 1000}).status_code == 200
-    server_threads = _nice(server.proc.pid)
-    assert REQUEST_THREAD_NICE in server_threads.values()
-    assert server_threads[str(server.proc.pid)] == 0  # the main thread: the event loop
-    assert set(_nice(engine_pid(server)).values()) == {0}
