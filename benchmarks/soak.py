@@ -42,7 +42,7 @@ import httpx
 from braid.bench.datasets import humaneval
 from braid.bench.hostile import HOSTILE, Hostile, Observer, encoded, paces, percentiles
 from braid.bench.server_metrics import scrape
-from braid.bench.server_process import ServerProcess, check_serve_flags
+from braid.bench.server_process import ServerProcess, check_serve_flags, child_pids
 from braid.config import positive_float
 
 BODY_LIMIT = 4 * 2**20
@@ -91,21 +91,12 @@ def vocab_size(model: str) -> int:
 def rss_mb(pid: int) -> float:
     """Resident memory of the server and its children (the engine's process among them)."""
     total = 0.0
-    for proc in [pid, *_children(pid)]:
+    for proc in [pid, *child_pids(pid)]:
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{proc}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
                     total += int(line.split()[1]) / 1024
     return total
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-    return found
 
 
 def bad_requests(model: str, max_model_len: int) -> list[tuple[str, bytes, int]]:

@@ -59,6 +59,16 @@ def _quoted(flags: Sequence[str]) -> str:
     return f" {' '.join(flags)!r}" if flags else ''
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux's /proc; elsewhere none)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:  # stat's ppid
+                found.append(int(stat.parent.name))
+    return found
+
+
 class ServerProcess:
     """`python -m braid.cli serve ...` with its log in a file; stopped with SIGTERM."""
 

@@ -81,8 +81,8 @@ class LLMEngine:
                                           self.outputs.eos_token_ids)
         weights, kv = self.executor.weight_and_kv_bytes
         if (draft := self.speculator.draft_runner) is not None:
-            weights += draft.model.weight_bytes()
-            kv += draft.kv_cache.numel() * draft.kv_cache.element_size()
+            draft_weights, draft_kv = draft.weight_and_kv_bytes
+            weights, kv = weights + draft_weights, kv + draft_kv
         check_memory(config, weights, kv)
         self.stats = EngineStats(num_kv_blocks=num_blocks)
         self.structured = None if tokenizer is None else StructuredOutputManager(

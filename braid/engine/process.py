@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import itertools
 import logging
 import multiprocessing
 import signal
@@ -246,7 +247,7 @@ def _load(engine: Any, steps_sent: int) -> tuple[Load, int]:
     new steps from `recent`; sending all of it every step would be waste)."""
     stats = engine.stats
     new = min(stats.num_steps - steps_sent, len(stats.recent))
-    recent = deque(list(stats.recent)[len(stats.recent) - new:]) if new else deque()
+    recent = deque(itertools.islice(stats.recent, len(stats.recent) - new, None))
     light = dataclasses.replace(stats, recent=recent)
     return Load(engine.num_running, engine.num_waiting, engine.kv_usage, engine.num_used_blocks,
                 engine.has_unfinished_requests(), light,

@@ -85,5 +85,4 @@ class InProcessExecutor(Executor):
 
     @property
     def weight_and_kv_bytes(self) -> tuple[int, int]:
-        kv = self.runner.kv_cache
-        return self.runner.model.weight_bytes(), kv.numel() * kv.element_size()
+        return self.runner.weight_and_kv_bytes

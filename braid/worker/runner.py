@@ -74,6 +74,11 @@ class ModelRunner:
         model.bind_kv_cache(self.kv_cache)
         quant_ops()  # build or load the kernels now, not in the first request's step
 
+    @property
+    def weight_and_kv_bytes(self) -> tuple[int, int]:
+        """Its model's weights and its KV cache, in bytes."""
+        return self.model.weight_bytes(), self.kv_cache.nbytes
+
     def prepare(self, sched: SchedulerOutput, blocks: BlockManager) -> ModelInput:
         """The step's flat batch: every scheduled span, logits where the step samples and
         at the prompt positions whose logprobs a request asked for."""

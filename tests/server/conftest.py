@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from braid.bench.server_process import START_TIMEOUT_S, ServerProcess, free_port
+from braid.bench.server_process import START_TIMEOUT_S, ServerProcess, child_pids, free_port
 from tests.tiny import save_tiny_model
 
 __all__ = ["ENGINE_FLAGS", "ENGINE_OPTIONS", "START_TIMEOUT_S", "ServerProcess", "free_port"]
@@ -45,20 +44,10 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     assert proc.stop() == 0, proc.log()
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid:  # the parent pid, stat's 4th field
-                found.append(int(stat.parent.name))
-    return found
-
-
 def engine_pid(server: ServerProcess) -> int:
     """The engine's process: the server's child that holds the model (the other child is
     multiprocessing's resource tracker)."""
-    for pid in _children(server.proc.pid):
+    for pid in child_pids(server.proc.pid):
         if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text():
             return pid
     raise AssertionError("no engine process")
