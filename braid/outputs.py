@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 
 @dataclass(slots=True)
@@ -72,7 +74,80 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     # With prompt_logprobs: per prompt token (None for the first) the prompt token and the
-    # top-n; set once the whole prompt has been scored.
-    prompt_logprobs: PromptLogprobs | None = None
+    # top-n; set once the whole prompt has been scored (from another process: PackedLogprobs).
+    prompt_logprobs: Sequence[dict[int, Logprob] | None] | None = None
     # Prompt tokens whose KV came from the prefix cache (vLLM's name; 0 before admission).
     num_cached_tokens: int = 0
+
+
+class PackedLogprobs(Sequence[dict[int, Logprob] | None]):
+    """Prompt logprobs in flat arrays: how they cross a process boundary. A long prompt's
+    entries are ~40,000 `Logprob` objects per 2,000 tokens at top-20, whose pickling stopped
+    the engine's loop for seconds; these arrays pickle as their bytes. Entries are made on
+    reading (`[i]`, iteration), so a side that only passes them on never makes them."""
+
+    __slots__ = ("_starts", "_ids", "_values", "_ranks", "_texts")
+
+    def __init__(self, entries: Sequence[dict[int, Logprob] | None]) -> None:
+        starts, ids, values, ranks = array("q", [0]), array("q"), array("d"), array("q")
+        texts: list[str | None] = []
+        for entry in entries:
+            if entry is None:  # the first prompt token's: its end stored as -1 - end
+                starts.append(-1 - len(ids))
+                continue
+            for token, lp in entry.items():
+                ids.append(token)
+                values.append(lp.logprob)
+                ranks.append(-1 if lp.rank is None else lp.rank)
+                texts.append(lp.decoded_token)
+            starts.append(len(ids))
+        self._starts, self._ids, self._values, self._ranks = starts, ids, values, ranks
+        self._texts = texts
+
+    def __len__(self) -> int:
+        return len(self._starts) - 1
+
+    @overload
+    def __getitem__(self, i: int) -> dict[int, Logprob] | None: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[dict[int, Logprob] | None]: ...
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"position {i} of {len(self)}")
+        start, end = self._starts[i], self._starts[i + 1]
+        if end < 0:
+            return None
+        start = start if start >= 0 else -1 - start
+        return {self._ids[j]: Logprob(self._values[j], None if self._ranks[j] < 0
+                                      else self._ranks[j], self._texts[j])
+                for j in range(start, end)}
+
+    def __iter__(self) -> Iterator[dict[int, Logprob] | None]:
+        start = 0
+        for end in self._starts[1:]:
+            if end < 0:
+                start = -1 - end
+                yield None
+                continue
+            yield {self._ids[j]: Logprob(self._values[j], None if self._ranks[j] < 0
+                                         else self._ranks[j], self._texts[j])
+                   for j in range(start, end)}
+            start = end
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __getstate__(self) -> tuple:
+        return self._starts, self._ids, self._values, self._ranks, self._texts
+
+    def __setstate__(self, state: tuple) -> None:
+        self._starts, self._ids, self._values, self._ranks, self._texts = state

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from braid.bad_words import BadWordIndex
 from braid.files import read_json_object
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -113,8 +114,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k (-1: max_model_len)
-    # bad_words as token id sequences; the engine fills it from bad_words at admission
-    bad_words_token_ids: list[list[int]] | None = None
+    # bad_words as token id sequences; the engine fills it from bad_words at admission (as a
+    # BadWordIndex: the words indexed, in arrays)
+    bad_words_token_ids: list[list[int]] | BadWordIndex | None = None
     skip_special_tokens: bool = True
     # vLLM's. Its fast detokenizer, like braid's, writes special tokens as their text, and
     # the byte-level decoders of the models braid runs put no space between tokens, so the

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # shared ground (the base, the top); otherwise from its own package or a lower layer.
 LAYERS = [
     {"braid.files", "braid.sampling_params", "braid.outputs", "braid.config",
-     "braid.tokenizer", "braid.messages", "braid.heap"},
+     "braid.tokenizer", "braid.messages", "braid.heap", "braid.bad_words"},
     {"braid.kernels"},
     {"braid.models"},
     {"braid.core"},

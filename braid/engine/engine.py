@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
@@ -138,6 +138,22 @@ class LLMEngine:
         self.outputs.add(req)
         self.scheduler.add(req)
         return req
+
+    def add_requests(self, requests: Sequence[tuple]) -> list[Exception | None]:
+        """Add each (`add_request`'s arguments, in order): per request None, or the error that
+        refused it (the others are added all the same)."""
+        errors: list[Exception | None] = []
+        for args in requests:
+            try:
+                self.add_request(*args)
+            except Exception as e:
+                errors.append(e)
+            else:
+                errors.append(None)
+        return errors
+
+    def abort_requests(self, request_ids: Sequence[str]) -> list[RequestOutput | None]:
+        return [self.abort(request_id) for request_id in request_ids]
 
     @property
     def requests(self) -> Mapping[str, Request]:

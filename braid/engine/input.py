@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
+from braid.bad_words import BadWordIndex
 from braid.config import EngineConfig
 from braid.core.request import Request
 from braid.sampling_params import SamplingParams, bad_words_token_ids, is_int
@@ -19,13 +20,14 @@ class RequestError(ValueError):
 
 
 def with_bad_words(params: SamplingParams, tokenizer: Tokenizer | None) -> SamplingParams:
-    """`params` with its bad_words as token ids. It takes a tokenizer call per word (100,000
-    words: ~1.5 s): the server does it in a worker thread before it adds the request."""
+    """`params` with its bad_words as token ids, indexed (braid/bad_words.py). It takes a
+    tokenizer call per word (100,000 words: ~1.5 s): the server does it in a worker thread
+    before it adds the request."""
     if tokenizer is None:
         raise RequestError("bad_words needs a tokenizer: this engine has none")
-    return dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(
+    return dataclasses.replace(params, bad_words_token_ids=BadWordIndex(bad_words_token_ids(
         params.bad_words or [],
-        lambda texts: tokenizer.encode_batch(texts, add_special_tokens=False)))
+        lambda texts: tokenizer.encode_batch(texts, add_special_tokens=False))))
 
 
 class InputProcessor:

@@ -7,10 +7,12 @@ logprobs) slowed every stream's steps several times over. In a process of its ow
 has its own interpreter and the two share only the cores, which the OS divides fairly.
 
 `EngineProcess` is the server's side: the calls of `LLMEngine` the server's engine loop makes
-(braid/server/engine_loop.py's `EngineLike`), each a message over a pipe and its answer. The
-engine's side (`_serve`) runs `LLMEngine` and answers them in order; every answer carries the
+(braid/server/engine_loop.py's `EngineLike`). The engine's side (`_EngineSide`) steps on its
+own while it has work, as vLLM's engine core does: it sends each step's outputs unasked and
+reads the server's calls (adds and aborts, in batches) between steps, so a server whose
+threads are busy delays only its own reading, never the steps. Every message carries the
 engine's load figures, so reading them costs no message. Requests, outputs and errors cross
-as pickles (plain records); a RequestError stays a RequestError.
+as pickles (plain records; prompt logprobs as `PackedLogprobs`); a RequestError stays one.
 """
 
 from __future__ import annotations
@@ -21,8 +23,12 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
+import os
+import pickle
+import queue
 import signal
 import sys
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -30,11 +36,17 @@ from typing import Any
 
 from braid.config import EngineConfig
 from braid.core.stats import EngineStats
-from braid.outputs import RequestOutput
+from braid.engine.cores import CoreShare
+from braid.outputs import PackedLogprobs, RequestOutput
 from braid.sampling_params import RequestOutputKind, SamplingParams
 from braid.spec_decode.speculator import SpeculatorFigures
 
 logger = logging.getLogger("braid")
+
+IDLE_WAKEUP = 1.0  # seconds an idle engine waits for a call before its idle work
+
+# add_request's arguments: request id, prompt, params, arrival time, priority, group
+AddArgs = tuple[str, "str | list[int]", SamplingParams, "float | None", int, "str | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,12 +84,18 @@ class EngineDied(RuntimeError):
 class EngineProcess:
     def __init__(self, config: EngineConfig) -> None:
         context = multiprocessing.get_context("spawn")  # no fork of a threaded process
-        self._conn, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(config, child),
+        # one pipe each way: the engine's side reads calls in a thread of their own, so a
+        # large call and a large step's outputs never wait on each other
+        calls, self._calls = context.Pipe(duplex=False)
+        self._conn, outputs = context.Pipe(duplex=False)
+        self._process = context.Process(target=_serve, args=(config, calls, outputs),
                                         name="braid-engine", daemon=True)
         self._process.start()
-        child.close()
-        self.info: EngineInfo = self._receive()
+        calls.close()
+        outputs.close()
+        self._steps: deque[tuple[bool, Any]] = deque()  # step messages not yet returned
+        self._recent: deque = deque(maxlen=EngineStats(num_kv_blocks=0).num_recent)
+        self.info: EngineInfo = self._receive()[2]
         self._load = Load(stats=EngineStats(num_kv_blocks=self.info.num_kv_blocks))
         # cumulative requests' outputs so far, by id (None until the first)
         self._whole: dict[str, RequestOutput | None] = {}
@@ -88,25 +106,57 @@ class EngineProcess:
                     sampling_params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0,
                     group: str | None = None) -> None:
-        params = sampling_params or SamplingParams()
-        if params.output_kind == RequestOutputKind.CUMULATIVE:
-            # the engine sends what is new, this side keeps the whole (a step's message
-            # stays the size of the step, not of the request so far)
-            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
-            self._whole[request_id] = None
-        try:
-            self._call("add", request_id, prompt, params, arrival_time, priority, group)
-        except BaseException:
-            self._whole.pop(request_id, None)
-            raise
+        error = self.add_requests([(request_id, prompt, sampling_params or SamplingParams(),
+                                    arrival_time, priority, group)])[0]
+        if error is not None:
+            raise error
+
+    def add_requests(self, requests: list[AddArgs]) -> list[Exception | None]:
+        """Add each, in one message; per request None or what refused it."""
+        sent = []
+        for request_id, prompt, params, *rest in requests:
+            if params.output_kind == RequestOutputKind.CUMULATIVE:
+                # the engine sends what is new, this side keeps the whole (a step's message
+                # stays the size of the step, not of the request so far)
+                params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+                self._whole[request_id] = None
+            sent.append((request_id, prompt, params, *rest))
+        errors: list[Exception | None] = self._call("add", sent)
+        for (request_id, *_), error in zip(requests, errors, strict=True):
+            if error is not None:
+                self._whole.pop(request_id, None)
+        return errors
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        out: RequestOutput | None = self._call("abort", request_id)
-        return None if out is None else self._as_asked(out)
+        return self.abort_requests([request_id])[0]
+
+    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput | None]:
+        outs: list[RequestOutput | None] = self._call("abort", request_ids)
+        gone = set(request_ids)  # their outputs of steps before the abort are not news now
+        self._steps = deque((ok, [o for o in value if o.request_id not in gone] if ok else value)
+                            for ok, value in self._steps)
+        for request_id, out in zip(request_ids, outs, strict=True):
+            if out is None:
+                self._whole.pop(request_id, None)
+        return [None if out is None else self._as_asked(out) for out in outs]
 
     def step(self) -> list[RequestOutput]:
-        return [self._as_asked(out) for out in self._call("step")]
-
+        """The outputs of the engine's steps since the last call (waiting for one if none
+        came yet). A failed step raises here, after the outputs of the steps before it."""
+        if not self._steps:
+            self._next_message()
+        while self._conn.poll(0):
+            self._next_message()
+        outputs: list[RequestOutput] = []
+        while self._steps:
+            ok, value = self._steps[0]
+            if not ok and outputs:
+                break
+            self._steps.popleft()
+            if not ok:
+                raise value
+            outputs += [self._as_asked(out) for out in value]
+        return outputs
     def _as_asked(self, delta: RequestOutput) -> RequestOutput:
         """A cumulative request's output from the engine's delta: everything so far."""
         rid = delta.request_id
@@ -136,10 +186,10 @@ class EngineProcess:
         return dataclasses.replace(whole, outputs=[copy])
 
     def log_idle_stats(self) -> None:
-        self._call("idle")
+        """Nothing: the engine's process writes its idle stats line itself."""
 
     def has_unfinished_requests(self) -> bool:
-        return self._load.has_unfinished
+        return bool(self._steps) or self._load.has_unfinished
 
     @property
     def num_waiting(self) -> int:
@@ -168,32 +218,48 @@ class EngineProcess:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with contextlib.suppress(OSError, EngineDied):
-            self._conn.send(("stop",))
+            self._calls.send(("stop",))
         self._process.join(timeout)
         if self._process.is_alive():
             self._process.kill()
 
     def _call(self, name: str, *args: Any) -> Any:
+        """Send a call and wait for its answer; step messages that come first are kept."""
         try:
-            self._conn.send((name, *args))
+            self._calls.send((name, *args))
         except OSError:
             raise EngineDied("the engine process is gone") from None
-        result, self._load = self._receive()
-        return result
+        while True:
+            kind, ok, value = self._next_message()
+            if kind == "answer":
+                if not ok:
+                    raise value
+                return value
+
+    def _next_message(self) -> tuple[str, bool, Any]:
+        kind, ok, value, load = self._receive()
+        if load is not None:
+            self._recent.extend(load.stats.recent)  # steps since the last message
+            load.stats.recent = self._recent
+            self._load = load
+        if kind == "step":
+            self._steps.append((ok, value))
+        return kind, ok, value
 
     def _receive(self) -> Any:
         try:
-            ok, value = self._conn.recv()
+            message = self._conn.recv()
         except (EOFError, OSError):
             code = self._process.exitcode
             raise EngineDied(f"the engine process ended (exit code {code})") from None
-        if not ok:
+        kind, ok, value, _ = message
+        if kind == "info" and not ok:
             raise value
-        return value
+        return message
 
 
-def _serve(config: EngineConfig, conn: Connection) -> None:
-    """The engine process: build the engine, then answer calls until told to stop."""
+def _serve(config: EngineConfig, calls: Connection, conn: Connection) -> None:
+    """The engine process: build the engine, then step and answer calls until told to stop."""
     _follow_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the server's to handle
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
@@ -205,41 +271,119 @@ def _serve(config: EngineConfig, conn: Connection) -> None:
     try:
         engine = LLMEngine(config)
     except BaseException as e:  # a config or load error: the server reports it
-        _send(conn, False, e)
+        _send(conn, ("info", False, _portable(e), None))
         return
-    _send(conn, True, _info(engine))
-    steps_sent = trimmed_at = 0
+    _send(conn, ("info", True, _info(engine), None))
+    _EngineSide(engine, calls, conn).run()
+
+
+class _EngineSide:
+    """The engine's loop in its process: step while there is work, answer calls between
+    steps, write the idle stats line and give freed memory back when there is none."""
+
+    def __init__(self, engine: Any, calls: Connection, conn: Connection) -> None:
+        self.engine, self.conn = engine, conn
+        self.inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self.steps_sent = 0  # the stats' steps sent so far
+        self.worked = False  # steps since the heap was last trimmed
+        import torch
+
+        self.cores = CoreShare(os.getppid(), torch.get_num_threads(), torch.set_num_threads)
+        threading.Thread(target=_read_calls, args=(calls, self.inbox), name="braid-calls",
+                         daemon=True).start()
+
+    def run(self) -> None:
+        from braid import heap
+
+        engine = self.engine
+        while True:
+            calls = []
+            if not engine.has_unfinished_requests():
+                try:
+                    calls.append(self.inbox.get(timeout=IDLE_WAKEUP))
+                except queue.Empty:
+                    engine.log_idle_stats()
+                    if self.worked:
+                        heap.trim()  # what the work that just ended freed goes back
+                        self.worked = False
+                    continue
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    calls.append(self.inbox.get_nowait())
+            for name, *args in calls:
+                if name == "stop":
+                    return
+                self._answer(name, args)
+            if engine.has_unfinished_requests():
+                self.cores.check()
+                self._step()
+
+    def _answer(self, name: str, args: list[Any]) -> None:
+        try:
+            if name == "add":
+                result: Any = [_portable(e) if e is not None else None
+                               for e in self.engine.add_requests(*args)]
+            elif name == "abort":
+                result = _packed(self.engine.abort_requests(*args))
+            else:
+                raise ValueError(f"unknown engine call {name!r}")
+        except Exception as e:
+            self._send("answer", False, _portable(e))
+            return
+        self._send("answer", True, result)
+
+    def _step(self) -> None:
+        self.worked = True
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # The step mixes every scheduled request in one forward, so it cannot be pinned
+            # on one of them: end them all here (the server fails them), keep serving.
+            logger.exception("engine step failed; failing %d request(s)",
+                             len(self.engine.requests))
+            for request_id in list(self.engine.requests):
+                self.engine.abort(request_id)
+            self._send("step", False, _portable(e))
+            return
+        self._send("step", True, _packed(outputs))
+
+    def _send(self, kind: str, ok: bool, value: Any) -> None:
+        load, self.steps_sent = _load(self.engine, self.steps_sent)
+        _send(self.conn, (kind, ok, value, load))
+
+
+def _read_calls(calls: Connection, inbox: queue.SimpleQueue[tuple]) -> None:
+    """The engine process's reader: the server's calls into `inbox`; a stop when it is gone."""
     while True:
         try:
-            name, *args = conn.recv()
-        except (EOFError, OSError):  # the server is gone
+            inbox.put(calls.recv())
+        except (EOFError, OSError):
+            inbox.put(("stop",))
             return
-        if name == "stop":
-            return
-        try:
-            result = _answer(engine, name, args)
-        except Exception as e:
-            _send(conn, False, e)
+
+
+def _packed(outputs: list[Any]) -> list[Any]:
+    """`outputs` with their prompt logprobs packed; choices of one prompt share their
+    scorer's entries, and so share one packed copy (pickled once per message)."""
+    packed: dict[tuple[int, int], PackedLogprobs] = {}
+    for out in outputs:
+        entries = None if out is None else out.prompt_logprobs
+        if not entries:
             continue
-        if name == "idle" and trimmed_at != engine.stats.num_steps:
-            heap.trim()  # what the work that just ended freed goes back to the system
-            trimmed_at = engine.stats.num_steps
-        load, steps_sent = _load(engine, steps_sent)
-        _send(conn, True, (result, load))
+        key = (id(entries[-1]), len(entries))
+        if key not in packed:
+            packed[key] = PackedLogprobs(entries)
+        out.prompt_logprobs = packed[key]
+    return outputs
 
 
-def _answer(engine: Any, name: str, args: list[Any]) -> Any:
-    if name == "add":
-        engine.add_request(*args)
-        return None
-    if name == "abort":
-        return engine.abort(*args)
-    if name == "step":
-        return engine.step()
-    if name == "idle":
-        engine.log_idle_stats()
-        return None
-    raise ValueError(f"unknown engine call {name!r}")
+def _portable(error: BaseException) -> BaseException:
+    """`error`, or where it does not pickle, a RuntimeError of its text."""
+    try:
+        pickle.dumps(error)
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
 
 
 def _load(engine: Any, steps_sent: int) -> tuple[Load, int]:
@@ -262,14 +406,9 @@ def _info(engine: Any) -> EngineInfo:
                       str(cache.dtype).removeprefix("torch."), cache.nbytes)
 
 
-def _send(conn: Connection, ok: bool, value: Any) -> None:
-    try:
-        conn.send((ok, value))
-    except Exception as e:  # an exception that does not pickle: its text does
-        if ok:
-            raise
-        conn.send((False, RuntimeError(f"{type(value).__name__}: {value}")))
-        logger.debug("sent %r as text (%s)", value, e)
+def _send(conn: Connection, message: tuple) -> None:
+    with contextlib.suppress(OSError, ValueError):  # the server is gone (the reader sees it)
+        conn.send(message)
 
 
 def _follow_parent() -> None:

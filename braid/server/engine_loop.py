@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import queue
 import threading
@@ -35,11 +36,8 @@ IDLE_WAKEUP = 1.0  # seconds an idle engine thread waits for a command before lo
 class EngineLike(Protocol):
     """What the loop needs of `LLMEngine` (tests drive the loop with a fake)."""
 
-    def add_request(self, request_id: str, prompt: str | list[int],
-                    sampling_params: SamplingParams | None = ...,
-                    arrival_time: float | None = ..., priority: int = ...,
-                    group: str | None = ...) -> Any: ...
-    def abort(self, request_id: str) -> RequestOutput | None: ...
+    def add_requests(self, requests: list[tuple]) -> list[Exception | None]: ...
+    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput | None]: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
     @property
@@ -236,14 +234,18 @@ class AsyncEngine:
         the snapshot counts the new requests, so `num_waiting` never misses them."""
         settled: list[tuple[asyncio.Future[None], BaseException | None]] = []
         running = True
-        for command in commands:
-            if isinstance(command, _Add):
-                settled.append((command.admitted, self._add(command)))
-                self._num_applied += 1
-            elif isinstance(command, _Abort):
-                self._abort(command.request_id)
-            elif isinstance(command, _FailAll):
-                self._abort_all(command.error)
+        # runs of adds and of aborts go to the engine as one call each (one message for an
+        # engine in its own process)
+        for kind, run in itertools.groupby(commands, type):
+            if kind is _Add:
+                adds: list[_Add] = list(run)  # type: ignore[arg-type]
+                settled += zip([a.admitted for a in adds], self._add(adds), strict=True)
+                self._num_applied += len(adds)
+            elif kind is _Abort:
+                self._abort([a.request_id for a in run])  # type: ignore[attr-defined]
+            elif kind is _FailAll:
+                for command in run:
+                    self._abort_all(command.error)  # type: ignore[attr-defined]
             else:
                 self._abort_all(ShuttingDown("server shutting down"))
                 running = False
@@ -253,33 +255,40 @@ class AsyncEngine:
             self._call_soon(_settle_all, settled)
         return running
 
-    def _add(self, command: _Add) -> BaseException | None:
+    def _add(self, adds: list[_Add]) -> list[BaseException | None]:
+        """Add each; per request None or its error (reported to its handler only)."""
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params,
-                                    command.arrival_time, command.priority, command.group)
-        except Exception as e:  # reported to this request's handler only
-            return e
-        self._queues[command.request_id] = command.queue
-        return None
+            errors: list[BaseException | None] = list(self.engine.add_requests([
+                (a.request_id, a.prompt, a.params, a.arrival_time, a.priority, a.group)
+                for a in adds]))
+        except Exception as e:  # the call itself failed (the engine died): each request's
+            errors = [e] * len(adds)
+        for add, error in zip(adds, errors, strict=True):
+            if error is None:
+                self._queues[add.request_id] = add.queue
+        return errors
 
-    def _abort(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
+    def _abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._queues.pop(request_id, None)
         try:
-            out = self.engine.abort(request_id)
+            outs = self.engine.abort_requests(request_ids)
         except Exception:
-            logger.exception("aborting request %s failed", request_id)
+            logger.exception("aborting requests %s failed", request_ids)
             return
-        if out is not None and self.log_requests:
-            _log_finished(out, "aborted")
-        if self.metrics is not None:
-            self.metrics.forget(request_id)
-            if out is not None:
-                self.metrics.record_finished(out)
+        for request_id, out in zip(request_ids, outs, strict=True):
+            if out is not None and self.log_requests:
+                _log_finished(out, "aborted")
+            if self.metrics is not None:
+                self.metrics.forget(request_id)
+                if out is not None:
+                    self.metrics.record_finished(out)
 
     def _abort_all(self, error: BaseException) -> None:
-        for request_id in list(self._queues):
+        request_ids = list(self._queues)
+        for request_id in request_ids:
             self._deliver_failure(request_id, error)
-            self._abort(request_id)
+        self._abort(request_ids)
 
     def _step(self) -> None:
         try:
@@ -290,9 +299,7 @@ class AsyncEngine:
             # The step mixes every scheduled request in one forward, so it cannot be pinned
             # on one of them: fail the requests in the engine, keep serving new ones.
             logger.exception("engine step failed; failing %d request(s)", len(self._queues))
-            for request_id in list(self._queues):
-                self._deliver_failure(request_id, e)
-                self._abort(request_id)
+            self._abort_all(e)
             return
         if self.metrics is not None:
             self.metrics.record_outputs(outputs)

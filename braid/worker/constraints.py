@@ -4,7 +4,7 @@ per-row tensors assembled from them with torch ops.
 A request may carry long lists (150k logit_bias entries, 100k bad words, every token id in
 allowed_token_ids): what a row does with them each step must not grow with their length in
 Python. Each list is turned into tensors once (`RequestConstraints`); bad words are indexed by
-their prefixes (`BadWords`), so a row looks up only the words its output can still complete.
+their prefixes (braid/bad_words.py), so a row looks up only the words its output can still complete.
 Penalties touch only the (row, token) pairs in the row's prompt or output, never a [B, V]
 table.
 """
@@ -16,42 +16,29 @@ from dataclasses import dataclass
 
 import torch
 
+from braid.bad_words import BadWordIndex
 from braid.sampling_params import SamplingParams
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class BadWords:
-    """bad_words_token_ids indexed by prefix: the words' last tokens by (length of the prefix
-    before it, the prefix). A row looks its output's tail up once per prefix length the words
-    have, so its cost is the number of distinct word lengths, not the number of words; the
-    index costs one dict insert per word to build (on the engine thread, once)."""
+    """A request's bad words as the sampler reads them: `banned(output)`, tensors of the
+    tokens that would complete a word after `output` (braid/bad_words.py's index, each
+    prefix's tensor made once)."""
 
-    def __init__(self, words: Sequence[Sequence[int]]) -> None:
-        lasts: dict[tuple[int, ...], set[int]] = {}
-        for word in words:
-            if word:
-                lasts.setdefault(tuple(word[:-1]), set()).add(word[-1])
-        self._lengths = sorted({len(prefix) for prefix in lasts})
-        self._lasts = lasts
-        self._ids: dict[tuple[int, ...], torch.Tensor] = {}
+    def __init__(self, words: BadWordIndex | Sequence[Sequence[int]]) -> None:
+        self._index = words if isinstance(words, BadWordIndex) else BadWordIndex(words)
+        self._ids: dict[tuple[int, int], torch.Tensor] = {}
 
     def banned(self, output: Sequence[int]) -> list[torch.Tensor]:
-        """Tensors of the tokens that would complete a bad word after `output`."""
         found = []
-        for n in self._lengths:
-            if n > len(output):
-                break
-            prefix = tuple(output[len(output) - n:])
-            if prefix in self._lasts:
-                found.append(self._tensor(prefix))
+        for key in self._index.completing(output):
+            ids = self._ids.get(key)
+            if ids is None:
+                ids = self._ids[key] = torch.tensor(self._index.lasts(key), dtype=torch.int64)
+            found.append(ids)
         return found
-
-    def _tensor(self, prefix: tuple[int, ...]) -> torch.Tensor:
-        ids = self._ids.get(prefix)
-        if ids is None:
-            ids = self._ids[prefix] = torch.tensor(sorted(self._lasts[prefix]), dtype=torch.int64)
-        return ids
 
 
 @dataclass(slots=True)

@@ -4,6 +4,9 @@ error, load figures after every call, and no process left behind."""
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ from braid.config import EngineConfig
 from braid.engine.engine import LLMEngine
 from braid.engine.input import RequestError
 from braid.engine.process import EngineDied, EngineProcess
+from braid.outputs import Logprob, PackedLogprobs
 from braid.sampling_params import SamplingParams
 from tests.tiny import save_tiny_model
 
@@ -34,8 +38,8 @@ def config(folder: Path) -> EngineConfig:
 
 def run(engine: LLMEngine | EngineProcess) -> dict[str, tuple]:
     """Each request's outputs, every step's (cumulative: each whole so far)."""
-    for rid, prompt in PROMPTS.items():
-        engine.add_request(rid, prompt, SEEDED if rid == "c" else PARAMS)
+    assert engine.add_requests([(rid, prompt, SEEDED if rid == "c" else PARAMS, None, 0, None)
+                                for rid, prompt in PROMPTS.items()]) == [None] * len(PROMPTS)
     seen: dict[str, list] = {rid: [] for rid in PROMPTS}
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -61,18 +65,70 @@ def test_outputs_equal_the_engine_in_this_process(config: EngineConfig, folder: 
     assert not engine._process.is_alive()
 
 
+def test_the_engine_steps_without_waiting_for_the_server(config: EngineConfig,
+                                                        folder: Path) -> None:
+    """The engine's process steps on its own: a server that reads late finds every step's
+    outputs waiting, in order, and the same tokens as an engine that was asked step by step.
+    Requests added one at a time (the first runs before the others arrive) end the same."""
+    alone = LLMEngine(EngineConfig(model=str(folder), max_model_len=256, num_kv_blocks=64,
+                                   block_size=4, log_stats_interval=0))
+    expected = {rid: steps[-1] for rid, steps in run(alone).items()}
+    engine = EngineProcess(config)
+    try:
+        for rid, prompt in PROMPTS.items():
+            engine.add_request(rid, prompt, SEEDED if rid == "c" else PARAMS)
+        deadline = time.monotonic() + 30
+        while engine._load.has_unfinished and time.monotonic() < deadline:
+            time.sleep(0.05)  # the server is busy: it does not read
+            engine._conn.poll(0) and engine._next_message()
+        outputs = engine.step()  # every step's, at once
+        assert not engine.has_unfinished_requests()
+        finals = {}
+        for o in outputs:
+            c = o.outputs[0]
+            finals[o.request_id] = (c.text, c.token_ids, c.logprobs, c.cumulative_logprob,
+                                    c.finish_reason, o.prompt_logprobs, o.finished)
+        assert sum(o.request_id == "a" for o in outputs) == PARAMS.max_tokens
+        assert finals == expected
+        assert isinstance(finals["c"][5], PackedLogprobs)
+    finally:
+        engine.shutdown()
+
+
+def test_large_calls_and_large_outputs_cross_at_once(config: EngineConfig) -> None:
+    """A call of megabytes (200,000 bad words' ids) sent while the engine sends steps with
+    prompt logprobs of the whole vocabulary: neither side waits for the other to read."""
+    engine = EngineProcess(dataclasses.replace(config, max_logprobs=-1))
+    try:
+        wide = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, prompt_logprobs=-1)
+        engine.add_request("wide", list(range(3, 200)), wide)
+        bad = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                             bad_words_token_ids=[[7, 8 + i % 50] for i in range(200_000)])
+        engine.add_request("bad", [5, 6, 7], bad)
+        finished = set()
+        while engine.has_unfinished_requests():
+            finished |= {o.request_id for o in engine.step() if o.finished}
+        assert finished == {"wide", "bad"}
+    finally:
+        engine.shutdown()
+
+
 def test_a_refused_request_is_refused_alone(config: EngineConfig) -> None:
     engine = EngineProcess(config)
     try:
-        engine.add_request("ok", [5, 6, 7], PARAMS)
-        with pytest.raises(RequestError, match="prompt is 300 tokens"):
-            engine.add_request("long", [5] * 300, PARAMS)
-        assert engine.num_waiting == 1 and engine.has_unfinished_requests()
+        errors = engine.add_requests([("ok", [5, 6, 7], PARAMS, None, 0, None),
+                                      ("long", [5] * 300, PARAMS, None, 0, None)])
+        assert errors[0] is None and isinstance(errors[1], RequestError)
+        assert "prompt is 300 tokens" in str(errors[1])
+        with pytest.raises(RequestError, match="already in use"):
+            engine.add_request("ok", [5, 6, 7], PARAMS)
+        assert engine.has_unfinished_requests()
         engine.step()
         assert engine.num_running == 1 and engine.kv_usage > 0
         out = engine.abort("ok")
         assert out is not None and out.outputs[0].finish_reason == "abort"
-        assert not engine.has_unfinished_requests()
+        while engine.has_unfinished_requests():  # the steps it made before the abort
+            assert engine.step() == []  # are not news after it
     finally:
         engine.shutdown()
 
@@ -89,3 +145,15 @@ def test_a_dead_engine_process_is_reported(config: EngineConfig) -> None:
     with pytest.raises(EngineDied, match="engine process"):
         engine.step()
     engine.shutdown()
+
+
+def test_packed_logprobs_read_as_the_entries_they_pack() -> None:
+    entries = [None, {5: Logprob(-0.5, 1, "a"), 9: Logprob(-1.25, 2, None)},
+               {7: Logprob(-3.0, None, "b")}, {}, {8: Logprob(float("-inf"), 4, "c")}]
+    packed = pickle.loads(pickle.dumps(PackedLogprobs(entries)))
+    assert len(packed) == len(entries) and list(packed) == entries and packed == entries
+    assert [packed[i] for i in range(len(entries))] == entries
+    assert packed[-1] == entries[-1] and packed[1:3] == entries[1:3]
+    with pytest.raises(IndexError):
+        packed[len(entries)]
+    assert PackedLogprobs([]) == [] and packed != entries[:-1]

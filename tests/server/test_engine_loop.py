@@ -31,9 +31,22 @@ class FakeEngine:
             raise RuntimeError("tokenizer bug")
         self.requests[request_id] = (prompt, [])
 
+    def add_requests(self, requests: list[tuple]) -> list[Exception | None]:
+        errors: list[Exception | None] = []
+        for args in requests:
+            try:
+                self.add_request(*args)
+                errors.append(None)
+            except RuntimeError as e:
+                errors.append(e)
+        return errors
+
     def abort(self, request_id: str) -> RequestOutput | None:
         self.requests.pop(request_id, None)
         return None
+
+    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput | None]:
+        return [self.abort(request_id) for request_id in request_ids]
 
     def step(self) -> list[RequestOutput]:
         if any(prompt == BAD_STEP for prompt, _ in self.requests.values()):

@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 import math
+import pickle
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from braid.bad_words import BadWordIndex
 from braid.sampling_params import SamplingParams
 from braid.worker.sampler import (
     DRAFT,
@@ -561,3 +563,18 @@ def test_filters_run_on_the_rows_that_ask_for_them() -> None:
     for row in (0, 3):
         alone = filtered_logits(logits[row:row + 1], build(params[row:row + 1]))
         assert torch.equal(shown[row], alone[0])
+
+
+def test_a_bad_word_index_crosses_processes_as_it_was() -> None:
+    """The index the server builds is what the engine's process reads: pickled, it finds the
+    same words (and its words are the words it was built from, each once)."""
+    words = [[1, 2, 3], [1, 2, 4], [2], [5, 1, 2], [1, 2, 3], [], [7, 7]]
+    index = pickle.loads(pickle.dumps(BadWordIndex(words)))
+    assert sorted(index) == sorted({tuple(w): w for w in words if w}.values())
+    assert len(index) == 5
+    found = {index.lasts(key).tolist()[0] if len(index.lasts(key)) == 1 else
+             tuple(index.lasts(key)) for key in index.completing([9, 5, 1, 2])}
+    assert found == {2, (3, 4)}
+    params = [SamplingParams(bad_words_token_ids=index)]
+    refused = apply_penalties(torch.zeros(1, V), build(params, outputs=[[5, 1, 2]]))
+    assert set((refused[0] == -math.inf).nonzero().flatten().tolist()) == {2, 3, 4}
