@@ -52,6 +52,7 @@ def _schema(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 BIG = "x" * 400_000
+LONG_PROMPT = "def f(x):\n    return x\n" * 80
 HOSTILE = [
     Hostile("lark chain of 3,000 rules", "/v1/completions",
             _completion(structured_outputs={"grammar": lark_chain(3000)})),
@@ -72,8 +73,12 @@ HOSTILE = [
             lambda model, vocab: {"model": model, "prompt": ["ab"] * 700_000}, (400, 413)),
     Hostile("2,000 prompts x n = 64", "/v1/completions",
             lambda model, vocab: {"model": model, "prompt": ["ab"] * 2000, "n": 64}),
+    # an ordinary request, the reference for the one after it: its prompt's prefill chunks
+    # ride with every decode, as any long prompt's do
+    Hostile("a long prompt (not hostile: the reference)", "/v1/completions",
+            _completion(prompt=LONG_PROMPT, max_tokens=8, temperature=1), (200,)),
     Hostile("n = 16, logprobs and prompt_logprobs 20 of a long prompt", "/v1/completions",
-            _completion(prompt="def f(x):\n    return x\n" * 80, n=16, max_tokens=8,
+            _completion(prompt=LONG_PROMPT, n=16, max_tokens=8,
                         logprobs=20, prompt_logprobs=20, temperature=1)),
     Hostile("/tokenize of 3.5 MB with token strings", "/tokenize",
             lambda model, vocab: {"model": model, "prompt": "hello world " * 300_000,

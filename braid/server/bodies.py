@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from braid import heap
 from braid.server.errors import bad_request, validation_error
@@ -71,36 +71,27 @@ def json_response(body: BaseModel, headers: dict[str, str] | None = None,
     return StreamingResponse(_pieces(body), media_type="application/json", headers=headers)
 
 
+class RawJSON(bytes):
+    """JSON text already written: a field of a response that holds it is spliced in as it
+    is (`_pieces`), not serialized by pydantic."""
+
+
 def _pieces(body: BaseModel) -> Iterator[bytes]:
-    """The JSON text of `body` in pieces: its fields around the choices, then each choice.
-    A choice's prompt logprobs (which the n choices of a prompt share) are written once per
-    prompt, a slice of positions per call."""
+    """The JSON text of `body` in pieces: its fields around the choices, then each choice
+    (a choice's prompt logprobs, which can be most of it, as RawJSON already written)."""
     choices: list[BaseModel] = body.choices  # type: ignore[attr-defined]
     empty = body.model_copy(update={"choices": []}).model_dump_json()
     head, tail = empty.split('"choices":[]', 1)
     yield f'{head}"choices":['.encode()
-    written: dict[int, bytes] = {}  # id of a prompt's logprobs -> their JSON text
     for i, choice in enumerate(choices):
-        scored = getattr(choice, "prompt_logprobs", None)
-        if not scored:
+        raw = getattr(choice, "prompt_logprobs", None)
+        if not isinstance(raw, RawJSON):
             yield (b"," if i else b"") + choice.model_dump_json().encode()
             continue
-        text = written.get(id(scored))
-        if text is None:
-            text = written[id(scored)] = b"".join(_sliced(scored))
         rest = choice.model_dump_json(exclude={"prompt_logprobs"}).encode()
-        yield (b"," if i else b"") + rest[:-1] + b',"prompt_logprobs":' + text + b"}"
+        yield (b"," if i else b"") + rest[:-1] + b',"prompt_logprobs":' + raw + b"}"
     yield f"]{tail}".encode()
     heap.trim()  # such a response took tens of MB while it was built (heap.py)
-
-
-def _sliced(items: list[Any]) -> Iterator[bytes]:
-    """A JSON list of pydantic values (or None), `_POSITIONS` items per call."""
-    yield b"["
-    for start in range(0, len(items), _POSITIONS):
-        text = _ANY_LIST.dump_json(items[start:start + _POSITIONS])
-        yield (b"," if start else b"") + text[1:-1]
-    yield b"]"
 
 
 def json_lists(head: dict[str, Any], items: list[Any],
@@ -121,5 +112,4 @@ def json_lists(head: dict[str, Any], items: list[Any],
 
 
 _SLICE = 16384  # list items per json.dumps call (json_lists)
-_POSITIONS = 128  # prompt positions per call (~2,700 entries at top-20: ~2 ms holding the GIL)
-_ANY_LIST = TypeAdapter(list[Any])
+

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from braid.outputs import Logprob, RequestOutput
 from braid.sampling_params import is_int
+from braid.server.bodies import RawJSON
 from braid.server.protocol import (
     BraidInfo,
     ChatLogprobs,
@@ -108,6 +110,26 @@ def prompt_logprobs(tokenizer: Tokenizer, out: RequestOutput
                               decoded_token=_text(tokenizer, t, lp))
         for t, lp in entry.items()}
         for entry in out.prompt_logprobs]
+
+
+def prompt_logprobs_json(tokenizer: Tokenizer, out: RequestOutput) -> RawJSON:
+    """`prompt_logprobs` written straight to JSON text (the value `prompt_logprobs` would
+    give), `POSITIONS` positions per json.dumps call: a long prompt's entries at top-20 are
+    tens of thousands, which as pydantic models took ~1 s to build and write, holding the
+    GIL in long calls while every stream waited."""
+    entries = out.prompt_logprobs or []
+    parts = [b"["]
+    for start in range(0, len(entries), POSITIONS):
+        plain = [None if entry is None else {
+            str(t): {"logprob": _clamp(lp.logprob), "rank": lp.rank,
+                     "decoded_token": _text(tokenizer, t, lp)}
+            for t, lp in entry.items()} for entry in entries[start:start + POSITIONS]]
+        parts.append((b"," if start else b"") + json.dumps(plain)[1:-1].encode())
+    parts.append(b"]")
+    return RawJSON(b"".join(parts))
+
+
+POSITIONS = 128  # prompt positions per json.dumps call (prompt_logprobs_json)
 
 
 def chat_logprobs(tokenizer: Tokenizer, delta: Delta, top_n: int,

@@ -24,6 +24,7 @@ from braid.server.responses import (
     braid_info,
     completion_logprobs,
     prompt_logprobs,
+    prompt_logprobs_json,
     usage,
 )
 from braid.server.serving import (
@@ -162,11 +163,13 @@ def _response(ctx: ServerContext, job: Job, body: CompletionRequest, model: str,
         c = out.outputs[0]
         delta = _joined(_echo(ctx, body, out), Delta(c.text, c.token_ids, c.logprobs))
         if body.prompt_logprobs is not None and choice.prompt_index not in scored:
-            scored[choice.prompt_index] = prompt_logprobs(ctx.tokenizer, out)
+            scored[choice.prompt_index] = prompt_logprobs_json(ctx.tokenizer, out)
         choices.append(CompletionChoice(
             index=choice.index, text=delta.text, logprobs=_logprobs(ctx, body, delta, 0),
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-            prompt_logprobs=scored.get(choice.prompt_index)))
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        # written as it is (bodies.py): a response with prompt logprobs is always written
+        # in pieces (Job.with_logprobs)
+        choices[-1].prompt_logprobs = scored.get(choice.prompt_index)
     return CompletionResponse(id=job.id, model=model, choices=choices,
                               usage=usage(job.prompts, job.choices), braid=braid_info(finals))
 
