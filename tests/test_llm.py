@@ -379,7 +379,7 @@ def test_a_draft_vocabulary_limit_with_a_float_draft_as_loaded(tmp_path) -> None
             "draft_vocab_size": 100}
     llm = LLM(folder, speculative_config=spec, **options)  # (the goodput policy's warm-up)
     # fixed step costs, so that it drafts whatever the machine's load
-    llm.engine.speculator.cost = FixedStepCosts()  # type: ignore[union-attr]
+    llm.engine.speculator.policy.cost = FixedStepCosts()  # type: ignore[union-attr]
     got = llm.generate(["hello there"], greedy, use_tqdm=False)
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
     assert llm.engine.stats.spec_stats.num_draft_tokens > 0

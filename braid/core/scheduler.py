@@ -24,6 +24,7 @@ from types import MappingProxyType
 from braid.core.block_manager import BlockManager
 from braid.core.fairness import fair_decodes, seat_giver
 from braid.core.request import Request, RequestStatus
+from braid.core.stats import StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,24 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    def step_stats(self, context: int, forward_time: float, step_time: float,
+                   kv_usage: float, num_waiting: int) -> StepStats:
+        """The step's figures (`context`: the cached tokens its requests attended to)."""
+        return StepStats(
+            num_requests=len(self.scheduled),
+            num_prefill_tokens=self.num_prefill_tokens,
+            num_decode_tokens=self.num_batched_tokens - self.num_prefill_tokens,
+            num_spec_tokens=self.num_spec_tokens,
+            num_context_tokens=context,
+            forward_time=forward_time,
+            step_time=step_time,
+            kv_usage=kv_usage,
+            num_preemptions=len(self.preempted),
+            num_waiting=num_waiting,
+            num_cache_queries=self.num_cache_queries,
+            num_cache_hits=self.num_cache_hits,
+        )
+
 
 @dataclass(slots=True)
 class NextStep:
@@ -113,6 +132,7 @@ class Scheduler:
         max_num_seqs: int,
         enable_chunked_prefill: bool = True,
         priority: bool = False,
+        max_scored_rows: int | None = None,
     ) -> None:
         self.blocks = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -126,6 +146,12 @@ class Scheduler:
         # --scheduling-policy priority: requests ordered by (priority, arrival) instead of
         # FCFS, for admission and (last first) for preemption, as vLLM's priority policy
         self.priority = priority
+        # The most prompt positions a request scoring its prompt (prompt_logprobs) computes
+        # in a step beside decodes: each is a vocabulary-wide log-softmax and ranking, so
+        # its chunks are cut to what keeps the decodes' steps near their usual cost (alone,
+        # it takes the whole budget). None: no cut.
+        self.max_scored_rows = max_scored_rows
+        self._beside_decodes = False  # this step has decodes (schedule sets it)
         self.num_steps = 0  # schedule() calls so far
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last one is preempted first
@@ -149,6 +175,7 @@ class Scheduler:
         limits the prefill chunks and admissions that ride with the decodes."""
         out = SchedulerOutput()
         self.num_steps += 1
+        self._beside_decodes = False
         budget = self.max_num_batched_tokens
         if not self.enable_chunked_prefill and self._can_admit_whole():
             # Classic prefill-first: whole prompts in a step of their own, ahead of decodes.
@@ -157,6 +184,7 @@ class Scheduler:
         seat_shared = self._share_seats(out)
         decoding, prefilling = self._split_running()
         decoding, out.held = fair_decodes(decoding)
+        self._beside_decodes = bool(decoding)
         for req in out.held:
             req.rest_steps = max(0, req.rest_steps - 1)
         budget = self._schedule_running(out, decoding, budget, decodes=True)
@@ -204,7 +232,8 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             room = max(1, budget - (len(requests) - 1 - i)) if decodes else budget
-            n = min(req.num_tokens_with_spec - req.num_computed_tokens, room)
+            n = min(req.num_tokens_with_spec - req.num_computed_tokens, room,
+                    self._chunk_limit(req))
             if not self._allocate_or_preempt(req, n, out):
                 continue
             # Drafts are cut when the budget is short (the policy should have chosen fewer).
@@ -304,6 +333,13 @@ class Scheduler:
             return []
         return self.blocks.find_cached(req.request_id, req.token_ids, req.num_tokens - 1)
 
+    def _chunk_limit(self, req: Request) -> int:
+        """The most tokens `req` may compute this step besides the budget's limit."""
+        if (self.max_scored_rows is None or not self._beside_decodes
+                or not (req.is_prefilling and req.scores_prompt)):
+            return req.num_tokens_with_spec
+        return self.max_scored_rows
+
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests FCFS while seats, budget and KV blocks allow (blocks for
         the whole prompt, and `_headroom` more); a cached prefix costs neither budget nor
@@ -317,7 +353,7 @@ class Scheduler:
             n = req.num_tokens - num_cached
             if not self.enable_chunked_prefill and n > budget:
                 break
-            n = min(n, budget)
+            n = min(n, budget, self._chunk_limit(req))
             # blocks for all of it, not just this chunk: a request admitted with its first
             # chunk's blocks alone could find none for the next and preempt itself mid-prefill
             if not self.blocks.allocate(req.request_id, req.num_tokens, cached,

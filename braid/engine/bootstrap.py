@@ -30,6 +30,7 @@ from braid.worker.memory import (
 
 if TYPE_CHECKING:
     from braid.models.interface import CausalLM
+    from braid.worker.runner import ModelRunner
 
 logger = logging.getLogger("braid")
 
@@ -139,6 +140,14 @@ def warn_without_tokenizer(model: str, folder: Path) -> None:
                    "--tokenizer)", model, reason)
 
 
+def eos_token_ids(model: CausalLM, tokenizer: Tokenizer | None) -> frozenset[int]:
+    """The tokenizer's end-of-sequence ids, or without one the model config's."""
+    if tokenizer is not None:
+        return frozenset(tokenizer.eos_token_ids)
+    eos = model.config.eos_token_id
+    return frozenset([eos] if isinstance(eos, int) else eos or [])
+
+
 def set_threads(threads: int) -> None:
     """torch's intra-op threads (--num-threads), with a warning where they outnumber the
     cores this process may use."""
@@ -173,12 +182,16 @@ def load_target(config: EngineConfig, draft: bool) -> Target:
     return Target(model, tokenizer, defaults)
 
 
-def check_memory(config: EngineConfig, weights: int, kv: int) -> None:
-    """The weights and KV caches (bytes; the target's and the draft's) against the machine's
-    memory. The KV caches are mapped, not yet touched: one too large would fail under load,
-    not here, so it is refused now."""
+def check_memory(config: EngineConfig, target: tuple[int, int], draft: ModelRunner | None
+                 ) -> None:
+    """The weights and KV caches (bytes: the target's, and the draft runner's) against the
+    machine's memory. The KV caches are mapped, not yet touched: one too large would fail
+    under load, not here, so it is refused now."""
     if not config.device.startswith("cpu"):
         return
+    weights, kv = target
+    if draft is not None:
+        weights, kv = weights + draft.weight_and_kv_bytes[0], kv + draft.weight_and_kv_bytes[1]
     flag = "--kv-cache-gib" if config.num_kv_blocks is None else "--num-kv-blocks"
     refuse_beyond_memory(kv + weights, f"{flag}: the weights and KV caches (the draft's "
                          "included) take {:.1f} GiB, which does not")

@@ -7,39 +7,39 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
 from braid.config import EngineConfig
 from braid.core.block_manager import BlockManager
 from braid.core.request import Request
 from braid.core.scheduler import Scheduler, SchedulerOutput
-from braid.core.stats import EngineStats, StepStats
-from braid.engine.bootstrap import check_memory, load_target, sampling_defaults, set_threads
+from braid.core.stats import EngineStats
+from braid.engine.bootstrap import (
+    check_memory,
+    eos_token_ids,
+    load_target,
+    sampling_defaults,
+    set_threads,
+)
+from braid.engine.grammars import GrammarGate
 from braid.engine.input import InputProcessor, RequestError
-from braid.engine.isolation import isolate
-from braid.engine.output import OutputProcessor
+from braid.engine.isolation import run_step
+from braid.engine.output import OutputProcessor, PromptScorers
 from braid.models.interface import CausalLM
 from braid.outputs import RequestOutput
 from braid.sampling_params import RequestOutputKind, SamplingParams
 from braid.spec_decode.build import make_speculator
-from braid.spec_decode.cost_model import attention_work
+from braid.spec_decode.cost_model import step_work
 from braid.spec_decode.speculator import SpeculatorFigures
 from braid.structured.manager import StructuredOutputManager
 from braid.tokenizer import Tokenizer
-from braid.worker.executor import InProcessExecutor, StepResult
+from braid.worker.executor import InProcessExecutor
 from braid.worker.memory import kv_cache_blocks
-from braid.worker.step import StepSample
+from braid.worker.step import StepSample, max_scored_rows
 
 __all__ = ["LLMEngine", "RequestError"]
 
 logger = logging.getLogger("braid")
-
-
-# A request's grammar masks may take this share of a step's other work, on average (see
-# LLMEngine._share_grammar_time); it rests at most MAX_REST_STEPS steps at a time.
-GRAMMAR_SHARE = 0.5
-MAX_REST_STEPS = 200
 
 
 class LLMEngine:
@@ -71,32 +71,22 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.blocks, config.max_num_batched_tokens, config.max_num_seqs,
             config.enable_chunked_prefill, priority=config.scheduling_policy == "priority",
+            max_scored_rows=max_scored_rows(model.config.vocab_size),
         )
-        self.outputs = OutputProcessor(tokenizer, self._eos_token_ids(model),
+        self.outputs = OutputProcessor(tokenizer, eos_token_ids(model, tokenizer),
                                        config.max_model_len or 0)
         self.executor = InProcessExecutor(config, model, self.blocks, kv_dtype,
                                           self.outputs.eos_token_ids)
         self.runner = self.executor.runner  # the speculator's warm-up and draft share it
         self.speculator = make_speculator(config, self.runner, self.scheduler, draft_model,
                                           self.outputs.eos_token_ids)
-        weights, kv = self.executor.weight_and_kv_bytes
-        if (draft := self.speculator.draft_runner) is not None:
-            draft_weights, draft_kv = draft.weight_and_kv_bytes
-            weights, kv = weights + draft_weights, kv + draft_kv
-        check_memory(config, weights, kv)
+        check_memory(config, self.executor.weight_and_kv_bytes, self.speculator.draft_runner)
         self.stats = EngineStats(num_kv_blocks=num_blocks)
         self.structured = None if tokenizer is None else StructuredOutputManager(
             tokenizer, model.config.vocab_size, self.outputs.eos_token_ids, self.stats.grammar)
-        self._compiling: list[Request] = []  # requests whose grammar is not compiled yet
-        # (group, prompt, prompt_logprobs) -> the request that scores that prompt for its group
-        self._prompt_scorers: dict[tuple[str, tuple[int, ...], int], Request] = {}
+        self.grammars = GrammarGate(self.scheduler, self.structured)
+        self.scorers = PromptScorers()
         self.inputs = InputProcessor(config, model.config.vocab_size, tokenizer)
-
-    def _eos_token_ids(self, model: CausalLM) -> frozenset[int]:
-        if self.tokenizer is not None:
-            return frozenset(self.tokenizer.eos_token_ids)
-        eos = model.config.eos_token_id
-        return frozenset([eos] if isinstance(eos, int) else eos or [])
 
     # ---- request API -------------------------------------------------------------------
 
@@ -123,18 +113,10 @@ class LLMEngine:
                                   priority, group)
         params = req.sampling_params
         if params.structured_outputs is not None:
-            if self.structured is None:
-                raise RequestError("structured_outputs needs a tokenizer: this engine has none")
-            req.grammar_future = self.structured.submit(params.structured_outputs,
-                                                        params.ignore_eos)
-            self._compiling.append(req)
+            self.grammars.submit(req)
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        if params.prompt_logprobs is not None and group is not None:
-            # n choices of one prompt: the first scores it for all
-            key = (group, tuple(req.prompt_token_ids), params.prompt_logprobs)
-            scorer = self._prompt_scorers.setdefault(key, req)
-            req.prompt_scorer = None if scorer is req else scorer
+        self.scorers.add(req)
         self.outputs.add(req)
         self.scheduler.add(req)
         return req
@@ -166,18 +148,14 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.finish(req, "abort")
-        self._release(req)
-        return self.outputs.make_output(req)
+        return self._finished(req)
 
     def _release(self, req: Request) -> None:
         """The one path every finished request takes after the scheduler finished it: the
         output side and the speculator drop their per-request state."""
         self.outputs.finish(req)
         self.speculator.forget(req.request_id)
-        if req.prompt_scorer is None and req.sampling_params.prompt_logprobs is not None:
-            key = (req.group, tuple(req.prompt_token_ids), req.sampling_params.prompt_logprobs)
-            if self._prompt_scorers.get(key) is req:
-                del self._prompt_scorers[key]
+        self.scorers.finish(req)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -206,18 +184,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample, update; return outputs of requests that moved."""
         start = time.perf_counter()
-        failed = self._check_grammars()
-        sched = self.scheduler.schedule(self._prefill_cap())
+        failed = [self._finished(req) for req in self.grammars.failed()]
+        sched = self.scheduler.schedule(self.speculator.prefill_cap(self.scheduler))
         if sched.is_empty:
-            if self._compiling:  # nothing else can run: let a compilation finish
-                wait([r.grammar_future for r in self._compiling if r.grammar_future],
-                     timeout=0.05, return_when=FIRST_COMPLETED)
+            self.grammars.wait()
             return failed
         context = sum(s.request.num_computed_tokens for s in sched.scheduled)
-        attention = sum(attention_work(s.num_new_tokens, s.request.num_computed_tokens)
-                        for s in sched.scheduled)
-        rows = sum(1 + s.num_spec_tokens for s in sched.scheduled if s.needs_logits)
-        result, culprits = self._run(sched)
+        attention, rows = step_work(sched)  # measured before the step moves them on
+        result, failing = run_step(self.executor.execute, self.scheduler, sched,
+                                   self._forget_preempted)
+        culprits = [self._finished(req) for req in failing]
         for rid, lp in result.prompt_logprobs.items():
             self.outputs.add_prompt_logprobs(self.requests[rid], lp)
         outputs = self._update(sched, result.in_order(sched))
@@ -225,70 +201,17 @@ class LLMEngine:
         if not culprits:
             self.speculator.observe_step(sched.num_batched_tokens, attention, rows, target_time)
         self._propose(sched)
-        self._share_grammar_time(sched, time.perf_counter() - start)
-        self._record(sched, context, result.forward_end - start, time.perf_counter() - start)
+        self.grammars.share_time(sched, time.perf_counter() - start)
+        self.stats.record(sched.step_stats(context, result.forward_end - start,
+                                           time.perf_counter() - start, self.kv_usage,
+                                           self.num_waiting))
+        self.stats.maybe_log(self.config.log_stats_interval)
         return failed + culprits + outputs
 
-    def _share_grammar_time(self, sched: SchedulerOutput, step_time: float) -> None:
-        """A request whose grammar masks took more than GRAMMAR_SHARE of the rest of the
-        step sits out steps in proportion (while others decode): on average its masks cost
-        the others at most that share. A 64 kB literal costs ~30 ms a mask."""
-        spent = {id(s.request): (s.request, g.take_mask_time())
-                 for s in sched.scheduled if (g := s.request.grammar) is not None}
-        if len(self.scheduler.running) < 2 or not spent:
-            return
-        rest_of_step = max(step_time - sum(t for _, t in spent.values()), 1e-4)
-        for req, seconds in spent.values():
-            if seconds > GRAMMAR_SHARE * rest_of_step and not req.is_finished:
-                steps = int(seconds / (GRAMMAR_SHARE * rest_of_step))
-                self.scheduler.rest(req, min(steps, MAX_REST_STEPS))
-
-    def _run(self, sched: SchedulerOutput) -> tuple[StepResult, list[RequestOutput]]:
-        """The step's results. Where it raises, it runs again in parts (isolation.py): the
-        requests that fail alone end with "error" (their outputs are returned), those that
-        read KV another request of the step was computing go back to waiting, and every
-        other request gets its result."""
-        try:
-            return self.executor.execute(sched), []
-        except Exception:
-            logger.exception("engine step failed; running it again in parts to find the "
-                             "request that fails it")
-        except BaseException:
-            self.scheduler.discard_published(sched)  # their KV was never written
-            self._forget_preempted(sched)
-            raise
-        self.scheduler.requeue_dependents(sched)
-        result, culprits = isolate(self.executor.execute, list(sched.scheduled))
-        failed = []
-        for s in culprits:
-            self.scheduler.fail(s.request, sched)
-            self._release(s.request)
-            failed.append(self.outputs.make_output(s.request))
-        return result, failed
-
-    def _check_grammars(self) -> list[RequestOutput]:
-        """Forget compiled grammars' requests; finish those whose grammar failed to compile
-        (with reason "error": the server and `LLM` check grammars before they add requests,
-        so here it is a request added straight to the engine with a grammar the grammar
-        engine refuses)."""
-        failed, still = [], []
-        for req in self._compiling:
-            future = req.grammar_future
-            assert future is not None
-            if not future.done():
-                still.append(req)
-            elif future.exception() is not None and not req.is_finished:
-                logger.error("request %s: %s", req.request_id, future.exception())
-                self.scheduler.finish(req, "error")
-                self._release(req)
-                failed.append(self.outputs.make_output(req))
-        self._compiling = still
-        return failed
-
-    def _prefill_cap(self) -> int | None:
-        """The ITL target's prefill cap, computed for the step about to be scheduled (from
-        the requests running and waiting now, so new arrivals always count)."""
-        return self.speculator.prefill_cap(self.scheduler)
+    def _finished(self, req: Request) -> RequestOutput:
+        """The output of a request the scheduler just finished outside a step's updates."""
+        self._release(req)
+        return self.outputs.make_output(req)
 
     def _forget_preempted(self, sched: SchedulerOutput) -> None:
         """The speculator's state of the requests the step preempted goes (their KV did)."""
@@ -314,7 +237,7 @@ class LLMEngine:
         """Hand the step's tokens to the scheduler, then the figures and outputs of every
         request that emitted some."""
         updates = self.scheduler.update_from_output(
-            sched, [r.token_ids for r in sampled], self._check_stop)
+            sched, [r.token_ids for r in sampled], self.outputs.check_stop)
         logprobs = {id(r.scheduled.request): r.logprobs for r in sampled}
         outputs = []
         for u in updates:
@@ -344,34 +267,6 @@ class LLMEngine:
                 out.metrics.spec_stats.update(self.speculator.request_figures(req))
             outputs.append(out)
         return outputs
-
-    def _check_stop(self, req: Request, token: int) -> str | None:
-        """The output processor's stop rules; a failure there (detokenizer, stop strings)
-        finishes that request alone with reason "error", and the others go on."""
-        try:
-            return self.outputs.check_stop(req, token)
-        except Exception:
-            logger.exception("request %s failed while appending its tokens", req.request_id)
-            return "error"
-
-    def _record(
-        self, sched: SchedulerOutput, context: int, forward_time: float, step_time: float
-    ) -> None:
-        self.stats.record(StepStats(
-            num_requests=len(sched.scheduled),
-            num_prefill_tokens=sched.num_prefill_tokens,
-            num_decode_tokens=sched.num_batched_tokens - sched.num_prefill_tokens,
-            num_spec_tokens=sched.num_spec_tokens,
-            num_context_tokens=context,
-            forward_time=forward_time,
-            step_time=step_time,
-            kv_usage=self.kv_usage,
-            num_preemptions=len(sched.preempted),
-            num_waiting=self.num_waiting,
-            num_cache_queries=sched.num_cache_queries,
-            num_cache_hits=sched.num_cache_hits,
-        ))
-        self.stats.maybe_log(self.config.log_stats_interval)
 
     def log_idle_stats(self) -> None:
         """The stats line of an engine that went idle (once; see EngineStats.maybe_log)."""

@@ -8,6 +8,7 @@ per-id table."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from braid.core.request import Request
 from braid.outputs import CompletionOutput, RequestMetrics, RequestOutput, SampleLogprobs
 from braid.sampling_params import RequestOutputKind
 from braid.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger("braid")
 
 
 @dataclass(slots=True)
@@ -140,7 +143,15 @@ class OutputProcessor:
 
     def check_stop(self, req: Request, token: int) -> str | None:
         """`token` was just appended to `req`: extend its text and return the finish reason
-        if the token ends it ("stop" or "length")."""
+        if the token ends it ("stop" or "length"). A failure here (detokenizer, stop strings)
+        finishes that request alone with reason "error", and the others go on."""
+        try:
+            return self._stop_reason(req, token)
+        except Exception:
+            logger.exception("request %s failed while appending its tokens", req.request_id)
+            return "error"
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
         reason = self._check_token(req, token)
         if reason is None:
             reason = self._check_text(req, token)
@@ -256,6 +267,28 @@ class OutputProcessor:
                 spec_stats=req.spec_stats.as_dict() if req.spec_stats.num_drafts else {},
             ),
         )
+
+
+class PromptScorers:
+    """n choices of one prompt asking for its logprobs: the first scores the prompt for all
+    (the others read its entries, `Request.prompt_scorer`), within one group."""
+
+    def __init__(self) -> None:
+        # (group, prompt, prompt_logprobs) -> the request that scores that prompt
+        self._scorers: dict[tuple[str, tuple[int, ...], int], Request] = {}
+
+    def add(self, req: Request) -> None:
+        n = req.sampling_params.prompt_logprobs
+        if n is not None and req.group is not None:
+            scorer = self._scorers.setdefault((req.group, tuple(req.prompt_token_ids), n), req)
+            req.prompt_scorer = None if scorer is req else scorer
+
+    def finish(self, req: Request) -> None:
+        n = req.sampling_params.prompt_logprobs
+        if req.prompt_scorer is None and n is not None:
+            key = (req.group, tuple(req.prompt_token_ids), n)
+            if self._scorers.get(key) is req:
+                del self._scorers[key]
 
 
 def _prompt_scored(req: Request) -> bool:

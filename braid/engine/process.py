@@ -289,8 +289,11 @@ class _EngineSide:
         import torch
 
         self.cores = CoreShare(os.getppid(), torch.get_num_threads(), torch.set_num_threads)
+        self.outbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         threading.Thread(target=_read_calls, args=(calls, self.inbox), name="braid-calls",
                          daemon=True).start()
+        threading.Thread(target=_write_messages, args=(conn, self.outbox),
+                         name="braid-outputs", daemon=True).start()
 
     def run(self) -> None:
         from braid import heap
@@ -348,8 +351,11 @@ class _EngineSide:
         self._send("step", True, _packed(outputs))
 
     def _send(self, kind: str, ok: bool, value: Any) -> None:
+        """Queue a message for the writer thread: the loop never waits for the server to
+        read (a megabyte of prompt logprobs through a 64 kB pipe waited on a busy server's
+        reads, and the steps behind it with it)."""
         load, self.steps_sent = _load(self.engine, self.steps_sent)
-        _send(self.conn, (kind, ok, value, load))
+        self.outbox.put((kind, ok, value, load))
 
 
 def _read_calls(calls: Connection, inbox: queue.SimpleQueue[tuple]) -> None:
@@ -360,6 +366,12 @@ def _read_calls(calls: Connection, inbox: queue.SimpleQueue[tuple]) -> None:
         except (EOFError, OSError):
             inbox.put(("stop",))
             return
+
+
+def _write_messages(conn: Connection, outbox: queue.SimpleQueue[tuple]) -> None:
+    """The engine process's writer: `outbox`'s messages to the server, in order."""
+    while True:
+        _send(conn, outbox.get())
 
 
 def _packed(outputs: list[Any]) -> list[Any]:

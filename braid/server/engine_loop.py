@@ -237,15 +237,17 @@ class AsyncEngine:
         # runs of adds and of aborts go to the engine as one call each (one message for an
         # engine in its own process)
         for kind, run in itertools.groupby(commands, type):
+            batch = list(run)
             if kind is _Add:
-                adds: list[_Add] = list(run)  # type: ignore[arg-type]
+                adds = [c for c in batch if isinstance(c, _Add)]
                 settled += zip([a.admitted for a in adds], self._add(adds), strict=True)
                 self._num_applied += len(adds)
             elif kind is _Abort:
-                self._abort([a.request_id for a in run])  # type: ignore[attr-defined]
+                self._abort([c.request_id for c in batch if isinstance(c, _Abort)])
             elif kind is _FailAll:
-                for command in run:
-                    self._abort_all(command.error)  # type: ignore[attr-defined]
+                for c in batch:
+                    if isinstance(c, _FailAll):
+                        self._abort_all(c.error)
             else:
                 self._abort_all(ShuttingDown("server shutting down"))
                 running = False

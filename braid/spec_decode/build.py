@@ -40,7 +40,7 @@ def make_speculator(cfg: EngineConfig, target: ModelRunner, scheduler: Scheduler
     assert cfg.max_model_len is not None
     speculator = Speculator(spec, proposer, cfg.max_model_len,
                             None if cfg.target_itl_ms is None else cfg.target_itl_ms / 1e3)
-    speculator.warm_up(target, proposer.runner, scheduler)
+    speculator.warm_up(target, scheduler)
     return speculator
 
 

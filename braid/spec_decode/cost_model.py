@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from braid.core.scheduler import SchedulerOutput
+
 EXACT_UP_TO = 64  # query tokens up to which measured sizes correct the fit
 # A fit waits until the forwards observed since the last one are this share of its samples
 # (every one while there are few; every ~9 with a full window and the warm-up anchors). A
@@ -46,6 +48,14 @@ ATTENTION_UNIT = 1e6  # attention work is fitted per million query-key pairs
 def attention_work(query_len: int, context_len: int) -> int:
     """Query-key pairs of one window of `query_len` tokens after `context_len` cached ones."""
     return query_len * (context_len + query_len)
+
+
+def step_work(sched: SchedulerOutput) -> tuple[int, int]:
+    """A step's attention work and logits rows, as the cost model prices them."""
+    attention = sum(attention_work(s.num_new_tokens, s.request.num_computed_tokens)
+                    for s in sched.scheduled)
+    rows = sum(1 + s.num_spec_tokens for s in sched.scheduled if s.needs_logits)
+    return attention, rows
 
 
 @dataclass

@@ -191,6 +191,18 @@ def _top_n(entry: dict[int, Logprob], n: int) -> dict[int, Logprob]:
             if i == 0 or (lp.rank is not None and lp.rank <= n)}
 
 
+# Prompt positions scored per step beside decodes: their logits cells, at most (a row is a
+# vocabulary-wide log-softmax and ranking, ~35 us per 152k-token row on an AVX2 core; 2^22
+# cells are ~1 ms, about a tiny model's decode step's third). Scheduler.max_scored_rows.
+SCORED_LOGITS = 1 << 22
+MIN_SCORED_ROWS = 16
+
+
+def max_scored_rows(vocab_size: int) -> int:
+    """The prompt positions a step beside decodes may score (`SCORED_LOGITS`)."""
+    return max(MIN_SCORED_ROWS, SCORED_LOGITS // vocab_size)
+
+
 def score_prompts(sched: SchedulerOutput, logits: torch.Tensor) -> dict[str, SampleLogprobs]:
     """Prompt logprobs from `logits` [P, V]: the rows `prompt_logprob_rows` chose, in
     scheduling order (raw model logprobs, like sampled tokens' logprobs, and vocabulary

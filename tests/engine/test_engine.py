@@ -561,14 +561,14 @@ def test_a_failing_request_fails_alone(monkeypatch) -> None:
     ps = prompts()
     for i in range(3):
         engine.add_request(str(i), ps[i], GREEDY)
-    original = engine.outputs.check_stop
+    original = engine.outputs._stop_reason
 
-    def check_stop(req, *args):
+    def stop_reason(req, *args):
         if req.request_id == "1":
             raise RuntimeError("boom")
         return original(req, *args)
 
-    monkeypatch.setattr(engine.outputs, "check_stop", check_stop)
+    monkeypatch.setattr(engine.outputs, "_stop_reason", stop_reason)
     finished = {o.request_id: o.outputs[0] for o in engine.run_until_done() if o.finished}
     assert finished["1"].finish_reason == "error"
     assert finished["0"].finish_reason == finished["2"].finish_reason == "length"

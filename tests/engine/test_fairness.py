@@ -82,7 +82,7 @@ def test_a_request_with_dear_masks_rests_while_others_decode() -> None:
         engine.step()
     assert req.grammar is not None
     req.grammar.fill_mask([], torch.zeros(bitmask_width(VOCAB), dtype=torch.int32))
-    engine._share_grammar_time(SchedulerOutput([ScheduledRequest(req, 1, 0)]), 1e-6)
+    engine.grammars.share_time(SchedulerOutput([ScheduledRequest(req, 1, 0)]), 1e-6)
     rest = req.rest_steps
     assert rest > 0
     for _ in range(rest):

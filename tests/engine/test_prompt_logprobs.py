@@ -77,8 +77,15 @@ def assert_ranked(entry: dict[int, Logprob], token: int, row: torch.Tensor) -> N
     assert [lp.rank for lp in top] == [r for r in range(1, TOP + 1) if r != rank][:len(top)]
 
 
+def scoring_in_cuts(rows: int) -> LLMEngine:
+    engine = make_engine(max_num_batched_tokens=256)
+    engine.scheduler.max_scored_rows = rows
+    return engine
+
+
 ENGINES = {
     "one chunk": lambda: make_engine(max_num_batched_tokens=256),
+    "scored 3 positions a step beside decodes": lambda: scoring_in_cuts(3),
     "chunks of 16": lambda: make_engine(max_num_batched_tokens=16),
     "preempted": lambda: make_engine(num_kv_blocks=40, max_model_len=160,
                                      max_num_batched_tokens=32),
@@ -205,6 +212,28 @@ def test_sampled_logprobs_match_transformers(name: str) -> None:
             assert got.keys() == want.keys()
             assert all(math.isclose(got[t].logprob, want[t], abs_tol=1e-3) for t in want)
             assert_ranked(got, token, row)
+
+
+def test_a_scoring_prompt_goes_in_small_chunks_beside_decodes() -> None:
+    """Each scored position is a vocabulary-wide log-softmax and ranking: beside decodes a
+    prompt that asks for logprobs computes max_scored_rows positions a step (their steps stay
+    near a decode step's cost); alone, as much as the budget allows."""
+    ps = prompts()
+    engine = scoring_in_cuts(5)
+    engine.add_request("decoding", ps[0], replace(PARAMS, max_tokens=60, prompt_logprobs=None))
+    engine.step()
+    engine.add_request("scoring", ps[1], PARAMS)
+    chunks = []
+    while engine.requests["scoring"].is_prefilling:
+        before = engine.requests["scoring"].num_computed_tokens
+        engine.step()
+        assert not engine.requests["decoding"].is_prefilling
+        chunks.append(engine.requests["scoring"].num_computed_tokens - before)
+    assert len(ps[1]) > 10 and max(chunks) == 5
+    alone = scoring_in_cuts(5)
+    alone.add_request("scoring", ps[1], PARAMS)
+    alone.step()
+    assert alone.requests["scoring"].num_computed_tokens == len(ps[1])
 
 
 def test_n_choices_of_a_prompt_score_it_once(reference) -> None:

@@ -45,7 +45,7 @@ def test_prompt_lookup_beside_the_draft_is_lossless(reference, policy: str, k: i
                          prompt_lookup_min=3,  # (with 1 almost every window is a lookup)
                          draft_prompt_lookup=True)
     # drafting pays, a draft forward costs half a step: lookups beat the model where found
-    engine.speculator.cost = LinearCost(0.1, 0.001, 0.05)
+    engine.speculator.policy.cost = LinearCost(0.1, 0.001, 0.05)
     windows = windows_by_source(engine)
     assert run(engine, STAGGERED, GREEDY) == reference
     for _ in range(3):
@@ -81,12 +81,12 @@ def test_a_lookup_not_worth_verifying_leaves_the_request_to_the_draft(reference)
     for lookup in (True, False):
         engine = spec_engine("draft_model", 3, policy="goodput", max_num_batched_tokens=32,
                              draft_prompt_lookup=lookup)
-        engine.speculator.cost = LinearCost(0.1, 0.05, 0.001)
+        engine.speculator.policy.cost = LinearCost(0.1, 0.05, 0.001)
         engine.speculator.lookup_acceptance = AcceptanceEstimator(prior=0.01)
         seen[lookup] = windows_by_source(engine)
-        def counting(*args, lookups=engine.speculator._lookups):
-            out = lookups(*args)
-            found.extend(look for look in out if look)
+        def counting(windows, lookups=engine.speculator._lookups):
+            out = lookups(windows)
+            found.extend(w.lookup for w in windows if w.lookup)
             return out
 
         engine.speculator._lookups = counting

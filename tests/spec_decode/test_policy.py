@@ -448,21 +448,22 @@ def test_the_draft_margin_waits_for_acceptance_evidence() -> None:
     would keep it from ever measuring: none until then, then the cost model's error (capped),
     and none again once idle steps have aged the evidence away."""
     from braid.config import SpecConfig
+    from braid.spec_decode.goodput import MAX_DRAFT_MARGIN
     from braid.spec_decode.ngram import NgramProposer
-    from braid.spec_decode.speculator import MAX_DRAFT_MARGIN, Speculator
+    from braid.spec_decode.speculator import Speculator
 
     spec = Speculator(SpecConfig(method="ngram", num_speculative_tokens=3),
                       NgramProposer(2, 5), max_model_len=1024)
-    spec.cost.target.error_ema = 0.08
-    assert spec._draft_margin() == 0.0
+    spec.policy.cost.target.error_ema = 0.08
+    assert spec.policy._draft_margin() == 0.0
     while spec.acceptance.global_trials < EXPLORE_TRIALS:
         spec.acceptance.update("r", 3, 2)
-    assert spec._draft_margin() == pytest.approx(0.08)
-    spec.cost.target.error_ema = 0.4
-    assert spec._draft_margin() == MAX_DRAFT_MARGIN
+    assert spec.policy._draft_margin() == pytest.approx(0.08)
+    spec.policy.cost.target.error_ema = 0.4
+    assert spec.policy._draft_margin() == MAX_DRAFT_MARGIN
     for _ in range(200):
         spec.acceptance.age()
-    assert spec._draft_margin() == 0.0
+    assert spec.policy._draft_margin() == 0.0
 
 
 def test_start_persistence_is_a_decayed_mean_of_what_started_requests_drafted() -> None:
@@ -499,11 +500,11 @@ def test_a_backlog_s_catch_up_is_spread_over_what_started_requests_drafted() -> 
     spec = Speculator(SpecConfig(method="ngram", num_speculative_tokens=3),
                       NgramProposer(2, 5), max_model_len=1024)
     req = Request("r", list(range(300)), SamplingParams(max_tokens=128))
-    usual = spec._usual_lag
-    assert spec._catch_up_cost(req, 0.8, 2) == 2.0  # the usual lag: charged in full
-    long_lived = spec._catch_up_cost(req, 0.8, 300)
+    usual = spec.policy.usual_lag
+    assert spec.policy._catch_up_cost(req, 0.8, 2) == 2.0  # the usual lag: charged in full
+    long_lived = spec.policy._catch_up_cost(req, 0.8, 300)
     per_window = expected_tokens(0.8, 3)
     assert long_lived == pytest.approx(usual + (300 - usual) / (128 / per_window))
-    spec.persistence.mean = 12.0
-    assert spec._catch_up_cost(req, 0.8, 300) == pytest.approx(
+    spec.policy.persistence.mean = 12.0
+    assert spec.policy._catch_up_cost(req, 0.8, 300) == pytest.approx(
         usual + (300 - usual) / (12 / per_window))

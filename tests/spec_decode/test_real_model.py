@@ -11,7 +11,7 @@ from braid.bench.datasets import humaneval
 from braid.config import EngineConfig
 from braid.engine.engine import LLMEngine
 from braid.sampling_params import SamplingParams
-from braid.spec_decode import speculator
+from braid.spec_decode import goodput
 from tests.spec_decode.test_spec_engine import FixedStepCosts
 
 pytestmark = pytest.mark.real_model
@@ -78,7 +78,7 @@ def fixed_step_costs(monkeypatch: pytest.MonkeyPatch) -> None:
     target beside the quantized draft (a target forward streams 7 GB whatever its few tokens,
     a draft forward costs a twentieth of it) instead of the measured ones, so what the policy
     chooses does not depend on how loaded the machine is. The forwards still run for real."""
-    monkeypatch.setattr(speculator, "StepCostModel", lambda: FixedStepCosts(
+    monkeypatch.setattr(goodput, "StepCostModel", lambda: FixedStepCosts(
         target=(0.2, 0.002), draft=(0.01, 0.0005)))
 
 

@@ -11,7 +11,7 @@ from braid.models.qwen2 import can_pack, native_bf16
 from braid.sampling_params import SamplingParams
 from braid.spec_decode.build import resolve_draft_dtype
 from braid.spec_decode.cost_model import StepCostModel, attention_work
-from braid.spec_decode.speculator import WARMUP_DRAFT, WARMUP_TARGET
+from braid.spec_decode.goodput import WARMUP_DRAFT, WARMUP_TARGET
 from tests.engine.test_engine import CFG, STAGGERED, WEIGHTS, make_engine, prompts, run
 from tests.tiny import braid_model, random_weights, tiny_config
 
@@ -68,7 +68,7 @@ def spec_engine(method: str, k: int, draft_weights=WEIGHTS, draft_cfg=CFG, polic
     draft = braid_model(draft_cfg, draft_weights) if method == "draft_model" else None
     engine = make_engine(speculative_config=spec, draft_model=draft, **options)
     if policy == "goodput":
-        engine.speculator.cost = FixedStepCosts()
+        engine.speculator.policy.cost = FixedStepCosts()
     return engine
 
 
@@ -407,7 +407,7 @@ def test_goodput_switches_off_under_load_and_back_on_losslessly() -> None:
 
     reference, _ = drive(make_engine(max_num_batched_tokens=64))
     engine = spec_engine("draft_model", 3, policy="goodput", max_num_batched_tokens=64)
-    engine.speculator.cost = HingeCost()
+    engine.speculator.policy.cost = HingeCost()
     draft = engine.speculator.proposer
     forwards: list[int] = []  # query tokens of every draft forward
     plain_propose = draft.propose
@@ -459,7 +459,7 @@ def test_a_request_whose_first_windows_failed_drafts_again() -> None:
     reference = run(make_engine(), {0: [1]}, params)
     engine = spec_engine("draft_model", 3, policy="goodput")
     spec = engine.speculator
-    spec.cost = LinearCost(0.1, 0.001, 0.05)  # k = 1 pays from an acceptance of ~0.5
+    spec.policy.cost = LinearCost(0.1, 0.001, 0.05)  # k = 1 pays from an acceptance of ~0.5
     for _ in range(100):  # other requests' windows were accepted whole
         spec.acceptance.update("other", 3, 3)
     spec.acceptance.forget("other")
@@ -494,7 +494,7 @@ def test_itl_target_caps_prefill_chunks_losslessly(reference) -> None:
     (synthetic) predicted step time stays under it; outputs do not change."""
     engine = spec_engine("draft_model", 3, policy="goodput", max_num_batched_tokens=64,
                          target_itl_ms=800)
-    engine.speculator.cost = HingeCost()  # 0.2 s up to 4 tokens, +0.1 s per token beyond
+    engine.speculator.policy.cost = HingeCost()  # 0.2 s up to 4 tokens, +0.1 s per token beyond
     assert run(engine, STAGGERED, GREEDY) == reference
     mixed = [s for s in engine.stats.recent if s.num_decode_tokens and s.num_prefill_tokens]
     assert mixed, "no step mixed decodes and prefill"
@@ -524,7 +524,7 @@ def test_itl_target_serves_batches_after_idle_and_bursts(reference, method: str)
     engine went idle, in a burst, or while others decode are all served, losslessly."""
     engine = spec_engine(method, 3, policy="goodput", max_num_batched_tokens=64,
                          target_itl_ms=800)
-    engine.speculator.cost = HingeCost()
+    engine.speculator.policy.cost = HingeCost()
     capped: list[int] = []  # prefill tokens of each step scheduled under the ITL cap
     schedule = engine.scheduler.schedule
 
