@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -88,7 +89,7 @@ class PackedLogprobs(Sequence[dict[int, Logprob] | None]):
 
     __slots__ = ("_starts", "_ids", "_values", "_ranks", "_texts")
 
-    def __init__(self, entries: Sequence[dict[int, Logprob] | None]) -> None:
+    def __init__(self, entries: Sequence[dict[int, Logprob] | None] = ()) -> None:
         starts, ids, values, ranks = array("q", [0]), array("q"), array("d"), array("q")
         texts: list[str | None] = []
         for entry in entries:
@@ -103,6 +104,40 @@ class PackedLogprobs(Sequence[dict[int, Logprob] | None]):
             starts.append(len(ids))
         self._starts, self._ids, self._values, self._ranks = starts, ids, values, ranks
         self._texts = texts
+
+    @classmethod
+    def from_rows(cls, ids: Sequence[int], values: Sequence[float], ranks: Sequence[int],
+                  counts: Sequence[int], texts: Sequence[str | None] | None = None
+                  ) -> PackedLogprobs:
+        """Positions of `counts[i]` entries each, their (id, logprob, rank) flat in order
+        (rank -1: none), and their texts (None: none)."""
+        packed = cls()
+        packed._ids.extend(ids)
+        packed._values.extend(values)
+        packed._ranks.extend(ranks)
+        packed._starts.extend(itertools.accumulate(counts))
+        packed._texts = list(texts) if texts is not None else [None] * len(packed._ids)
+        return packed
+
+    @property
+    def token_ids(self) -> array:
+        """Every entry's token id, positions in order (what `with_texts` spells)."""
+        return self._ids
+
+    def with_texts(self, texts: Sequence[str | None]) -> PackedLogprobs:
+        """The entries' texts set (one per entry of `token_ids`); returns self."""
+        assert len(texts) == len(self._ids)
+        self._texts = list(texts)
+        return self
+
+    def extend(self, other: PackedLogprobs) -> None:
+        """`other`'s positions after these (a prompt scored chunk by chunk)."""
+        offset = len(self._ids)
+        self._starts.extend(s + offset if s >= 0 else s - offset for s in other._starts[1:])
+        self._ids.extend(other._ids)
+        self._values.extend(other._values)
+        self._ranks.extend(other._ranks)
+        self._texts.extend(other._texts)
 
     def __len__(self) -> int:
         return len(self._starts) - 1

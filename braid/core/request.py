@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from braid.core.stats import SpecStats
-from braid.outputs import PromptLogprobs, SampleLogprobs
+from braid.outputs import PackedLogprobs, SampleLogprobs
 from braid.sampling_params import SamplingParams
 
 
@@ -68,8 +68,8 @@ class Request:
     logprobs: SampleLogprobs = field(default_factory=list)
     cumulative_logprob: float = 0.0  # the sum of the sampled tokens' logprobs, with logprobs
     # With sampling_params.prompt_logprobs: one entry per prompt token scored so far (the
-    # first token has none), holding the prompt token and the top-n.
-    prompt_logprobs: PromptLogprobs = field(default_factory=lambda: [None])
+    # first token has none), holding the prompt token and the top-n, in flat arrays.
+    prompt_logprobs: PackedLogprobs = field(default_factory=lambda: PackedLogprobs([None]))
     spec_stats: SpecStats = field(default_factory=SpecStats)  # this request's speculation figures
     # With sampling_params.structured_outputs: its grammar, compiled off the engine loop; the
     # scheduler admits the request once it is done.
@@ -106,7 +106,7 @@ class Request:
         return self.sampling_params.prompt_logprobs is not None and self.prompt_scorer is None
 
     @property
-    def prompt_scores(self) -> PromptLogprobs:
+    def prompt_scores(self) -> PackedLogprobs:
         """Its prompt logprobs so far: its own, or its scorer's."""
         return (self.prompt_logprobs if self.prompt_scorer is None
                 else self.prompt_scorer.prompt_logprobs)

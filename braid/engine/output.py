@@ -14,7 +14,13 @@ from collections import deque
 from dataclasses import dataclass
 
 from braid.core.request import Request
-from braid.outputs import CompletionOutput, RequestMetrics, RequestOutput, SampleLogprobs
+from braid.outputs import (
+    CompletionOutput,
+    PackedLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
 from braid.sampling_params import RequestOutputKind
 from braid.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -168,9 +174,12 @@ class OutputProcessor:
                                       for entry, token in zip(logprobs, tokens, strict=True))
         req.logprobs += self._decoded(req, logprobs)
 
-    def add_prompt_logprobs(self, req: Request, logprobs: SampleLogprobs) -> None:
-        """Logprobs of the prompt tokens a step scored (the next ones in order)."""
-        req.prompt_logprobs += self._decoded(req, logprobs)
+    def add_prompt_logprobs(self, req: Request, logprobs: PackedLogprobs) -> None:
+        """Logprobs of the prompt tokens a step scored (the next ones in order), with their
+        texts where the request is detokenized."""
+        if self.tokenizer is not None and req.sampling_params.detokenize:
+            logprobs.with_texts([self.tokenizer.token_text(t) for t in logprobs.token_ids])
+        req.prompt_logprobs.extend(logprobs)
 
     def _decoded(self, req: Request, logprobs: SampleLogprobs) -> SampleLogprobs:
         """The entries with each token's text (special tokens included), where there is a
@@ -255,7 +264,8 @@ class OutputProcessor:
             prompt_token_ids=req.prompt_token_ids,
             outputs=[completion],
             finished=req.is_finished,
-            prompt_logprobs=list(req.prompt_scores) if scored else None,
+            # complete once scored, never changed after: every output shares it
+            prompt_logprobs=req.prompt_scores if scored else None,
             num_cached_tokens=req.num_cached_tokens or 0,
             metrics=RequestMetrics(
                 arrival_time=req.arrival_time,

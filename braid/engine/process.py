@@ -375,17 +375,12 @@ def _write_messages(conn: Connection, outbox: queue.SimpleQueue[tuple]) -> None:
 
 
 def _packed(outputs: list[Any]) -> list[Any]:
-    """`outputs` with their prompt logprobs packed; choices of one prompt share their
-    scorer's entries, and so share one packed copy (pickled once per message)."""
-    packed: dict[tuple[int, int], PackedLogprobs] = {}
+    """`outputs` with their prompt logprobs packed (the engine's already are: choices of
+    one prompt share their scorer's, pickled once per message)."""
     for out in outputs:
-        entries = None if out is None else out.prompt_logprobs
-        if not entries:
-            continue
-        key = (id(entries[-1]), len(entries))
-        if key not in packed:
-            packed[key] = PackedLogprobs(entries)
-        out.prompt_logprobs = packed[key]
+        if out is not None and out.prompt_logprobs is not None and not isinstance(
+                out.prompt_logprobs, PackedLogprobs):
+            out.prompt_logprobs = PackedLogprobs(out.prompt_logprobs)
     return outputs
 
 

@@ -20,7 +20,7 @@ from braid.config import EngineConfig
 from braid.core.block_manager import BlockManager
 from braid.core.scheduler import SchedulerOutput
 from braid.models.interface import CausalLM
-from braid.outputs import SampleLogprobs
+from braid.outputs import PackedLogprobs
 from braid.worker.runner import ModelRunner
 from braid.worker.step import StepSample, StepSampler, score_prompts
 
@@ -30,7 +30,7 @@ class StepResult:
     """What a step computed: prompt logprobs by request id, and each scheduled request's
     sample (by the identity of its ScheduledRequest)."""
 
-    prompt_logprobs: dict[str, SampleLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PackedLogprobs] = field(default_factory=dict)
     samples: dict[int, StepSample] = field(default_factory=dict)
     forward_end: float = 0.0  # time.perf_counter() when its (last) forward ended
 

@@ -13,7 +13,7 @@ import torch
 from braid.config import SpecConfig
 from braid.core.request import Request
 from braid.core.scheduler import ScheduledRequest, SchedulerOutput
-from braid.outputs import Logprob, SampleLogprobs
+from braid.outputs import Logprob, PackedLogprobs, SampleLogprobs
 from braid.structured.grammar import allowed_tokens, bitmask_width
 from braid.worker.constraints import RequestConstraints
 from braid.worker.runner import prompt_logprob_rows
@@ -185,6 +185,20 @@ def _entries(row_logprobs: torch.Tensor, tokens: torch.Tensor, n: int
     return out
 
 
+def _packed_entries(row_logprobs: torch.Tensor, tokens: torch.Tensor, n: int
+                    ) -> PackedLogprobs:
+    """`_entries` as flat arrays, made with tensor ops (a long prompt's positions at top-20
+    were ~30,000 Logprob objects made one by one inside the step)."""
+    lp = gather_logprobs(row_logprobs, tokens, n)
+    rows, width = lp.token_ids.shape
+    ranks = torch.arange(width).expand(rows, width).clone()
+    ranks[:, 0] = (row_logprobs > lp.logprobs[:, :1]).sum(dim=-1) + 1
+    keep = torch.ones(rows, width, dtype=torch.bool)
+    keep[:, 1:] = lp.token_ids[:, 1:] != lp.token_ids[:, :1]  # the token's own entry wins
+    return PackedLogprobs.from_rows(lp.token_ids[keep].tolist(), lp.logprobs[keep].tolist(),
+                                    ranks[keep].tolist(), keep.sum(dim=1).tolist())
+
+
 def _top_n(entry: dict[int, Logprob], n: int) -> dict[int, Logprob]:
     """An entry of `_entries` cut to its token and its top n."""
     return {t: lp for i, (t, lp) in enumerate(entry.items())
@@ -203,11 +217,11 @@ def max_scored_rows(vocab_size: int) -> int:
     return max(MIN_SCORED_ROWS, SCORED_LOGITS // vocab_size)
 
 
-def score_prompts(sched: SchedulerOutput, logits: torch.Tensor) -> dict[str, SampleLogprobs]:
+def score_prompts(sched: SchedulerOutput, logits: torch.Tensor) -> dict[str, PackedLogprobs]:
     """Prompt logprobs from `logits` [P, V]: the rows `prompt_logprob_rows` chose, in
     scheduling order (raw model logprobs, like sampled tokens' logprobs, and vocabulary
     ranks), by request id."""
-    scored: dict[str, SampleLogprobs] = {}
+    scored: dict[str, PackedLogprobs] = {}
     if not logits.shape[0]:
         return scored
     r = 0
@@ -220,6 +234,6 @@ def score_prompts(sched: SchedulerOutput, logits: torch.Tensor) -> dict[str, Sam
         targets = torch.tensor(req.prompt_token_ids[first + 1 : first + 1 + len(rows)])
         n = req.sampling_params.prompt_logprobs or 0
         row_logprobs = logits[r : r + len(rows)].float().log_softmax(dim=-1)  # [R, V]
-        scored[req.request_id] = _entries(row_logprobs, targets, n)
+        scored[req.request_id] = _packed_entries(row_logprobs, targets, n)
         r += len(rows)
     return scored

@@ -157,3 +157,14 @@ def test_packed_logprobs_read_as_the_entries_they_pack() -> None:
     with pytest.raises(IndexError):
         packed[len(entries)]
     assert PackedLogprobs([]) == [] and packed != entries[:-1]
+
+
+def test_packed_logprobs_grow_chunk_by_chunk() -> None:
+    """A prompt scored in chunks: each chunk's rows appended, as one list of entries would."""
+    first = [None, {5: Logprob(-0.5, 1, "a")}]
+    second = [{7: Logprob(-3.0, 2, None), 8: Logprob(-0.1, 1, "c")}, {9: Logprob(-1.0, 1)}]
+    grown = PackedLogprobs(first)
+    grown.extend(PackedLogprobs.from_rows([7, 8, 9], [-3.0, -0.1, -1.0], [2, 1, 1], [2, 1],
+                                          ["x", "c", None]).with_texts([None, "c", None]))
+    grown.extend(PackedLogprobs([None]))
+    assert list(grown) == first + second + [None] and grown[3] == second[1] and grown[4] is None
