@@ -72,21 +72,21 @@ class BadWordIndex:
         self._size = sum(len(t.lasts) for t in self._tables)
 
     def completing(self, output: Sequence[int]) -> list[tuple[int, int]]:
-        """Keys (prefix length, prefix index) of the prefixes `output` ends with; `lasts`
-        reads each one's tokens."""
+        """Keys (table, prefix index) of the prefixes `output` ends with; `lasts` reads
+        each one's tokens."""
         found = []
-        for table in self._tables:
+        for k, table in enumerate(self._tables):
             n = table.n
             if n > len(output):
                 break
             i = table.find(tuple(output[len(output) - n:]))
             if i is not None:
-                found.append((n, i))
+                found.append((k, i))
         return found
 
     def lasts(self, key: tuple[int, int]) -> array:
-        n, i = key
-        table = next(t for t in self._tables if t.n == n)
+        k, i = key
+        table = self._tables[k]
         return table.lasts[table.starts[i]:table.starts[i + 1]]
 
     def __len__(self) -> int:

@@ -157,10 +157,7 @@ class PackedLogprobs(Sequence[dict[int, Logprob] | None]):
         start, end = self._starts[i], self._starts[i + 1]
         if end < 0:
             return None
-        start = start if start >= 0 else -1 - start
-        return {self._ids[j]: Logprob(self._values[j], None if self._ranks[j] < 0
-                                      else self._ranks[j], self._texts[j])
-                for j in range(start, end)}
+        return self._entry(start if start >= 0 else -1 - start, end)
 
     def __iter__(self) -> Iterator[dict[int, Logprob] | None]:
         start = 0
@@ -169,10 +166,14 @@ class PackedLogprobs(Sequence[dict[int, Logprob] | None]):
                 start = -1 - end
                 yield None
                 continue
-            yield {self._ids[j]: Logprob(self._values[j], None if self._ranks[j] < 0
-                                         else self._ranks[j], self._texts[j])
-                   for j in range(start, end)}
+            yield self._entry(start, end)
             start = end
+
+    def _entry(self, start: int, end: int) -> dict[int, Logprob]:
+        """The position whose entries are [start, end) of the arrays."""
+        return {self._ids[j]: Logprob(self._values[j], None if self._ranks[j] < 0
+                                      else self._ranks[j], self._texts[j])
+                for j in range(start, end)}
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Sequence) and not isinstance(other, str):

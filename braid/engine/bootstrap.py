@@ -191,7 +191,8 @@ def check_memory(config: EngineConfig, target: tuple[int, int], draft: ModelRunn
         return
     weights, kv = target
     if draft is not None:
-        weights, kv = weights + draft.weight_and_kv_bytes[0], kv + draft.weight_and_kv_bytes[1]
+        draft_weights, draft_kv = draft.weight_and_kv_bytes
+        weights, kv = weights + draft_weights, kv + draft_kv
     flag = "--kv-cache-gib" if config.num_kv_blocks is None else "--num-kv-blocks"
     refuse_beyond_memory(kv + weights, f"{flag}: the weights and KV caches (the draft's "
                          "included) take {:.1f} GiB, which does not")

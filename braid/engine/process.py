@@ -37,7 +37,7 @@ from typing import Any
 from braid.config import EngineConfig
 from braid.core.stats import EngineStats
 from braid.engine.cores import CoreShare
-from braid.outputs import PackedLogprobs, RequestOutput
+from braid.outputs import RequestOutput
 from braid.sampling_params import RequestOutputKind, SamplingParams
 from braid.spec_decode.speculator import SpeculatorFigures
 
@@ -157,6 +157,7 @@ class EngineProcess:
                 raise value
             outputs += [self._as_asked(out) for out in value]
         return outputs
+
     def _as_asked(self, delta: RequestOutput) -> RequestOutput:
         """A cumulative request's output from the engine's delta: everything so far."""
         rid = delta.request_id
@@ -327,7 +328,7 @@ class _EngineSide:
                 result: Any = [_portable(e) if e is not None else None
                                for e in self.engine.add_requests(*args)]
             elif name == "abort":
-                result = _packed(self.engine.abort_requests(*args))
+                result = self.engine.abort_requests(*args)
             else:
                 raise ValueError(f"unknown engine call {name!r}")
         except Exception as e:
@@ -344,11 +345,10 @@ class _EngineSide:
             # on one of them: end them all here (the server fails them), keep serving.
             logger.exception("engine step failed; failing %d request(s)",
                              len(self.engine.requests))
-            for request_id in list(self.engine.requests):
-                self.engine.abort(request_id)
+            self.engine.abort_requests(list(self.engine.requests))
             self._send("step", False, _portable(e))
             return
-        self._send("step", True, _packed(outputs))
+        self._send("step", True, outputs)
 
     def _send(self, kind: str, ok: bool, value: Any) -> None:
         """Queue a message for the writer thread: the loop never waits for the server to
@@ -369,19 +369,19 @@ def _read_calls(calls: Connection, inbox: queue.SimpleQueue[tuple]) -> None:
 
 
 def _write_messages(conn: Connection, outbox: queue.SimpleQueue[tuple]) -> None:
-    """The engine process's writer: `outbox`'s messages to the server, in order."""
+    """The engine process's writer: `outbox`'s messages to the server, in order. A message
+    that does not pickle goes as its kind's failure (the server fails what it answers for),
+    not as a writer that stopped while the server waits."""
     while True:
-        _send(conn, outbox.get())
-
-
-def _packed(outputs: list[Any]) -> list[Any]:
-    """`outputs` with their prompt logprobs packed (the engine's already are: choices of
-    one prompt share their scorer's, pickled once per message)."""
-    for out in outputs:
-        if out is not None and out.prompt_logprobs is not None and not isinstance(
-                out.prompt_logprobs, PackedLogprobs):
-            out.prompt_logprobs = PackedLogprobs(out.prompt_logprobs)
-    return outputs
+        kind, ok, value, load = outbox.get()
+        try:
+            conn.send((kind, ok, value, load))
+        except (OSError, ValueError):  # the server is gone (the reader sees it)
+            pass
+        except Exception as e:
+            logger.exception("an engine message did not pickle")
+            _send(conn, (kind, False, RuntimeError(f"the engine's answer did not pickle: {e}"),
+                         load))
 
 
 def _portable(error: BaseException) -> BaseException:

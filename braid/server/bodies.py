@@ -112,4 +112,3 @@ def json_lists(head: dict[str, Any], items: list[Any],
 
 
 _SLICE = 16384  # list items per json.dumps call (json_lists)
-

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from braid import heap
 from braid.core.stats import EngineStats
-from braid.engine.process import EngineDied
+from braid.engine.process import IDLE_WAKEUP, EngineDied
 from braid.outputs import RequestOutput
 from braid.sampling_params import SamplingParams
 from braid.server.metrics import ServerMetrics
@@ -30,7 +30,6 @@ from braid.spec_decode.speculator import SpeculatorFigures
 
 logger = logging.getLogger("braid.server")
 
-IDLE_WAKEUP = 1.0  # seconds an idle engine thread waits for a command before looking again
 
 
 class EngineLike(Protocol):

@@ -168,3 +168,22 @@ def test_packed_logprobs_grow_chunk_by_chunk() -> None:
                                           ["x", "c", None]).with_texts([None, "c", None]))
     grown.extend(PackedLogprobs([None]))
     assert list(grown) == first + second + [None] and grown[3] == second[1] and grown[4] is None
+
+
+def test_a_message_that_does_not_pickle_goes_as_a_failure() -> None:
+    """The engine's writer thread never stops on a bad message (the server would wait for
+    it forever): the message goes as its kind's failure, and the next one after it."""
+    import multiprocessing
+    import queue
+    import threading
+
+    from braid.engine.process import _write_messages
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    outbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+    threading.Thread(target=_write_messages, args=(writer, outbox), daemon=True).start()
+    outbox.put(("answer", True, lambda: None, None))
+    outbox.put(("step", True, [], None))
+    kind, ok, value, _ = reader.recv()
+    assert (kind, ok) == ("answer", False) and "did not pickle" in str(value)
+    assert reader.recv() == ("step", True, [], None)
