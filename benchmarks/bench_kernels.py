@@ -46,7 +46,7 @@ def tensors_of(qtype: Q) -> list[QuantWeight]:
 def layouts(ops, w: QuantWeight) -> dict[str, tuple[str, torch.Tensor, int]]:
     """Kernel set -> (isa, weight data, layout) for the sets this CPU runs."""
     out = {}
-    if ops.has_vnni() and w.rows % ops.PANEL_ROWS == 0:
+    if ops.Isa().vnni and w.rows % ops.PANEL_ROWS == 0:
         out["panels"] = ("avx512-vnni", ops.repack_panels(w.data, int(w.qtype), w.cols),
                          ops.PANEL + int(w.qtype))
     rows = ops.repack_q4_k(w.data, w.cols) if w.qtype == Q.Q4_K else w.data
@@ -54,13 +54,13 @@ def layouts(ops, w: QuantWeight) -> dict[str, tuple[str, torch.Tensor, int]]:
     return out
 
 
-def best_seconds(ops, xq: torch.Tensor, weights: list[tuple[torch.Tensor, int, int]],
+def best_seconds(ops, xq: torch.Tensor, weights: list[tuple[torch.Tensor, int, int]], isa,
                  repeats: int = 3) -> float:
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         for data, layout, cols in weights:
-            ops.qgemm(xq, data, layout, cols)
+            ops.qgemm(xq, data, layout, cols, isa)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -72,21 +72,19 @@ def measure(ops, qtype: Q, rows: list[int]) -> list[dict]:
     results = []
     sets = [layouts(ops, w) for w in found]
     for name in sets[0]:
-        isa = sets[0][name][0]
-        ops.set_vnni(isa == "avx512-vnni")
+        isa = ops.Isa(sets[0][name][0])
         streamed = [(s[name][1], s[name][2], w.cols) for s, w in zip(sets, found, strict=True)
                     if name in s]
         same_k = [s for s in streamed if s[2] == found[0].cols]  # one activation width
         small = min(same_k, key=lambda s: s[0].numel())  # the cached one
         stream_gb = sum(d.numel() for d, _, _ in same_k) / 1e9
         for m in rows:
-            xq = ops.quantize_activations(torch.randn(m, found[0].cols), int(qtype))
-            cached = best_seconds(ops, xq, [small] * 8) / 8
-            stream = best_seconds(ops, xq, same_k)
+            xq = ops.quantize_activations(torch.randn(m, found[0].cols), int(qtype), isa)
+            cached = best_seconds(ops, xq, [small] * 8, isa) / 8
+            stream = best_seconds(ops, xq, same_k, isa)
             results.append({"format": qtype.name, "kernels": name, "rows": m,
                             "cached_ms": cached * 1e3, "stream_gb_s": stream_gb / stream,
                             "cached_tensor": list(small[0].shape), "streamed_gb": stream_gb})
-    ops.set_vnni(ops.has_vnni())
     return results
 
 

@@ -109,8 +109,13 @@ class EngineStats:
         q = self.prefix_cache_queries
         return self.prefix_cache_hits / q if q else 0.0
 
-    def add_generated(self, n: int) -> None:
-        self.generation_tokens += n
+    def add_update(self, num_new_tokens: int, num_drafts: int = 0, num_accepted: int = 0,
+                   num_grammar_rejected: int = 0) -> None:
+        """A request's tokens from one step, and its verification window's figures."""
+        self.generation_tokens += num_new_tokens
+        if num_drafts:
+            self.spec_stats.record(num_drafts, num_accepted)
+        self.grammar.num_rejected_drafts += num_grammar_rejected
 
     def _counters(self) -> tuple[int, ...]:
         spec = self.spec_stats

@@ -4,7 +4,6 @@ turns tokens into outputs."""
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -25,6 +24,7 @@ from braid.engine.grammars import GrammarGate
 from braid.engine.input import InputProcessor, RequestError
 from braid.engine.isolation import run_step
 from braid.engine.output import OutputProcessor, PromptScorers
+from braid.engine.step_input import StepInputs
 from braid.models.interface import CausalLM
 from braid.outputs import RequestOutput
 from braid.sampling_params import RequestOutputKind, SamplingParams
@@ -35,11 +35,10 @@ from braid.structured.manager import StructuredOutputManager
 from braid.tokenizer import Tokenizer
 from braid.worker.executor import InProcessExecutor
 from braid.worker.memory import kv_cache_blocks
-from braid.worker.step import StepSample, max_scored_rows
+from braid.worker.step import max_scored_rows
+from braid.worker.step_io import StepResult
 
 __all__ = ["LLMEngine", "RequestError"]
-
-logger = logging.getLogger("braid")
 
 
 class LLMEngine:
@@ -53,10 +52,9 @@ class LLMEngine:
         set_threads(config.threads)
         # what requests leave unset: generation_config.json's and --override-generation-config
         self.default_sampling: dict[str, Any]
-        if model is None:
-            model, tokenizer, self.default_sampling = load_target(config, draft_model is None)
-        else:
-            self.default_sampling = sampling_defaults(config, None)
+        model, tokenizer, self.default_sampling = (
+            load_target(config, draft_model is None) if model is None
+            else (model, tokenizer, sampling_defaults(config, None)))
         # --override-generation-config's max_new_tokens caps the server's requests (vLLM's)
         self.max_tokens_cap: int | None = (config.override_generation_config or {}).get(
             "max_new_tokens")
@@ -75,8 +73,9 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(tokenizer, eos_token_ids(model, tokenizer),
                                        config.max_model_len or 0)
-        self.executor = InProcessExecutor(config, model, self.blocks, kv_dtype,
+        self.executor = InProcessExecutor(config, model, num_blocks, kv_dtype,
                                           self.outputs.eos_token_ids)
+        self.step_inputs = StepInputs(self.blocks, model.config.vocab_size)
         self.runner = self.executor.runner  # the speculator's warm-up and draft share it
         self.speculator = make_speculator(config, self.runner, self.scheduler, draft_model,
                                           self.outputs.eos_token_ids)
@@ -111,11 +110,9 @@ class LLMEngine:
             raise RequestError(f"request_id {request_id!r} is already in use")
         req = self.inputs.process(request_id, prompt, sampling_params or SamplingParams(),
                                   priority, group)
-        params = req.sampling_params
-        if params.structured_outputs is not None:
+        if req.sampling_params.structured_outputs is not None:
             self.grammars.submit(req)
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
+        req.arrival_time = req.arrival_time if arrival_time is None else arrival_time
         self.scorers.add(req)
         self.outputs.add(req)
         self.scheduler.add(req)
@@ -124,15 +121,14 @@ class LLMEngine:
     def add_requests(self, requests: Sequence[tuple]) -> list[Exception | None]:
         """Add each (`add_request`'s arguments, in order): per request None, or the error that
         refused it (the others are added all the same)."""
-        errors: list[Exception | None] = []
-        for args in requests:
-            try:
-                self.add_request(*args)
-            except Exception as e:
-                errors.append(e)
-            else:
-                errors.append(None)
-        return errors
+        return [self._refusal(args) for args in requests]
+
+    def _refusal(self, args: tuple) -> Exception | None:
+        try:
+            self.add_request(*args)
+        except Exception as e:
+            return e
+        return None
 
     def abort_requests(self, request_ids: Sequence[str]) -> list[RequestOutput | None]:
         return [self.abort(request_id) for request_id in request_ids]
@@ -156,6 +152,7 @@ class LLMEngine:
         self.outputs.finish(req)
         self.speculator.forget(req.request_id)
         self.scorers.finish(req)
+        self.step_inputs.forget(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -191,12 +188,12 @@ class LLMEngine:
             return failed
         context = sum(s.request.num_computed_tokens for s in sched.scheduled)
         attention, rows = step_work(sched)  # measured before the step moves them on
-        result, failing = run_step(self.executor.execute, self.scheduler, sched,
+        result, failing = run_step(self._execute, self.scheduler, sched,
                                    self._forget_preempted)
         culprits = [self._finished(req) for req in failing]
         for rid, lp in result.prompt_logprobs.items():
             self.outputs.add_prompt_logprobs(self.requests[rid], lp)
-        outputs = self._update(sched, result.in_order(sched))
+        outputs = self._update(sched, result)
         target_time = time.perf_counter() - start
         if not culprits:
             self.speculator.observe_step(sched.num_batched_tokens, attention, rows, target_time)
@@ -207,6 +204,9 @@ class LLMEngine:
                                            self.num_waiting))
         self.stats.maybe_log(self.config.log_stats_interval)
         return failed + culprits + outputs
+
+    def _execute(self, sched: SchedulerOutput) -> StepResult:
+        return self.executor.execute(self.step_inputs.build(sched))
 
     def _finished(self, req: Request) -> RequestOutput:
         """The output of a request the scheduler just finished outside a step's updates."""
@@ -219,26 +219,19 @@ class LLMEngine:
             self.speculator.forget(rid)
 
     def _propose(self, sched: SchedulerOutput) -> None:
-        """Drafts for the next step. A proposer that raises costs this step's drafts only:
-        the draft model's progress is forgotten (it catches up later), and a request at
-        fault fails alone in the next target step, which meets the same fault."""
+        """Drafts for the next step (Speculation.next_drafts)."""
         self._forget_preempted(sched)
-        try:
-            drafts, probs = self.speculator.propose(self.scheduler)
-        except Exception:
-            logger.exception("proposing drafts failed; this step goes without")
-            for req in self.scheduler.running:
-                self.speculator.forget(req.request_id)
-            return
+        drafts, probs = self.speculator.next_drafts(self.scheduler)
         cuts = self.scheduler.update_draft_token_ids(drafts)
         self.executor.set_draft_probs(probs, drafts, cuts)
 
-    def _update(self, sched: SchedulerOutput, sampled: list[StepSample]) -> list[RequestOutput]:
+    def _update(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         """Hand the step's tokens to the scheduler, then the figures and outputs of every
         request that emitted some."""
+        samples = result.samples
         updates = self.scheduler.update_from_output(
-            sched, [r.token_ids for r in sampled], self.outputs.check_stop)
-        logprobs = {id(r.scheduled.request): r.logprobs for r in sampled}
+            sched, [samples[s.request.request_id].token_ids if s.needs_logits else []
+                    for s in sched.scheduled], self.outputs.check_stop)
         outputs = []
         for u in updates:
             req = u.request
@@ -246,18 +239,17 @@ class LLMEngine:
             if req.first_token_time is None:
                 req.first_token_time = req.last_token_time
                 self.stats.prompt_tokens += req.num_prompt_tokens
-            if (lp := logprobs[id(req)]) is not None:
+            if (lp := samples[req.request_id].logprobs) is not None:
                 self.outputs.add_logprobs(req, lp[: u.num_new_tokens])
             if u.num_drafts:
                 req.spec_stats.record(u.num_drafts, u.num_accepted)
-                self.stats.spec_stats.record(u.num_drafts, u.num_accepted)
             if u.num_drafts or u.num_grammar_rejected:
                 # the policy learns from what it proposed: drafts a grammar cut count as
                 # rejected
                 self.speculator.on_verified(req, u.num_drafts + u.num_grammar_rejected,
                                             u.num_accepted)
-                self.stats.grammar.num_rejected_drafts += u.num_grammar_rejected
-            self.stats.add_generated(u.num_new_tokens)
+            self.stats.add_update(u.num_new_tokens, u.num_drafts, u.num_accepted,
+                                  u.num_grammar_rejected)
             if u.finish_reason is not None:
                 self._release(req)
             elif req.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY:

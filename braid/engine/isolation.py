@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from braid.core.request import Request
 from braid.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from braid.worker.executor import StepResult
+from braid.worker.step_io import StepResult
 
 logger = logging.getLogger("braid")
 

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -26,8 +27,9 @@ logger = logging.getLogger("braid")
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("quant.cpp", "panels.cpp", "attention.cpp", "norm.cpp", "layer.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("formats.h", "ops.h", "vexp.h")]
-ISAS = ("avx512-vnni", "avx2", "scalar")
+HEADERS = [Path(__file__).with_name(name)
+           for name in ("formats.h", "ops.h", "vexp.h", "isa.h")]
+ISAS = ("avx512-vnni", "avx512", "avx2", "scalar")
 
 
 def _build_dir(digest: str) -> Path:
@@ -79,7 +81,6 @@ def quant_ops() -> ModuleType | None:
             logger.warning("quantized CPU kernels unavailable (%s: %s); GGUF weights are "
                            "dequantized to float instead", type(e).__name__, str(e)[:300])
             return None
-    _choose_isa(module)
     return module
 
 
@@ -143,18 +144,20 @@ def _copied_sources(build: Path) -> list[str]:
     return [str(folder / p.name) for p in SOURCES]
 
 
-def _choose_isa(module: ModuleType) -> None:
-    """The routines this CPU's flags allow, or those BRAID_KERNEL_ISA names: avx512-vnni
-    (weights in panels of 16 interleaved rows), avx2 (row by row), scalar (portable)."""
+@functools.cache
+def kernel_isa() -> Any:
+    """The instruction sets every op is given (an `ops.Isa`), chosen once: all this CPU has,
+    or those BRAID_KERNEL_ISA names: avx512-vnni (weights in panels of 16 interleaved rows),
+    avx512 (rows on AVX2, AVX512 activations and attention), avx2 (row by row), scalar
+    (portable). None without the kernels."""
     wanted = os.environ.get("BRAID_KERNEL_ISA", "auto")
     if wanted not in ("auto", *ISAS):
         raise ValueError(f"BRAID_KERNEL_ISA={wanted!r}: expected auto or one of {ISAS}")
-    if wanted != "auto":
-        module.set_vnni(wanted == "avx512-vnni")
-        module.set_avx2(wanted in ("avx512-vnni", "avx2"))
-        # the AVX512 activation quantizer and attention too: avx2 is what an AVX2-only CPU runs
-        module.set_avx512(wanted == "avx512-vnni")
-    isa = module.panel_isa() if module.panel_isa() != "scalar" else module.isa()
-    if wanted not in ("auto", isa):
-        logger.warning("BRAID_KERNEL_ISA=%s: this CPU lacks it, using %s", wanted, isa)
-    logger.info("quantized CPU kernels: %s, int8-quantized activations", isa)
+    ops = quant_ops()
+    if ops is None:
+        return None
+    isa = ops.Isa(wanted)
+    if wanted not in ("auto", isa.name):
+        logger.warning("BRAID_KERNEL_ISA=%s: this CPU lacks it, using %s", wanted, isa.name)
+    logger.info("quantized CPU kernels: %s, int8-quantized activations", isa.name)
+    return isa

@@ -302,14 +302,13 @@ GroupFn<KV> group_fn(int64_t d) {
 template <typename KV>
 void attend_rows(const float* qp, const KV* kp, const KV* vp, const int64_t* table,
                  const int64_t* seq, const int64_t* len, int64_t t, int64_t h, int64_t d,
-                 int64_t kvh, int64_t kv_max, float scale, float* op) {
-  using braid_kernels::use_avx2;
-  using braid_kernels::use_avx512;
+                 int64_t kvh, int64_t kv_max, float scale, const braid_kernels::Isa& isa,
+                 float* op) {
   const int64_t group = h / kvh;
   int64_t keys = 0;
   for (int64_t i = 0; i < t; ++i) keys += len[i];
 #ifdef BRAID_X86
-  if (const GroupFn<KV> fn = use_avx512() ? group_fn<KV>(d) : nullptr) {
+  if (const GroupFn<KV> fn = isa.avx512 ? group_fn<KV>(d) : nullptr) {
     // At least ~64K multiply-adds per thread: decode steps of a small model stay on one thread.
     const int64_t grain =
         std::max<int64_t>(1, (1 << 16) * t / std::max<int64_t>(1, keys * d * group));
@@ -325,7 +324,7 @@ void attend_rows(const float* qp, const KV* kp, const KV* vp, const int64_t* tab
     });
     return;
   }
-  const bool avx2 = use_avx2();  // one row and one head a task
+  const bool avx2 = isa.avx2;  // one row and one head a task
   const auto dot = avx2 ? dot_avx2<KV> : dot_scalar<KV>;
   const auto axpy = avx2 ? axpy_avx2<KV> : axpy_scalar<KV>;
   const auto softmax_exp = avx2 ? softmax_exp_avx2 : softmax_exp_scalar;
@@ -379,7 +378,7 @@ namespace braid_kernels {
 torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tensor& k_cache,
                                    const torch::Tensor& v_cache, const torch::Tensor& kv_slots_in,
                                    const torch::Tensor& row_seq_in, const torch::Tensor& row_len_in,
-                                   double scale) {
+                                   double scale, const Isa& isa) {
   const auto q = q_in.contiguous();
   const auto kv_slots = kv_slots_in.to(torch::kInt64).contiguous();
   const auto row_seq = row_seq_in.to(torch::kInt64).contiguous();
@@ -408,16 +407,16 @@ torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tenso
     using KV = decltype(tag);
     attend_rows<KV>(qp, static_cast<const KV*>(k_cache.data_ptr()),
                     static_cast<const KV*>(v_cache.data_ptr()), table, seq, len, t, h, d, kvh,
-                    kv_max, (float)scale, op);
+                    kv_max, (float)scale, isa, op);
   });
   return out;
 }
 
 // The routines paged_attention_rows runs for head size d: "avx512", "avx2" or "scalar".
-std::string attention_isa(int64_t d) {
+std::string attention_isa(int64_t d, const Isa& isa) {
 #ifdef BRAID_X86
-  if (use_avx512() && group_fn<float>(d) != nullptr) return "avx512";
-  if (use_avx2()) return "avx2";
+  if (isa.avx512 && group_fn<float>(d) != nullptr) return "avx512";
+  if (isa.avx2) return "avx2";
 #endif
   return "scalar";
 }

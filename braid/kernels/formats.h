@@ -9,9 +9,10 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__x86_64__) || defined(_M_X64)
+#include "isa.h"
+
+#ifdef BRAID_X86
 #include <immintrin.h>
-#define BRAID_X86 1
 #endif
 
 namespace braid_kernels {
@@ -88,34 +89,36 @@ inline bool is_k_quant(int64_t type) {
 
 inline int64_t block_elems(int64_t type) { return is_k_quant(type) ? QK_K : QK; }
 
-// Bytes of a block of `type` (a panel layout: one row's share of a panel block); 0 for a type
-// without kernels. Kernels size their blocks with it at compile time.
+// Each layout's bytes per block (llama.cpp's type_traits: type_size). A panel layout holds
+// sixteen rows' blocks: per row, the bytes of the GGUF block (Q4_K / Q5_K: of the unpacked
+// one, whose scales are bytes), or more where its scales are unpacked to bytes too.
+struct LayoutSize {
+  int64_t type, bytes;
+};
+constexpr LayoutSize LAYOUT_SIZES[] = {
+    {Q4_0, sizeof(BlockQ4_0)},     {Q4_1, sizeof(BlockQ4_1)},
+    {Q5_0, sizeof(BlockQ5_0)},     {Q5_1, sizeof(BlockQ5_1)},
+    {Q8_0, sizeof(BlockQ8_0)},     {IQ4_NL, sizeof(BlockIQ4_NL)},
+    {Q2_K, sizeof(BlockQ2_K)},     {Q3_K, sizeof(BlockQ3_K)},
+    {Q4_K, sizeof(BlockQ4_K)},     {Q5_K, sizeof(BlockQ5_K)},
+    {Q6_K, sizeof(BlockQ6_K)},     {IQ4_XS, sizeof(BlockIQ4_XS)},
+    {Q4_K_UNPACKED, sizeof(BlockQ4_KU)},
+    {PANEL + Q4_0, sizeof(BlockQ4_0)},   {PANEL + Q4_1, sizeof(BlockQ4_1)},
+    {PANEL + Q5_0, sizeof(BlockQ5_0)},   {PANEL + Q5_1, sizeof(BlockQ5_1)},
+    {PANEL + Q8_0, sizeof(BlockQ8_0)},   {PANEL + IQ4_NL, sizeof(BlockIQ4_NL)},
+    {PANEL + Q6_K, sizeof(BlockQ6_K)},
+    {PANEL + Q3_K, sizeof(BlockQ3_K) + 4},     // sixteen scales as bytes, not twelve
+    {PANEL + Q2_K, sizeof(BlockQ2_K) + 16},    // scales and mins in bytes of their own
+    {PANEL + IQ4_XS, sizeof(BlockIQ4_XS) + 2}, // eight scales as bytes, not six
+    {PANEL + Q4_K, sizeof(BlockQ4_KU)},
+    {PANEL + Q5_K, sizeof(BlockQ4_KU) + QK_K / 8},  // and the high bits
+};
+
+// Bytes of a block of `type`; 0 for a layout without kernels. Kernels size their blocks with
+// it at compile time.
 constexpr int64_t block_size(int64_t type) {
-  switch (type) {
-    case Q4_0: return sizeof(BlockQ4_0);
-    case Q4_1: return sizeof(BlockQ4_1);
-    case Q5_0: return sizeof(BlockQ5_0);
-    case Q5_1: return sizeof(BlockQ5_1);
-    case Q8_0: return sizeof(BlockQ8_0);
-    case IQ4_NL: return sizeof(BlockIQ4_NL);
-    case Q2_K: return sizeof(BlockQ2_K);
-    case IQ4_XS: return sizeof(BlockIQ4_XS);
-    case Q3_K: return sizeof(BlockQ3_K);
-    case Q4_K: return sizeof(BlockQ4_K);
-    case Q5_K: return sizeof(BlockQ5_K);
-    case Q6_K: return sizeof(BlockQ6_K);
-    case Q4_K_UNPACKED: return sizeof(BlockQ4_KU);
-    // A panel holds sixteen rows' blocks: per row, the bytes of the GGUF block (Q4_K / Q5_K:
-    // of the unpacked one, whose scales are bytes).
-    case PANEL + Q4_0: case PANEL + Q5_0: case PANEL + Q8_0: case PANEL + Q6_K:
-    case PANEL + Q4_1: case PANEL + Q5_1: case PANEL + IQ4_NL:
-      return block_size(type - PANEL);
-    case PANEL + Q3_K: return sizeof(BlockQ3_K) + 4;  // sixteen scales as bytes, not twelve
-    case PANEL + Q2_K: return sizeof(BlockQ2_K) + 16;  // scales and mins in bytes of their own
-    case PANEL + IQ4_XS: return sizeof(BlockIQ4_XS) + 2;  // eight scales as bytes, not six
-    case PANEL + Q4_K: return sizeof(BlockQ4_KU);
-    case PANEL + Q5_K: return sizeof(BlockQ4_KU) + QK_K / 8;  // and the high bits
-  }
+  for (const LayoutSize& layout : LAYOUT_SIZES)
+    if (layout.type == type) return layout.bytes;
   return 0;
 }
 
@@ -286,7 +289,7 @@ inline const A* act(const uint8_t* x, int64_t stride, int r, int64_t i) {
 // Panel products and lookups (panels.cpp): x [m rows of xbytes] quantized activations times the
 // n rows of panel weight `w` -> out[r * ld + c]; row `row` of a panel weight as float32.
 void panel_gemm(const uint8_t* x, int64_t m, int64_t xbytes, const uint8_t* w, int64_t n,
-                int64_t type, int64_t k, float* out, int64_t ld);
+                int64_t type, int64_t k, float* out, int64_t ld, const Isa& isa);
 void panel_dequantize_row(const uint8_t* w, int64_t row, int64_t type, int64_t k, float* y);
 
 }  // namespace braid_kernels

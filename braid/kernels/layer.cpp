@@ -27,13 +27,13 @@ struct Linear {
   int64_t out_features = 0;
   std::optional<torch::Tensor> bias;
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  torch::Tensor operator()(const torch::Tensor& x, const Isa& isa) const {
     auto out = torch::empty({x.size(0), out_features}, torch::kFloat32);
     torch::Tensor acts[2];
     for (const auto& [offset, data, layout, cols, qtype] : segments) {
       auto& act = acts[is_k_quant(qtype) ? 1 : 0];
-      if (!act.defined()) act = quantize_activations(x, qtype);
-      qgemm_into(act, data, layout, cols, out, offset);
+      if (!act.defined()) act = quantize_activations(x, qtype, isa);
+      qgemm_into(act, data, layout, cols, out, offset, isa);
     }
     if (bias) out.add_(*bias);
     return out;
@@ -51,12 +51,13 @@ class FusedLayer {
   FusedLayer(torch::Tensor input_norm, torch::Tensor post_norm, double eps, int64_t heads,
              std::vector<Segment> qkv, std::optional<torch::Tensor> qkv_bias, int64_t qkv_out,
              std::vector<Segment> o, std::vector<Segment> gate_up, int64_t gate_up_out,
-             std::vector<Segment> down, int64_t hidden)
+             std::vector<Segment> down, int64_t hidden, Isa isa)
       : input_norm_(std::move(input_norm)), post_norm_(std::move(post_norm)), eps_(eps),
         heads_(heads), qkv_(linear_of(std::move(qkv), qkv_out, std::move(qkv_bias))),
         o_(linear_of(std::move(o), hidden, std::nullopt)),
         gate_up_(linear_of(std::move(gate_up), gate_up_out, std::nullopt)),
-        down_(linear_of(std::move(down), hidden, std::nullopt)) {}
+        down_(linear_of(std::move(down), hidden, std::nullopt)),
+        isa_(isa) {}
 
   // x [T, hidden] float32 (the residual stream, updated in place by the attention's add);
   // cos, sin [T, 1, D/2]; the caches and the attention metadata as paged_attention_rows
@@ -67,12 +68,13 @@ class FusedLayer {
                         const torch::Tensor& row_seq, const torch::Tensor& row_len) const {
     TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
                 "x must be a contiguous float32 [T, hidden] tensor");
-    const auto q = rope_qkv_to_cache(qkv_(rms_norm(x, input_norm_, eps_)), cos, sin, k_cache,
-                                     v_cache, slot_mapping, heads_);
+    const auto q = rope_qkv_to_cache(qkv_(rms_norm(x, input_norm_, eps_), isa_), cos, sin,
+                                     k_cache, v_cache, slot_mapping, heads_);
     const double scale = std::pow(static_cast<double>(q.size(-1)), -0.5);
-    const auto attn = paged_attention_rows(q, k_cache, v_cache, kv_slots, row_seq, row_len, scale);
-    const auto h = add_rms_norm_(x, o_(attn.flatten(1)), post_norm_, eps_);
-    return down_(silu_mul(gate_up_(h))).add_(x);
+    const auto attn =
+        paged_attention_rows(q, k_cache, v_cache, kv_slots, row_seq, row_len, scale, isa_);
+    const auto h = add_rms_norm_(x, o_(attn.flatten(1), isa_), post_norm_, eps_);
+    return down_(silu_mul(gate_up_(h, isa_), isa_), isa_).add_(x);
   }
 
  private:
@@ -80,6 +82,7 @@ class FusedLayer {
   double eps_;
   int64_t heads_;
   Linear qkv_, o_, gate_up_, down_;
+  Isa isa_;  // the instruction sets its ops use
 };
 
 }  // namespace
@@ -88,7 +91,7 @@ void register_layer(pybind11::module& m) {
   pybind11::class_<FusedLayer>(m, "FusedLayer")
       .def(pybind11::init<torch::Tensor, torch::Tensor, double, int64_t, std::vector<Segment>,
                           std::optional<torch::Tensor>, int64_t, std::vector<Segment>,
-                          std::vector<Segment>, int64_t, std::vector<Segment>, int64_t>())
+                          std::vector<Segment>, int64_t, std::vector<Segment>, int64_t, Isa>())
       .def("forward", &FusedLayer::forward);
 }
 

@@ -86,7 +86,7 @@ __attribute__((target("avx512f,fma"))) void silu_mul_avx512(const float* g, cons
 }  // namespace
 
 // gate_up [T, 2I] float32 (gate in the first I columns, up in the rest) -> [T, I].
-torch::Tensor silu_mul(const torch::Tensor& gate_up_in) {
+torch::Tensor silu_mul(const torch::Tensor& gate_up_in, const Isa& isa) {
   TORCH_CHECK(gate_up_in.dtype() == torch::kFloat32 && gate_up_in.dim() == 2 &&
                   gate_up_in.size(1) % 2 == 0,
               "silu_mul wants a float32 [T, 2I] tensor");
@@ -95,8 +95,8 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up_in) {
   auto out = torch::empty({t, i}, torch::kFloat32);
   auto fn = silu_mul_scalar;
 #ifdef BRAID_X86
-  if (use_avx512()) fn = silu_mul_avx512;
-  else if (use_avx2()) fn = silu_mul_avx2;
+  if (isa.avx512) fn = silu_mul_avx512;
+  else if (isa.avx2) fn = silu_mul_avx2;
 #endif
   const float* gp = gu.data_ptr<float>();
   float* op = out.data_ptr<float>();

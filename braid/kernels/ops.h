@@ -3,15 +3,14 @@
 
 #include <torch/extension.h>
 
+#include "isa.h"
+
 namespace braid_kernels {
 
 // quant.cpp: int8-quantized activations for weights of GGML `type`, and products with them.
-torch::Tensor quantize_activations(const torch::Tensor& x_in, int64_t type);
+torch::Tensor quantize_activations(const torch::Tensor& x_in, int64_t type, const Isa& isa);
 void qgemm_into(const torch::Tensor& xq, const torch::Tensor& w, int64_t type, int64_t k,
-                torch::Tensor& out, int64_t col0);
-// The vector routines set_avx2 allows (the CPU's flags, unless a test turned them off).
-bool use_avx2();
-bool use_avx512();
+                torch::Tensor& out, int64_t col0, const Isa& isa);
 
 // KV caches hold float32, float16 or bfloat16 (--kv-cache-dtype).
 inline bool is_kv_type(c10::ScalarType type) {
@@ -34,12 +33,12 @@ torch::Tensor rope_qkv_to_cache(const torch::Tensor& qkv_in, const torch::Tensor
                                 const torch::Tensor& sin_in, torch::Tensor& k_cache,
                                 torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
                                 int64_t heads);
-torch::Tensor silu_mul(const torch::Tensor& gate_up_in);
+torch::Tensor silu_mul(const torch::Tensor& gate_up_in, const Isa& isa);
 
 // attention.cpp
 torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tensor& k_cache,
                                    const torch::Tensor& v_cache, const torch::Tensor& kv_slots_in,
                                    const torch::Tensor& row_seq_in, const torch::Tensor& row_len_in,
-                                   double scale);
+                                   double scale, const Isa& isa);
 
 }  // namespace braid_kernels

@@ -33,6 +33,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <utility>
 
 #include "formats.h"
@@ -633,42 +634,39 @@ VNNI void panel_vnni(const uint8_t* w, const uint8_t* x, int64_t xs, int64_t nb,
   else panel_32<VT, R>(w, x, xs, nb, out, ld);
 }
 
-bool cpu_has_vnni() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni") &&
-         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
-#else
-bool cpu_has_vnni() { return false; }
 #endif
 
-bool g_use_vnni = cpu_has_vnni();
+// Each panel layout's kernels, by the GGML type of its values (llama.cpp's type_traits_cpu):
+// per number of activation rows, the scalar routine and the AVX512-VNNI one.
+struct PanelKernels {
+  std::array<PanelFn, MAX_R> scalar;
+  std::array<PanelFn, MAX_R> vnni;
+};
 
 template <int64_t VT, int... R>
-std::array<PanelFn, MAX_R> table_of(bool vnni, std::integer_sequence<int, R...>) {
+std::pair<const int64_t, PanelKernels> panel_kernels_of(std::integer_sequence<int, R...>) {
 #ifdef BRAID_X86
-  if (vnni) return {panel_vnni<VT, R + 1>...};
+  return {VT, {{panel_scalar<VT, R + 1>...}, {panel_vnni<VT, R + 1>...}}};
+#else
+  return {VT, {{panel_scalar<VT, R + 1>...}, {panel_scalar<VT, R + 1>...}}};
 #endif
-  return {panel_scalar<VT, R + 1>...};
 }
 
-std::array<PanelFn, MAX_R> panel_fns(int64_t vt) {
-  const auto rs = std::make_integer_sequence<int, MAX_R>();
-  switch (vt) {
-    case Q4_0: return table_of<Q4_0>(g_use_vnni, rs);
-    case Q5_0: return table_of<Q5_0>(g_use_vnni, rs);
-    case Q4_1: return table_of<Q4_1>(g_use_vnni, rs);
-    case Q5_1: return table_of<Q5_1>(g_use_vnni, rs);
-    case IQ4_NL: return table_of<IQ4_NL>(g_use_vnni, rs);
-    case Q8_0: return table_of<Q8_0>(g_use_vnni, rs);
-    case Q4_K: return table_of<Q4_K>(g_use_vnni, rs);
-    case Q5_K: return table_of<Q5_K>(g_use_vnni, rs);
-    case Q6_K: return table_of<Q6_K>(g_use_vnni, rs);
-    case Q3_K: return table_of<Q3_K>(g_use_vnni, rs);
-    case Q2_K: return table_of<Q2_K>(g_use_vnni, rs);
-    case IQ4_XS: return table_of<IQ4_XS>(g_use_vnni, rs);
-  }
-  TORCH_CHECK(false, "no panel layout for GGML type ", vt);
+template <int64_t VT>
+std::pair<const int64_t, PanelKernels> panel_kernels() {
+  return panel_kernels_of<VT>(std::make_integer_sequence<int, MAX_R>());
+}
+
+const std::array<PanelFn, MAX_R>& panel_fns(int64_t vt, const Isa& isa) {
+  static const std::map<int64_t, PanelKernels> table = {
+      panel_kernels<Q4_0>(), panel_kernels<Q5_0>(), panel_kernels<Q4_1>(),
+      panel_kernels<Q5_1>(), panel_kernels<IQ4_NL>(), panel_kernels<Q8_0>(),
+      panel_kernels<Q4_K>(), panel_kernels<Q5_K>(), panel_kernels<Q6_K>(),
+      panel_kernels<Q3_K>(), panel_kernels<Q2_K>(), panel_kernels<IQ4_XS>(),
+  };
+  const auto found = table.find(vt);
+  TORCH_CHECK(found != table.end(), "no panel layout for GGML type ", vt);
+  return isa.vnni ? found->second.vnni : found->second.scalar;
 }
 
 // Rows [N, K / block * bytes] of GGML type `type` -> the same values as panels (same shape).
@@ -696,24 +694,13 @@ torch::Tensor repack_panels(const torch::Tensor& w, int64_t type, int64_t k) {
   return out;
 }
 
-std::string panel_isa() { return g_use_vnni ? "avx512-vnni" : "scalar"; }
-
-bool has_vnni() { return cpu_has_vnni(); }
-
-// Tests run both paths on machines that have AVX512-VNNI; returns the previous setting.
-bool set_vnni(bool on) {
-  const bool before = g_use_vnni;
-  g_use_vnni = on && cpu_has_vnni();
-  return before;
-}
-
 }  // namespace
 
 void panel_gemm(const uint8_t* x, int64_t m, int64_t xbytes, const uint8_t* w, int64_t n,
-                int64_t type, int64_t k, float* out, int64_t ld) {
+                int64_t type, int64_t k, float* out, int64_t ld, const Isa& isa) {
   const int64_t vt = value_type(type), nb = k / block_elems(vt);
   const int64_t pbytes = nb * panel_block_bytes(vt);
-  const auto fns = panel_fns(vt);
+  const auto& fns = panel_fns(vt, isa);
   // At least ~256K multiply-adds per thread: a small product is not worth a parallel region.
   const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(1, PANEL_ROWS * k * m));
   at::parallel_for(0, n / PANEL_ROWS, grain, [&](int64_t begin, int64_t end) {
@@ -738,9 +725,6 @@ void panel_dequantize_row(const uint8_t* w, int64_t row, int64_t type, int64_t k
 
 void register_panels(pybind11::module& m) {
   m.def("repack_panels", &repack_panels);
-  m.def("panel_isa", &panel_isa);
-  m.def("has_vnni", &has_vnni);
-  m.def("set_vnni", &set_vnni);
   m.attr("PANEL") = PANEL;
   m.attr("PANEL_ROWS") = PANEL_ROWS;
 }

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <type_traits>
 #include <utility>
 
@@ -495,12 +496,6 @@ AVX2 void dot_32_avx2(const void* wv, const uint8_t* x, int64_t xs, int64_t nb, 
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) - acc_offset[r];
 }
 
-bool cpu_has_avx2() {
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-}
-#else
-bool cpu_has_avx2() { return false; }
 #endif
 
 // One weight row . R (1..MAX_R) activation rows at x + r * xs -> out[0..R).
@@ -542,44 +537,45 @@ std::array<RowsFn, MAX_R> avx2_table() {
 }
 #endif
 
-bool g_use_avx2 = cpu_has_avx2();
+// Each row layout's kernels (llama.cpp's type_traits_cpu): per number of activation rows,
+// the scalar routine and the AVX2 one.
+struct RowKernels {
+  std::array<RowsFn, MAX_R> scalar;
+  std::array<RowsFn, MAX_R> avx2;
+};
 
-std::array<RowsFn, MAX_R> rows_fns(int64_t type) {
+template <int64_t TYPE, DotFn SCALAR>
+std::pair<const int64_t, RowKernels> row_kernels() {
 #ifdef BRAID_X86
-  if (g_use_avx2) {
-    switch (type) {
-      case Q4_K: return avx2_table<Q4_K>();
-      case Q4_K_UNPACKED: return avx2_table<Q4_K_UNPACKED>();
-      case Q5_K: return avx2_table<Q5_K>();
-      case Q6_K: return avx2_table<Q6_K>();
-      case Q3_K: return avx2_table<Q3_K>();
-      case Q2_K: return avx2_table<Q2_K>();
-      case IQ4_XS: return avx2_table<IQ4_XS>();
-      case Q4_0: return avx2_table<Q4_0>();
-      case Q4_1: return avx2_table<Q4_1>();
-      case Q5_0: return avx2_table<Q5_0>();
-      case Q5_1: return avx2_table<Q5_1>();
-      case Q8_0: return avx2_table<Q8_0>();
-      case IQ4_NL: return avx2_table<IQ4_NL>();
-    }
-  }
+  return {TYPE, {scalar_table<SCALAR>(), avx2_table<TYPE>()}};
+#else
+  return {TYPE, {scalar_table<SCALAR>(), scalar_table<SCALAR>()}};
 #endif
-  switch (type) {
-    case Q4_K: return scalar_table<dot_q4_k_scalar<BlockQ4_K>>();
-    case Q4_K_UNPACKED: return scalar_table<dot_q4_k_scalar<BlockQ4_KU>>();
-    case Q5_K: return scalar_table<dot_q4_k_scalar<BlockQ5_K>>();
-    case Q6_K: return scalar_table<dot_q6_k_scalar>();
-    case Q3_K: return scalar_table<dot_q3_k_scalar>();
-    case Q2_K: return scalar_table<dot_q2_k_scalar>();
-    case IQ4_XS: return scalar_table<dot_iq4_xs_scalar>();
-    case Q4_0: return scalar_table<dot_32_scalar<Q4_0>>();
-    case Q4_1: return scalar_table<dot_32_scalar<Q4_1>>();
-    case Q5_0: return scalar_table<dot_32_scalar<Q5_0>>();
-    case Q5_1: return scalar_table<dot_32_scalar<Q5_1>>();
-    case Q8_0: return scalar_table<dot_32_scalar<Q8_0>>();
-    case IQ4_NL: return scalar_table<dot_32_scalar<IQ4_NL>>();
-  }
-  TORCH_CHECK(false, "unsupported GGML type ", type);
+}
+
+const std::map<int64_t, RowKernels>& row_traits() {
+  static const std::map<int64_t, RowKernels> table = {
+      row_kernels<Q4_K, dot_q4_k_scalar<BlockQ4_K>>(),
+      row_kernels<Q4_K_UNPACKED, dot_q4_k_scalar<BlockQ4_KU>>(),
+      row_kernels<Q5_K, dot_q4_k_scalar<BlockQ5_K>>(),
+      row_kernels<Q6_K, dot_q6_k_scalar>(),
+      row_kernels<Q3_K, dot_q3_k_scalar>(),
+      row_kernels<Q2_K, dot_q2_k_scalar>(),
+      row_kernels<IQ4_XS, dot_iq4_xs_scalar>(),
+      row_kernels<Q4_0, dot_32_scalar<Q4_0>>(),
+      row_kernels<Q4_1, dot_32_scalar<Q4_1>>(),
+      row_kernels<Q5_0, dot_32_scalar<Q5_0>>(),
+      row_kernels<Q5_1, dot_32_scalar<Q5_1>>(),
+      row_kernels<Q8_0, dot_32_scalar<Q8_0>>(),
+      row_kernels<IQ4_NL, dot_32_scalar<IQ4_NL>>(),
+  };
+  return table;
+}
+
+const std::array<RowsFn, MAX_R>& rows_fns(int64_t type, const Isa& isa) {
+  const auto found = row_traits().find(type);
+  TORCH_CHECK(found != row_traits().end(), "unsupported GGML type ", type);
+  return isa.avx2 ? found->second.avx2 : found->second.scalar;
 }
 
 // ---- dequantization (embedding rows, reference) ---------------------------------------------
@@ -716,19 +712,12 @@ AVX512 void quantize_q8_k_avx512(const float* x, ActQ8_K* out, int64_t k) {
   }
 }
 
-bool cpu_has_avx512() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-}
-#else
-bool cpu_has_avx512() { return false; }
 #endif
 
-bool g_use_avx512 = cpu_has_avx512();
-
 // One row of k values -> Q8_K blocks (kq) or Q8_0 blocks at out.
-void quantize_row(const float* x, uint8_t* out, int64_t k, bool kq) {
+void quantize_row(const float* x, uint8_t* out, int64_t k, bool kq, const Isa& isa) {
 #ifdef BRAID_X86
-  if (g_use_avx512) {
+  if (isa.avx512) {
     if (kq) quantize_q8_k_avx512(x, reinterpret_cast<ActQ8_K*>(out), k);
     else quantize_q8_0_avx512(x, reinterpret_cast<ActQ8_0*>(out), k);
     return;
@@ -745,7 +734,7 @@ void quantize_row(const float* x, uint8_t* out, int64_t k, bool kq) {
 namespace braid_kernels {
 
 // x [M, K] float32 -> quantized activations [M, bytes] for weights of `type`.
-torch::Tensor quantize_activations(const torch::Tensor& x_in, int64_t type) {
+torch::Tensor quantize_activations(const torch::Tensor& x_in, int64_t type, const Isa& isa) {
   block_bytes(type);  // rejects unsupported types
   const auto x = x_in.contiguous();
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be float32 [M, K]");
@@ -757,7 +746,7 @@ torch::Tensor quantize_activations(const torch::Tensor& x_in, int64_t type) {
   const float* src = x.data_ptr<float>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) quantize_row(src + r * k, dst + r * row_bytes, k, kq);
+    for (int64_t r = begin; r < end; ++r) quantize_row(src + r * k, dst + r * row_bytes, k, kq, isa);
   });
   return out;
 }
@@ -765,7 +754,7 @@ torch::Tensor quantize_activations(const torch::Tensor& x_in, int64_t type) {
 // Quantized activations [M, xbytes] (from quantize_activations for the same type) times
 // weight rows [N, wbytes] of `type` -> out[:, col0 : col0 + N] of a float32 [M, *] tensor.
 void qgemm_into(const torch::Tensor& xq, const torch::Tensor& w, int64_t type, int64_t k,
-                torch::Tensor& out, int64_t col0) {
+                torch::Tensor& out, int64_t col0, const Isa& isa) {
   check_weight(w, type, k);
   TORCH_CHECK(out.dtype() == torch::kFloat32 && out.dim() == 2 && out.is_contiguous(),
               "out must be a contiguous float32 [M, N] tensor");
@@ -780,10 +769,10 @@ void qgemm_into(const torch::Tensor& xq, const torch::Tensor& w, int64_t type, i
   const int64_t nb = k / block_elems(type), wbytes = w.size(1), xbytes = xq.size(1);
   if (is_panel(type)) {
     panel_gemm(xq.data_ptr<uint8_t>(), m, xbytes, w.data_ptr<uint8_t>(), n, type, k,
-               out.data_ptr<float>() + col0, ld);
+               out.data_ptr<float>() + col0, ld, isa);
     return;
   }
-  const auto fns = rows_fns(type);
+  const auto& fns = rows_fns(type, isa);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const uint8_t* xp = xq.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>() + col0;
@@ -809,9 +798,10 @@ void qgemm_into(const torch::Tensor& xq, const torch::Tensor& w, int64_t type, i
   });
 }
 
-torch::Tensor qgemm(const torch::Tensor& xq, const torch::Tensor& w, int64_t type, int64_t k) {
+torch::Tensor qgemm(const torch::Tensor& xq, const torch::Tensor& w, int64_t type, int64_t k,
+                    const Isa& isa) {
   auto out = torch::empty({xq.size(0), w.size(0)}, torch::kFloat32);
-  qgemm_into(xq, w, type, k, out, 0);
+  qgemm_into(xq, w, type, k, out, 0, isa);
   return out;
 }
 
@@ -852,28 +842,6 @@ torch::Tensor repack_q4_k(const torch::Tensor& w, int64_t k) {
   return out;
 }
 
-std::string isa() { return g_use_avx2 ? "avx2" : "scalar"; }
-
-bool use_avx2() { return g_use_avx2; }
-bool use_avx512() { return g_use_avx512; }
-
-// Tests run both paths on machines that have AVX2 (off also turns off the AVX512 activation
-// quantizer and attention.cpp's vector paths); returns the previous setting.
-bool set_avx2(bool on) {
-  const bool before = g_use_avx2;
-  g_use_avx2 = on && cpu_has_avx2();
-  g_use_avx512 = on && cpu_has_avx512();
-  return before;
-}
-
-// Tests run the AVX2 routines where the CPU has AVX512 too (the activation quantizer and
-// attention); returns the previous setting.
-bool set_avx512(bool on) {
-  const bool before = g_use_avx512;
-  g_use_avx512 = on && g_use_avx2 && cpu_has_avx512();
-  return before;
-}
-
 }  // namespace braid_kernels
 
 void register_attention(pybind11::module& m);  // attention.cpp
@@ -895,7 +863,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &dequantize_rows);
   m.def("repack_q4_k", &repack_q4_k);
   m.attr("Q4_K_UNPACKED") = Q4_K_UNPACKED;
-  m.def("isa", &isa);
-  m.def("set_avx2", &set_avx2);
-  m.def("set_avx512", &set_avx512);
+  pybind11::class_<Isa>(m, "Isa")
+      .def(pybind11::init(&isa_named), pybind11::arg("name") = "auto")
+      .def_readonly("avx2", &Isa::avx2)
+      .def_readonly("avx512", &Isa::avx512)
+      .def_readonly("vnni", &Isa::vnni)
+      .def_property_readonly("name", &isa_name)
+      .def("__repr__", [](const Isa& isa) { return "Isa('" + isa_name(isa) + "')"; });
 }

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from braid.kernels import quant_ops
+from braid.kernels import kernel_isa, quant_ops
 
 # Query spans up to this length share one padded SDPA call (decodes, verification windows).
 SHORT_QUERY_MAX = 16
@@ -159,7 +159,7 @@ def attend_cached(
     ops = quant_ops() if q.device.type == "cpu" and q.dtype == torch.float32 else None
     if ops is not None and meta.kv_slots is not None:
         return ops.paged_attention_rows(q, k_cache, v_cache, meta.kv_slots, meta.row_seq,
-                                        meta.row_len, q.shape[-1] ** -0.5)
+                                        meta.row_len, q.shape[-1] ** -0.5, kernel_isa())
     out = torch.empty_like(q)
     for g in meta.groups:
         qg = q[g.query_index].transpose(1, 2)  # [G, H, q_max, D]

@@ -21,7 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from torch import nn
 
-from braid.kernels import quant_ops
+from braid.kernels import kernel_isa, quant_ops
 
 Q = GGMLQuantizationType
 # Formats the kernels run; K-quants want rows of whole 256-value super-blocks.
@@ -68,8 +68,9 @@ class QuantWeight:
         ops = quant_ops()
         assert ops is not None, "quantized products need the compiled kernels"
         out = torch.empty(x.shape[0], self.rows)
-        ops.qgemm_into(ops.quantize_activations(x, int(self.qtype)), self.data, self.layout,
-                       self.cols, out, 0)
+        isa = kernel_isa()
+        ops.qgemm_into(ops.quantize_activations(x, int(self.qtype), isa), self.data, self.layout,
+                       self.cols, out, 0, isa)
         return out
 
     def take_rows(self, ids: torch.Tensor) -> tuple[QuantWeight, torch.Tensor]:
@@ -149,7 +150,7 @@ def as_kernel_format(w: QuantWeight) -> QuantWeight:
     ops = quant_ops()
     if ops is None or w.layout != int(w.qtype):
         return w
-    if ops.panel_isa() != "scalar" and w.rows % ops.PANEL_ROWS == 0:
+    if kernel_isa().vnni and w.rows % ops.PANEL_ROWS == 0:
         return QuantWeight(ops.repack_panels(w.data, int(w.qtype), w.cols), w.qtype, w.cols,
                            ops.PANEL + int(w.qtype))
     if w.qtype == Q.Q4_K:
@@ -194,14 +195,15 @@ class QuantLinear(nn.Module):
         out = torch.empty(x2.shape[0], -(-rows // panel) * panel if rows < self.out_features
                           else rows)
         activations: dict[bool, torch.Tensor] = {}  # per activation format (K-quant or not)
+        isa = kernel_isa()
         for offset, w in self.segments:
             if offset >= rows:
                 break
             kind = w.qtype in K_QUANTS
             if kind not in activations:
-                activations[kind] = ops.quantize_activations(x2, int(w.qtype))
+                activations[kind] = ops.quantize_activations(x2, int(w.qtype), isa)
             data = w.data if offset + w.rows <= out.shape[1] else w.data[:out.shape[1] - offset]
-            ops.qgemm_into(activations[kind], data, w.layout, w.cols, out, offset)
+            ops.qgemm_into(activations[kind], data, w.layout, w.cols, out, offset, isa)
         if rows < out.shape[1]:
             out = out[:, :rows]
         if self.bias is not None:

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from braid.files import ModelLoadError
-from braid.kernels import quant_ops
+from braid.kernels import kernel_isa, quant_ops
 from braid.models.attention import AttentionMetadata, attend_cached, paged_attention
 from braid.models.config import ModelConfig, rope_scaling_kind
 from braid.models.quant import (
@@ -231,7 +231,8 @@ class MLP(nn.Module):
         if isinstance(self.down_proj, QuantLinear):  # the compiled layer's activation
             ops = quant_ops()
             assert ops is not None, "QuantLinear needs the compiled kernels"
-            return self.down_proj(ops.silu_mul(gate_up.reshape(-1, gate_up.shape[-1]))
+            rows = gate_up.reshape(-1, gate_up.shape[-1])
+            return self.down_proj(ops.silu_mul(rows, kernel_isa())
                                   .reshape(*gate_up.shape[:-1], -1))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -264,7 +265,7 @@ class DecoderLayer(nn.Module):
         return ops.FusedLayer(
             self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach(),
             self.input_layernorm.eps, attn.num_heads, qkv, bias, parts[0].out_features, o,
-            gate_up, parts[2].out_features, down, parts[3].out_features)
+            gate_up, parts[2].out_features, down, parts[3].out_features, kernel_isa())
 
 
 class Qwen2ForCausalLM(nn.Module):

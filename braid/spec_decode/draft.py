@@ -31,9 +31,11 @@ from braid.core.block_manager import BlockManager
 from braid.core.request import Request
 from braid.models.interface import CausalLM
 from braid.spec_decode.proposer import DraftForward, Proposal, Proposer
+from braid.structured.grammar import bitmask_after
+from braid.worker.constraints import RequestConstraints
 from braid.worker.runner import ModelRunner, QuerySpan
-from braid.worker.sampler import DRAFT, SAMPLE, apply_penalties, sample_rows
-from braid.worker.step import rows_metadata
+from braid.worker.sampler import DRAFT, SAMPLE, SamplingMetadata, apply_penalties, sample_rows
+from braid.worker.step import allowed_rows, rows_metadata
 
 
 @dataclass(slots=True)
@@ -62,10 +64,13 @@ class DraftModelProposer(Proposer):
         self.eos_token_ids = eos_token_ids
         self.computed: dict[str, int] = {}  # draft KV is valid for positions < computed
         self.last: dict[str, _Proposal] = {}
+        # each request's lists as tensors (its sampling rows': built once, as the target's)
+        self.constraints: dict[str, RequestConstraints] = {}
 
     def forget(self, request_id: str) -> None:
         self.computed.pop(request_id, None)
         self.last.pop(request_id, None)
+        self.constraints.pop(request_id, None)
 
     def propose(self, requests: list[Request], ks: list[int]) -> Proposal:
         """The scheduler has reserved KV slots for the ks (Scheduler.reserve_draft_slots)."""
@@ -171,23 +176,38 @@ class DraftModelProposer(Proposer):
         tokens = logits.argmax(dim=-1)
         shaped = [i for i, r in enumerate(requests) if draws[i] == "greedy" and _shaped(r)]
         if shaped:  # the target's argmax sees the grammar, penalties and bias: so does ours
-            meta = rows_metadata([(requests[i], drafted[i]) for i in shaped], logits.shape[-1],
-                                 logits.device, self.eos_token_ids)
+            meta = self._metadata(shaped, requests, drafted, logits)
             tokens[shaped] = apply_penalties(logits[shaped], meta).argmax(dim=-1)
         sampled = [i for i, d in enumerate(draws) if d != "greedy"]
         if sampled:
             # the target's sampling rows at these positions: keyed in the target's stream for
             # coupled draws, in the draft's own for independent ones
-            meta = rows_metadata([(requests[i], drafted[i]) for i in sampled], logits.shape[-1],
-                                 logits.device, self.eos_token_ids,
-                                 stream=[SAMPLE if draws[i] == "coupled" else DRAFT
-                                         for i in sampled])
+            meta = self._metadata(sampled, requests, drafted, logits,
+                                  [SAMPLE if draws[i] == "coupled" else DRAFT for i in sampled])
             picked, q = sample_rows(logits[sampled], meta)
             assert q is not None  # every sampled row is a random one
             tokens[sampled] = picked
             for row, i in enumerate(sampled):
                 probs[i] = q[row]
         return tokens
+
+    def _metadata(self, rows: list[int], requests: list[Request], drafted: list[list[int]],
+                  logits: torch.Tensor, stream: int | list[int] = SAMPLE) -> SamplingMetadata:
+        """The target's sampling rows for `rows` of this forward (after their drafts)."""
+        vocab = logits.shape[-1]
+        masks = [None if (g := requests[i].grammar) is None
+                 else bitmask_after(g, drafted[i], vocab) for i in rows]
+        return rows_metadata([(requests[i], drafted[i]) for i in rows], vocab, logits.device,
+                             self.eos_token_ids, stream,
+                             allowed_rows(masks, vocab, logits.device),
+                             [self._constraints(requests[i]) for i in rows])
+
+    def _constraints(self, req: Request) -> RequestConstraints:
+        found = self.constraints.get(req.request_id)
+        if found is None:
+            found = RequestConstraints.build(req.sampling_params, req.prompt_token_ids)
+            self.constraints[req.request_id] = found
+        return found
 
 
 def _shaped(req: Request) -> bool:

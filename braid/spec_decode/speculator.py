@@ -57,6 +57,19 @@ class Speculation:
         """Drafts for the next step by request id, and the q [k, V] of sampled ones."""
         return {}, {}
 
+    def next_drafts(self, scheduler: Scheduler
+                    ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+        """`propose`, where a proposer that raises costs this step's drafts only: the draft
+        model's progress is forgotten (it catches up later), and a request at fault fails
+        alone in the next target step, which meets the same fault."""
+        try:
+            return self.propose(scheduler)
+        except Exception:
+            logger.exception("proposing drafts failed; this step goes without")
+            for req in scheduler.running:
+                self.forget(req.request_id)
+            return {}, {}
+
     def observe_step(self, tokens: int, attention: int, rows: int, seconds: float) -> None:
         """A target step's size and duration (the cost model's evidence)."""
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import llguidance
 import torch
 
+from braid.core.request import Grammar
 from braid.core.stats import GrammarStats
 from braid.sampling_params import StructuredOutputsParams
 
@@ -311,6 +312,22 @@ def _bit(i: int) -> int:
 
 def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
+
+
+def window_bitmask(grammar: Grammar, drafts: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """[1 + len(drafts), ceil(V / 32)] int32: row j, the tokens `grammar` allows after its
+    output and then drafts[:j] (a verification window's positions)."""
+    out = torch.empty(1 + len(drafts), bitmask_width(vocab_size), dtype=torch.int32)
+    for j in range(1 + len(drafts)):
+        grammar.fill_mask(drafts[:j], out[j])
+    return out
+
+
+def bitmask_after(grammar: Grammar, drafts: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """[ceil(V / 32)] int32: the tokens `grammar` allows after its output and then `drafts`."""
+    out = torch.empty(bitmask_width(vocab_size), dtype=torch.int32)
+    grammar.fill_mask(drafts, out)
+    return out
 
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)

@@ -2,52 +2,33 @@
 what the scheduler decided, and keeps the draft's probabilities until the window that
 verifies them; the engine orchestrates and never touches a tensor itself.
 
-`InProcessExecutor` runs the model in this process: the one implementation today. Running it
-in other processes or on other machines ([M15]) goes behind the same interface; a step's
-input is still the scheduler's own records (requests by reference), which such an executor
-will have to turn into plain, picklable ones first."""
+A step comes as a `StepInput` and goes back as a `StepResult` (step_io.py): plain records
+that pickle, so an executor may run the model in other processes or on other machines
+([M15]) behind this same interface. `InProcessExecutor` runs it in this process: the one
+implementation today."""
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch
 
 from braid.config import EngineConfig
-from braid.core.block_manager import BlockManager
-from braid.core.scheduler import SchedulerOutput
 from braid.models.interface import CausalLM
-from braid.outputs import PackedLogprobs
 from braid.worker.runner import ModelRunner
-from braid.worker.step import StepSample, StepSampler, score_prompts
-
-
-@dataclass(slots=True)
-class StepResult:
-    """What a step computed: prompt logprobs by request id, and each scheduled request's
-    sample (by the identity of its ScheduledRequest)."""
-
-    prompt_logprobs: dict[str, PackedLogprobs] = field(default_factory=dict)
-    samples: dict[int, StepSample] = field(default_factory=dict)
-    forward_end: float = 0.0  # time.perf_counter() when its (last) forward ended
-
-    def merge(self, other: StepResult) -> None:
-        self.prompt_logprobs.update(other.prompt_logprobs)
-        self.samples.update(other.samples)
-
-    def in_order(self, sched: SchedulerOutput) -> list[StepSample]:
-        return [self.samples[id(s)] for s in sched.scheduled]
+from braid.worker.step import StepSampler, WorkerRequest, score_prompts
+from braid.worker.step_io import StepInput, StepResult
 
 
 class Executor(ABC):
     @abstractmethod
-    def execute(self, sched: SchedulerOutput) -> StepResult:
-        """One forward over `sched` and its sampling. It writes KV only into the slots the
+    def execute(self, step: StepInput) -> StepResult:
+        """One forward over `step` and its sampling. It writes KV only into the slots the
         scheduler reserved and changes no scheduling state, so a step that raised can run
-        again in parts (braid/engine/isolation.py)."""
+        again in parts (braid/engine/isolation.py): the requests and outputs a step brings
+        are taken in before anything that can fail."""
 
     @abstractmethod
     def set_draft_probs(self, probs: Mapping[str, torch.Tensor],
@@ -64,20 +45,31 @@ class Executor(ABC):
 
 
 class InProcessExecutor(Executor):
-    def __init__(self, config: EngineConfig, model: CausalLM, blocks: BlockManager,
+    def __init__(self, config: EngineConfig, model: CausalLM, num_blocks: int,
                  kv_dtype: torch.dtype, eos_token_ids: frozenset[int]) -> None:
         device = torch.device(config.device)
-        self.runner = ModelRunner(model, blocks.num_blocks, config.block_size, device, kv_dtype)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, device, kv_dtype)
         self.sampler = StepSampler(device, eos_token_ids, config.spec_config)
-        self.blocks = blocks
+        self.requests: dict[str, WorkerRequest] = {}  # by request id, until it finishes
 
-    def execute(self, sched: SchedulerOutput) -> StepResult:
-        inp = self.runner.prepare(sched, self.blocks)
+    def execute(self, step: StepInput) -> StepResult:
+        self._take_in(step)
+        inp = self.runner.build_input([s.query for s in step.spans])
         logits = self.runner.execute(inp)
         forward_end = time.perf_counter()
-        prompt_logprobs = score_prompts(sched, logits[: inp.num_prompt_rows])
-        sampled = self.sampler.sample(sched, logits[inp.num_prompt_rows :])
-        return StepResult(prompt_logprobs, {id(r.scheduled): r for r in sampled}, forward_end)
+        prompt_logprobs = score_prompts(step.spans, self.requests,
+                                        logits[: inp.num_prompt_rows])
+        samples = self.sampler.sample(step.spans, self.requests, logits[inp.num_prompt_rows :])
+        return StepResult(prompt_logprobs, samples, forward_end)
+
+    def _take_in(self, step: StepInput) -> None:
+        for request_id in step.finished:
+            self.requests.pop(request_id, None)
+        for new in step.new_requests:
+            self.requests[new.request_id] = WorkerRequest(
+                new.prompt_token_ids, new.sampling_params, new.seed)
+        for s in step.spans:
+            self.requests[s.request_id].output_token_ids += s.new_output_ids
 
     def set_draft_probs(self, probs: Mapping[str, torch.Tensor],
                         drafts: Mapping[str, list[int]], cuts: Mapping[str, int]) -> None:

@@ -6,26 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from braid.core.block_manager import BlockManager
-from braid.core.request import Request
-from braid.core.scheduler import SchedulerOutput
-from braid.kernels import quant_ops
+from braid.kernels import kernel_isa
 from braid.models.attention import AttentionMetadata, build_attention_metadata
 from braid.models.config import ModelConfig
 from braid.models.interface import CausalLM
 from braid.models.quant import huge_page_zeros
-
-
-def prompt_logprob_rows(req: Request, num_new_tokens: int) -> range:
-    """Offsets in this step's span of `req` whose logits score a prompt token that has no
-    logprob yet: position p scores prompt token p + 1. Positions scored before a preemption
-    are not scored again; output and draft positions never are."""
-    if not req.scores_prompt:
-        return range(0)
-    start = req.num_computed_tokens
-    first = max(start, len(req.prompt_logprobs) - 1)
-    end = min(start + num_new_tokens, req.num_prompt_tokens - 1)
-    return range(first - start, max(end - start, first - start))
 
 
 @dataclass(slots=True)
@@ -72,27 +57,12 @@ class ModelRunner:
         self.kv_cache = (huge_page_zeros(shape, dtype) if torch.device(device).type == "cpu"
                          else torch.zeros(shape, dtype=dtype, device=device))
         model.bind_kv_cache(self.kv_cache)
-        quant_ops()  # build or load the kernels now, not in the first request's step
+        kernel_isa()  # build or load the kernels now, not in the first request's step
 
     @property
     def weight_and_kv_bytes(self) -> tuple[int, int]:
         """Its model's weights and its KV cache, in bytes."""
         return self.model.weight_bytes(), self.kv_cache.nbytes
-
-    def prepare(self, sched: SchedulerOutput, blocks: BlockManager) -> ModelInput:
-        """The step's flat batch: every scheduled span, logits where the step samples and
-        at the prompt positions whose logprobs a request asked for."""
-        return self.build_input([
-            QuerySpan(
-                token_ids=s.request.token_ids(s.request.num_computed_tokens,
-                                              s.request.num_computed_tokens + s.num_new_tokens),
-                start=s.request.num_computed_tokens,
-                block_table=blocks.block_table(s.request.request_id),
-                num_logits=1 + s.num_spec_tokens if s.needs_logits else 0,
-                prompt_rows=prompt_logprob_rows(s.request, s.num_new_tokens),
-            )
-            for s in sched.scheduled
-        ])
 
     def build_input(self, spans: list[QuerySpan]) -> ModelInput:
         ids: list[int] = []

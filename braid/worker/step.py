@@ -4,30 +4,56 @@ verified in one batched call (verify.py); logprobs are taken once, from the raw 
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from braid.config import SpecConfig
-from braid.core.request import Request
-from braid.core.scheduler import ScheduledRequest, SchedulerOutput
 from braid.outputs import Logprob, PackedLogprobs, SampleLogprobs
-from braid.structured.grammar import allowed_tokens, bitmask_width
+from braid.sampling_params import SamplingParams
+from braid.structured.grammar import allowed_tokens
 from braid.worker.constraints import RequestConstraints
-from braid.worker.runner import prompt_logprob_rows
 from braid.worker.sampler import SAMPLE, SamplingMetadata, gather_logprobs
+from braid.worker.step_io import SampleResult, ScheduledSpan
 from braid.worker.verify import verify
 
 
 @dataclass(slots=True)
-class StepSample:
-    """What one step produced for one scheduled request."""
+class WorkerRequest:
+    """A request as the worker knows it: what its sampling reads, sent once, and its output
+    so far (StepInput's updates)."""
 
-    scheduled: ScheduledRequest
-    token_ids: list[int]  # accepted drafts, then the target's token; empty for a chunk
-    logprobs: SampleLogprobs | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    output_token_ids: list[int] = field(default_factory=list)
+    _constraints: RequestConstraints | None = None
+
+    @property
+    def constraints(self) -> RequestConstraints:
+        """Its lists as tensors, built the first step it samples in (they never change)."""
+        if self._constraints is None:
+            self._constraints = RequestConstraints.build(self.sampling_params,
+                                                         self.prompt_token_ids)
+        return self._constraints
+
+
+class SamplingRow(Protocol):
+    """What a sampling row reads of its request (a WorkerRequest; the draft's Request)."""
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+    @property
+    def seed(self) -> int: ...
 
 
 class StepSampler:
@@ -51,54 +77,62 @@ class StepSampler:
                 "a sampled draft broke its grammar"
         self.draft_probs = dict(probs)
 
-    def sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[StepSample]:
-        """One result per scheduled request, in scheduling order (`logits` holds the rows
-        of those that sample, in that order: 1 + k_i each)."""
-        to_sample = [s for s in sched.scheduled if s.needs_logits]
-        tokens = self._verify(to_sample, logits) if to_sample else []
-        logprobs = self._logprobs(to_sample, logits, tokens) if to_sample else None
-        results, i = [], 0
-        for s in sched.scheduled:
-            if not s.needs_logits:
-                results.append(StepSample(s, [], None))
-                continue
-            results.append(StepSample(s, tokens[i], None if logprobs is None else logprobs[i]))
-            i += 1
-        return results
+    def sample(self, spans: list[ScheduledSpan], requests: Mapping[str, WorkerRequest],
+               logits: torch.Tensor) -> dict[str, SampleResult]:
+        """The result of each span that samples, by request id (`logits` holds their rows
+        in span order: 1 + k_i each)."""
+        to_sample = [s for s in spans if s.samples]
+        if not to_sample:
+            return {}
+        tokens = self._verify(to_sample, requests, logits)
+        logprobs = self._logprobs(to_sample, requests, logits, tokens)
+        return {s.request_id: SampleResult(tokens[i], None if logprobs is None else logprobs[i])
+                for i, s in enumerate(to_sample)}
 
-    def _verify(self, to_sample: list[ScheduledRequest], logits: torch.Tensor) -> list[list[int]]:
-        drafts = [s.request.spec_token_ids[: s.num_spec_tokens] for s in to_sample]
+    def _verify(self, to_sample: list[ScheduledSpan], requests: Mapping[str, WorkerRequest],
+                logits: torch.Tensor) -> list[list[int]]:
         out = verify(
             logits,
-            drafts,
-            self.metadata(to_sample, logits.shape[-1]),
+            [s.drafts for s in to_sample],
+            self.metadata(to_sample, requests, logits.shape[-1]),
             [self._draft_probs(s) for s in to_sample],
-            [self.uses_rejection(s.request) and s.num_spec_tokens > 0 for s in to_sample],
+            [self.uses_rejection(requests[s.request_id].sampling_params)
+             and s.num_spec_tokens > 0 for s in to_sample],
         )
         ids = out.output_token_ids.tolist()
         return [row[: n + 1] for row, n in zip(ids, out.num_accepted.tolist(), strict=True)]
 
-    def _draft_probs(self, s: ScheduledRequest) -> torch.Tensor | None:
-        probs = self.draft_probs.get(s.request.request_id)
+    def _draft_probs(self, s: ScheduledSpan) -> torch.Tensor | None:
+        probs = self.draft_probs.get(s.request_id)
         return None if probs is None or not s.num_spec_tokens else probs[: s.num_spec_tokens]
 
-    def uses_rejection(self, req: Request) -> bool:
+    def uses_rejection(self, params: SamplingParams) -> bool:
         """Seeded requests are always verified coupled, so their tokens never depend on k."""
-        return (self.spec is not None
-                and self.spec.verification_for(req.sampling_params) == "rejection")
+        return self.spec is not None and self.spec.verification_for(params) == "rejection"
 
-    def metadata(self, to_sample: list[ScheduledRequest], vocab_size: int) -> SamplingMetadata:
+    def metadata(self, to_sample: list[ScheduledSpan], requests: Mapping[str, WorkerRequest],
+                 vocab_size: int) -> SamplingMetadata:
         """One row per window position; row j of a window sees its first j drafts as output
         (so penalties, min_tokens and its keyed number apply as if they had been accepted)."""
-        rows = [(s.request, s.request.spec_token_ids[:j]) for s in to_sample
-                for j in range(1 + s.num_spec_tokens)]
-        return rows_metadata(rows, vocab_size, self.device, self.eos_token_ids)
+        rows: list[tuple[SamplingRow, list[int]]] = []
+        masks: list[torch.Tensor | None] = []
+        constraints = []
+        for s in to_sample:
+            req, drafts = requests[s.request_id], s.drafts
+            rows += ((req, drafts[:j]) for j in range(1 + s.num_spec_tokens))
+            masks += (None if s.grammar_bitmask is None else s.grammar_bitmask[j]
+                      for j in range(1 + s.num_spec_tokens))
+            constraints += [req.constraints] * (1 + s.num_spec_tokens)
+        return rows_metadata(rows, vocab_size, self.device, self.eos_token_ids,
+                             allowed=allowed_rows(masks, vocab_size, self.device),
+                             constraints=constraints)
 
     def _logprobs(
-        self, to_sample: list[ScheduledRequest], logits: torch.Tensor, tokens: list[list[int]]
+        self, to_sample: list[ScheduledSpan], requests: Mapping[str, WorkerRequest],
+        logits: torch.Tensor, tokens: list[list[int]]
     ) -> list[SampleLogprobs] | None:
         """Each emitted token's entry (raw model logprobs) and the top-n, per request."""
-        wanted = [s.request.sampling_params.logprobs for s in to_sample]
+        wanted = [requests[s.request_id].sampling_params.logprobs for s in to_sample]
         if all(n is None for n in wanted):
             return None
         rows: list[int] = []
@@ -117,12 +151,15 @@ class StepSampler:
 
 
 def rows_metadata(
-    rows: list[tuple[Request, list[int]]], vocab_size: int, device: torch.device,
+    rows: Sequence[tuple[SamplingRow, list[int]]], vocab_size: int, device: torch.device,
     eos_token_ids: frozenset[int] = frozenset(), stream: int | list[int] = SAMPLE,
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None,
+    constraints: Sequence[RequestConstraints] | None = None,
 ) -> SamplingMetadata:
     """Sampling rows of (request, drafts before the row): the request's params and seed, its
-    output followed by those drafts (the row's output position is their count), and for a
-    request with a grammar the tokens its grammar allows after them."""
+    output followed by those drafts (the row's output position is their count). `allowed`:
+    the rows a grammar restricts and their tokens (`allowed_rows`); `constraints`: each row's
+    request's lists as tensors (built here when not given)."""
     return SamplingMetadata.build(
         params=[r.sampling_params for r, _ in rows],
         prompt_token_ids=[r.prompt_token_ids for r, _ in rows],
@@ -132,40 +169,21 @@ def rows_metadata(
         device=device,
         eos_token_ids=eos_token_ids,
         stream=stream,
-        allowed=_grammar_masks(rows, vocab_size, device),
-        constraints=[request_constraints(r) for r, _ in rows],
+        allowed=allowed,
+        constraints=constraints,
     )
 
 
-# Each live request's lists as tensors, by the request's identity: built the first step it
-# samples in, dropped when the request object is garbage-collected.
-_CONSTRAINTS: dict[int, RequestConstraints] = {}
-
-
-def request_constraints(req: Request) -> RequestConstraints:
-    """The request's RequestConstraints, built once (its params and prompt never change)."""
-    key = id(req)
-    found = _CONSTRAINTS.get(key)
-    if found is None:
-        found = RequestConstraints.build(req.sampling_params, req.prompt_token_ids)
-        _CONSTRAINTS[key] = found
-        weakref.finalize(req, _CONSTRAINTS.pop, key, None)
-    return found
-
-
-def _grammar_masks(rows: list[tuple[Request, list[int]]], vocab_size: int,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(row indices, [R, V] bool allowed tokens) of the rows whose request has a grammar."""
-    constrained = [(i, r.grammar, drafts) for i, (r, drafts) in enumerate(rows)
-                   if r.grammar is not None]
+def allowed_rows(bitmasks: Sequence[torch.Tensor | None], vocab_size: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row indices, [R, V] bool allowed tokens) of the rows that have a grammar's bitmask
+    ([ceil(V / 32)] int32 each; None: unconstrained)."""
+    constrained = [i for i, mask in enumerate(bitmasks) if mask is not None]
     if not constrained:
         return None
-    bitmask = torch.empty(len(constrained), bitmask_width(vocab_size), dtype=torch.int32)
-    for j, (_, grammar, drafts) in enumerate(constrained):
-        assert grammar is not None
-        grammar.fill_mask(drafts, bitmask[j])
-    rows_index = torch.tensor([i for i, _, _ in constrained], dtype=torch.int64, device=device)
-    return rows_index, allowed_tokens(bitmask, vocab_size).to(device)
+    stacked = torch.stack([m for m in bitmasks if m is not None])
+    rows_index = torch.tensor(constrained, dtype=torch.int64, device=device)
+    return rows_index, allowed_tokens(stacked, vocab_size).to(device)
 
 
 def _entries(row_logprobs: torch.Tensor, tokens: torch.Tensor, n: int
@@ -217,23 +235,21 @@ def max_scored_rows(vocab_size: int) -> int:
     return max(MIN_SCORED_ROWS, SCORED_LOGITS // vocab_size)
 
 
-def score_prompts(sched: SchedulerOutput, logits: torch.Tensor) -> dict[str, PackedLogprobs]:
-    """Prompt logprobs from `logits` [P, V]: the rows `prompt_logprob_rows` chose, in
-    scheduling order (raw model logprobs, like sampled tokens' logprobs, and vocabulary
-    ranks), by request id."""
+def score_prompts(spans: list[ScheduledSpan], requests: Mapping[str, WorkerRequest],
+                  logits: torch.Tensor) -> dict[str, PackedLogprobs]:
+    """Prompt logprobs from `logits` [P, V]: each span's `prompt_rows`, in span order (raw
+    model logprobs, like sampled tokens' logprobs, and vocabulary ranks), by request id."""
     scored: dict[str, PackedLogprobs] = {}
-    if not logits.shape[0]:
-        return scored
     r = 0
-    for s in sched.scheduled:
-        req = s.request
-        rows = prompt_logprob_rows(req, s.num_new_tokens)
+    for s in spans:
+        rows = s.query.prompt_rows
         if not rows:
             continue
-        first = req.num_computed_tokens + rows.start  # position scoring token first + 1
+        req = requests[s.request_id]
+        first = s.query.start + rows.start  # position scoring token first + 1
         targets = torch.tensor(req.prompt_token_ids[first + 1 : first + 1 + len(rows)])
         n = req.sampling_params.prompt_logprobs or 0
         row_logprobs = logits[r : r + len(rows)].float().log_softmax(dim=-1)  # [R, V]
-        scored[req.request_id] = _packed_entries(row_logprobs, targets, n)
+        scored[s.request_id] = _packed_entries(row_logprobs, targets, n)
         r += len(rows)
     return scored

@@ -494,18 +494,18 @@ def test_stats_lines_report_their_own_interval(caplog) -> None:
     stats = EngineStats(num_kv_blocks=4)
     stats.record(step(10, 0))
     stats.spec_stats.record(4, 4)
-    stats.add_generated(5)
+    stats.add_update(5)
     stats.maybe_log(1e-9)
     stats.record(step(10, 10))
     stats.spec_stats.record(4, 0)
-    stats.add_generated(1)
+    stats.add_update(1)
     stats.maybe_log(1e-9)
     first, second = [r.getMessage() for r in caplog.records]
     assert "hit rate 0.0%" in first and "spec acceptance 1.00 mean length 5.00" in first
     assert "hit rate 100.0%" in second and "spec acceptance 0.00 mean length 1.00" in second
     stats.maybe_log(1e-9, idle_kv_usage=0.25)
     assert len(caplog.records) == 2  # nothing ran since the last line
-    stats.add_generated(3)
+    stats.add_update(3)
     stats.maybe_log(1e-9, idle_kv_usage=0.25)
     idle = caplog.records[-1].getMessage()
     assert idle.startswith("idle: 0 running, 0 waiting, gen ") and "KV 25%" in idle

@@ -15,3 +15,9 @@ def ops() -> ModuleType:
     if module is None:
         pytest.skip("quantized kernels unavailable (no compiler, or BRAID_NO_KERNELS=1)")
     return module
+
+
+@pytest.fixture(scope="module")
+def isa(ops: ModuleType) -> object:
+    """Everything this CPU has (what the engine's ops get unless BRAID_KERNEL_ISA says less)."""
+    return ops.Isa()

@@ -23,16 +23,13 @@ CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @contextmanager
-def attention_path(ops: ModuleType, path: str, d: int) -> Iterator[None]:
-    """Run `path` where this CPU and head size allow it (skip otherwise), then restore."""
-    before = ops.set_avx2(path != "scalar")  # on: AVX512 too, where the CPU has it
-    ops.set_avx512(path == "avx512")
-    try:
-        if ops.attention_isa(d) != path:
-            pytest.skip(f"no {path} attention for head size {d} on this CPU")
-        yield
-    finally:
-        ops.set_avx2(before)
+def attention_path(ops: ModuleType, path: str, d: int) -> Iterator[object]:
+    """The instruction sets that run `path` for head size `d`; the test is skipped where this
+    CPU or this head size does not have it."""
+    isa = ops.Isa(path)
+    if ops.attention_isa(d, isa) != path:
+        pytest.skip(f"no {path} attention for head size {d} on this CPU")
+    yield isa
 
 
 def case(h: int, kvh: int, d: int, lens: list[int], seed: int = 0,
@@ -71,8 +68,8 @@ def test_rows_are_attention_over_their_keys(ops: ModuleType, path: str, shape, d
     h, kvh, d = shape
     # tails of 4 and 16 keys, one key alone
     args = case(h, kvh, d, [1, 3, 4, 17, 64, 301], dtype=dtype)
-    with attention_path(ops, path, d):
-        out = ops.paged_attention_rows(*args, d ** -0.5)
+    with attention_path(ops, path, d) as isa:
+        out = ops.paged_attention_rows(*args, d ** -0.5, isa)
     torch.testing.assert_close(out.double(), reference(*args, d ** -0.5), rtol=1e-5, atol=2e-6)
 
 
@@ -85,17 +82,17 @@ def test_a_row_does_not_depend_on_the_batch(ops: ModuleType, path: str, shape, d
     q, k_cache, v_cache, kv_slots, _, _ = case(h, kvh, d, [40, 40, 40, 9], dtype=dtype)
     window_seq, window_len = torch.tensor([0, 0, 0, 1, 2, 3]), torch.tensor([37, 38, 39, 40, 25, 9])
     qs = torch.cat([q[:1].repeat(3, 1, 1), q])[: len(window_seq)] + torch.arange(6).view(6, 1, 1)
-    with attention_path(ops, path, d):
+    with attention_path(ops, path, d) as isa:
         together = ops.paged_attention_rows(qs, k_cache, v_cache, kv_slots, window_seq,
-                                            window_len, 0.1)
+                                            window_len, 0.1, isa)
         for i in range(len(window_seq)):
             alone = ops.paged_attention_rows(qs[i : i + 1], k_cache, v_cache,
                                              kv_slots[window_seq[i] : window_seq[i] + 1],
-                                             torch.tensor([0]), window_len[i : i + 1], 0.1)
+                                             torch.tensor([0]), window_len[i : i + 1], 0.1, isa)
             assert torch.equal(alone[0], together[i]), f"row {i}"
         with threads(1):
             assert torch.equal(ops.paged_attention_rows(qs, k_cache, v_cache, kv_slots,
-                                                        window_seq, window_len, 0.1), together)
+                                                        window_seq, window_len, 0.1, isa), together)
 
 
 def test_every_path_reads_a_16_bit_cache_as_its_float32_values(ops: ModuleType) -> None:
@@ -104,26 +101,28 @@ def test_every_path_reads_a_16_bit_cache_as_its_float32_values(ops: ModuleType) 
     for path in PATHS:
         for dtype in CACHE_DTYPES[1:]:
             q, k_cache, v_cache, kv_slots, seq, lens = case(12, 2, 128, [5, 33, 70], dtype=dtype)
-            with attention_path(ops, path, 128):
-                narrow = ops.paged_attention_rows(q, k_cache, v_cache, kv_slots, seq, lens, 0.1)
+            with attention_path(ops, path, 128) as isa:
+                narrow = ops.paged_attention_rows(q, k_cache, v_cache, kv_slots, seq, lens, 0.1,
+                                                  isa)
                 wide = ops.paged_attention_rows(q, k_cache.float(), v_cache.float(), kv_slots,
-                                                seq, lens, 0.1)
+                                                seq, lens, 0.1, isa)
             assert torch.equal(narrow, wide), (path, dtype)
 
 
-def test_caches_of_other_types_are_refused(ops: ModuleType) -> None:
+def test_caches_of_other_types_are_refused(ops: ModuleType, isa: object) -> None:
     q, k_cache, v_cache, kv_slots, seq, lens = case(4, 2, 16, [3])
     with pytest.raises(RuntimeError, match="float16 or bfloat16"):
-        ops.paged_attention_rows(q, k_cache.half(), v_cache, kv_slots, seq, lens, 0.1)
+        ops.paged_attention_rows(q, k_cache.half(), v_cache, kv_slots, seq, lens, 0.1, isa)
     with pytest.raises(RuntimeError, match="float16 or bfloat16"):
-        ops.paged_attention_rows(q, k_cache.double(), v_cache.double(), kv_slots, seq, lens, 0.1)
+        ops.paged_attention_rows(q, k_cache.double(), v_cache.double(), kv_slots, seq, lens,
+                                 0.1, isa)
 
 
-def test_the_cpu_picks_the_widest_path(ops: ModuleType) -> None:
+def test_the_cpu_picks_the_widest_path(ops: ModuleType, isa: object) -> None:
     cpuinfo = Path("/proc/cpuinfo")
     flags = cpuinfo.read_text() if cpuinfo.is_file() else ""
     want = ("avx512" if " avx512f" in flags and " avx512bw" in flags
             else "avx2" if " avx2" in flags else "scalar")
-    assert ops.attention_isa(128) == want
-    assert ops.attention_isa(40) == ("scalar" if want == "scalar" else "avx2")
+    assert ops.attention_isa(128, isa) == want
+    assert ops.attention_isa(40, isa) == ("scalar" if want == "scalar" else "avx2")
 

@@ -78,29 +78,24 @@ def activations(rows: int = M, cols: int = K, seed: int = 1) -> torch.Tensor:
     return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
 
 
-def qgemm(ops: ModuleType, x: torch.Tensor, w: torch.Tensor, qtype: Q) -> torch.Tensor:
-    xq = ops.quantize_activations(x, int(qtype))
-    return ops.qgemm(xq, w, int(qtype), x.shape[1])
+def qgemm(ops: ModuleType, x: torch.Tensor, w: torch.Tensor, qtype: Q, isa: object
+          ) -> torch.Tensor:
+    xq = ops.quantize_activations(x, int(qtype), isa)
+    return ops.qgemm(xq, w, int(qtype), x.shape[1], isa)
 
 
 def has_avx2(ops: ModuleType) -> bool:
-    before = ops.set_avx2(True)
-    found = ops.isa() == "avx2"
-    ops.set_avx2(before)
-    return found
+    return ops.Isa("avx2").avx2
 
 
 @contextmanager
-def code_path(ops: ModuleType, path: str) -> Iterator[None]:
-    """Run the AVX2 or the scalar routines, then restore the setting."""
-    if path == "avx2" and not has_avx2(ops):
-        pytest.skip("this CPU has no AVX2")
-    before = ops.set_avx2(path == "avx2")
-    try:
-        assert ops.isa() == path
-        yield
-    finally:
-        ops.set_avx2(before)
+def code_path(ops: ModuleType, path: str) -> Iterator[object]:
+    """The instruction sets named `path` ("avx2", "scalar", "avx512-vnni", ...) for the ops a
+    block calls; the test is skipped where this CPU lacks them."""
+    isa = ops.Isa(path)
+    if isa.name != path:
+        pytest.skip(f"this CPU has no {path}")
+    yield isa
 
 
 @contextmanager
@@ -124,20 +119,21 @@ def test_dequantize_rows_equals_gguf(ops: ModuleType, qtype: Q) -> None:
 
 
 @by_type
-def test_qgemm_is_the_float_product_up_to_int8_activations(ops: ModuleType, qtype: Q) -> None:
+def test_qgemm_is_the_float_product_up_to_int8_activations(ops: ModuleType, isa: object,
+                                                           qtype: Q) -> None:
     w, x = random_weight(qtype), activations()
     reference = x.double() @ torch.from_numpy(dequantize(w.numpy(), qtype)).double().T
-    got = qgemm(ops, x, w, qtype)
+    got = qgemm(ops, x, w, qtype, isa)
     assert got.shape == (M, N) and got.dtype == torch.float32
     error = (got.double() - reference).norm() / reference.norm()
     assert error < GEMM_RTOL
 
 
 @by_type
-def test_qgemm_of_a_zero_row_is_zero(ops: ModuleType, qtype: Q) -> None:
+def test_qgemm_of_a_zero_row_is_zero(ops: ModuleType, isa: object, qtype: Q) -> None:
     x = activations()
     x[3] = 0
-    got = qgemm(ops, x, random_weight(qtype), qtype)
+    got = qgemm(ops, x, random_weight(qtype), qtype, isa)
     assert torch.equal(got[3], torch.zeros(N)) and torch.isfinite(got).all()
 
 
@@ -145,26 +141,26 @@ def test_qgemm_of_a_zero_row_is_zero(ops: ModuleType, qtype: Q) -> None:
 @pytest.mark.parametrize("path", ["avx2", "scalar"])
 def test_rows_do_not_depend_on_the_batch(ops: ModuleType, qtype: Q, path: str) -> None:
     w, x = random_weight(qtype), activations()
-    with code_path(ops, path):
-        batch = qgemm(ops, x, w, qtype)
+    with code_path(ops, path) as isa:
+        batch = qgemm(ops, x, w, qtype, isa)
         for i in range(M):
-            assert torch.equal(qgemm(ops, x[i : i + 1], w, qtype), batch[i : i + 1])
-        assert torch.equal(qgemm(ops, x[2:6], w, qtype), batch[2:6])
+            assert torch.equal(qgemm(ops, x[i : i + 1], w, qtype, isa), batch[i : i + 1])
+        assert torch.equal(qgemm(ops, x[2:6], w, qtype, isa), batch[2:6])
         with threads(1):
-            assert torch.equal(qgemm(ops, x, w, qtype), batch)
+            assert torch.equal(qgemm(ops, x, w, qtype, isa), batch)
         # Written at a column offset of a wider output, as fused projections are.
         out = torch.full((M, N + 24), float("nan"))
-        ops.qgemm_into(ops.quantize_activations(x, int(qtype)), w, int(qtype), K, out, 8)
+        ops.qgemm_into(ops.quantize_activations(x, int(qtype), isa), w, int(qtype), K, out, 8, isa)
         assert torch.equal(out[:, 8 : 8 + N], batch)
         assert out[:, :8].isnan().all() and out[:, 8 + N :].isnan().all()
 
 
 def both_paths(ops: ModuleType, qtype: Q) -> tuple[torch.Tensor, torch.Tensor]:
     w, x = random_weight(qtype), activations()
-    with code_path(ops, "avx2"):
-        fast = qgemm(ops, x, w, qtype)
-    with code_path(ops, "scalar"):
-        slow = qgemm(ops, x, w, qtype)
+    with code_path(ops, "avx2") as isa:
+        fast = qgemm(ops, x, w, qtype, isa)
+    with code_path(ops, "scalar") as isa:
+        slow = qgemm(ops, x, w, qtype, isa)
     return fast, slow
 
 
@@ -180,41 +176,49 @@ def test_scalar_and_avx2_paths_agree(ops: ModuleType, qtype: Q) -> None:
 def test_activation_quantizers_agree_on_every_path(ops: ModuleType, qtype: Q) -> None:
     x = activations(5, 1024) * torch.tensor([1.0, 0.0, 1e-3, 50.0, -2.0])[:, None]
     x[4, 7] = 0.5 * x[4].abs().max() / 127 * 3  # exactly halfway between two int8 steps
-    with code_path(ops, "avx2"):
-        fast = ops.quantize_activations(x, int(qtype))
-    with code_path(ops, "scalar"):
-        slow = ops.quantize_activations(x, int(qtype))
+    with code_path(ops, "avx2") as isa:
+        fast = ops.quantize_activations(x, int(qtype), isa)
+    with code_path(ops, "scalar") as isa:
+        slow = ops.quantize_activations(x, int(qtype), isa)
     assert torch.equal(fast, slow)
 
 
-def test_set_avx2_returns_the_previous_setting(ops: ModuleType) -> None:
-    before = ops.set_avx2(False)
-    try:
-        assert ops.isa() == "scalar"
-        assert ops.set_avx2(True) is False
-        assert ops.isa() == ("avx2" if has_avx2(ops) else "scalar")
-    finally:
-        ops.set_avx2(before)
+def test_an_isa_holds_what_its_name_allows_on_this_cpu(ops: ModuleType) -> None:
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    avx512 = avx2 and {"avx512f", "avx512bw"} <= flags
+    vnni = avx512 and {"avx512dq", "avx512_vnni"} <= flags
+    best = ops.Isa()
+    assert (best.avx2, best.avx512, best.vnni) == (avx2, avx512, vnni)
+    assert ops.Isa("avx512-vnni").name == best.name
+    scalar = ops.Isa("scalar")
+    assert (scalar.avx2, scalar.avx512, scalar.vnni, scalar.name) == (False, False, False,
+                                                                      "scalar")
+    only_avx2 = ops.Isa("avx2")
+    assert (only_avx2.avx2, only_avx2.avx512, only_avx2.vnni) == (avx2, False, False)
+    assert ops.Isa("avx512").vnni is False and ops.Isa("avx512").avx512 == avx512
+    with pytest.raises(ValueError, match="unknown ISA avx-9000"):
+        ops.Isa("avx-9000")
 
 
-def test_malformed_inputs_raise(ops: ModuleType) -> None:
+def test_malformed_inputs_raise(ops: ModuleType, isa: object) -> None:
     t = int(Q.Q8_0)
     w, x = random_weight(Q.Q8_0), activations(2)
-    xq = ops.quantize_activations(x, t)
+    xq = ops.quantize_activations(x, t, isa)
     with pytest.raises(RuntimeError, match="bytes, expected"):
-        ops.qgemm(xq, w[:, :-1].contiguous(), t, K)
+        ops.qgemm(xq, w[:, :-1].contiguous(), t, K, isa)
     with pytest.raises(RuntimeError, match="bytes, expected"):
         ops.dequantize_rows(w[:, :-34].contiguous(), torch.arange(2), t, K)
     with pytest.raises(RuntimeError, match="contiguous uint8"):
-        ops.qgemm(xq, w[::2], t, K)
+        ops.qgemm(xq, w[::2], t, K, isa)
     with pytest.raises(RuntimeError, match="contiguous uint8"):
-        ops.qgemm(xq, w.view(torch.int8), t, K)
+        ops.qgemm(xq, w.view(torch.int8), t, K, isa)
     with pytest.raises(RuntimeError, match="float32"):
-        ops.quantize_activations(x.double(), t)
+        ops.quantize_activations(x.double(), t, isa)
     with pytest.raises(RuntimeError, match="row id out of range"):
         ops.dequantize_rows(w, torch.tensor([0, N]), t, K)
     with pytest.raises(RuntimeError, match="out is too small"):
-        ops.qgemm_into(xq, w, t, K, torch.empty(2, N + 3), 4)
+        ops.qgemm_into(xq, w, t, K, torch.empty(2, N + 3), 4, isa)
     with pytest.raises(RuntimeError, match="unsupported GGML type 1"):
         ops.dequantize_rows(w, torch.arange(2), int(Q.F16), K)
 
@@ -222,28 +226,30 @@ def test_malformed_inputs_raise(ops: ModuleType) -> None:
 @pytest.mark.parametrize("qtype, cols", [(Q.Q8_0, 48), (Q.Q4_0, 16), (Q.Q4_K, 288),
                                          (Q.Q5_K, 384), (Q.Q6_K, 128),
                                          (Q.Q3_K, 320), (Q.Q2_K, 272)])
-def test_rows_of_partial_blocks_raise(ops: ModuleType, qtype: Q, cols: int) -> None:
+def test_rows_of_partial_blocks_raise(ops: ModuleType, isa: object, qtype: Q, cols: int
+                                     ) -> None:
     with pytest.raises(RuntimeError, match="not a multiple of the block"):
-        ops.quantize_activations(activations(2, cols), int(qtype))
+        ops.quantize_activations(activations(2, cols), int(qtype), isa)
     w = random_weight(qtype, cols=K)
     with pytest.raises(RuntimeError, match="not a multiple of the block"):
         ops.dequantize_rows(w, torch.arange(2), int(qtype), cols)
     with pytest.raises(RuntimeError, match="not a multiple of the block"):
-        ops.qgemm(ops.quantize_activations(activations(2), int(qtype)), w, int(qtype), cols)
+        xq = ops.quantize_activations(activations(2), int(qtype), isa)
+        ops.qgemm(xq, w, int(qtype), cols, isa)
 
 
-def test_activations_that_do_not_match_the_weight_raise(ops: ModuleType) -> None:
+def test_activations_that_do_not_match_the_weight_raise(ops: ModuleType, isa: object) -> None:
     # Q8_0 activations (640 bytes a row for K = 512) for a Q4_K weight (Q8_K: 584 bytes), the
     # other way round, a column slice, and a negative output column.
     rows = activations(2)
-    q8_0, q8_k = (ops.quantize_activations(rows, int(t)) for t in (Q.Q8_0, Q.Q4_K))
+    q8_0, q8_k = (ops.quantize_activations(rows, int(t), isa) for t in (Q.Q8_0, Q.Q4_K))
     for xq, qtype in ((q8_0, Q.Q4_K), (q8_k, Q.Q8_0), (q8_0[:, :100], Q.Q8_0)):
         with pytest.raises(RuntimeError, match="activations must be"):
-            ops.qgemm(xq, random_weight(qtype), int(qtype), K)
+            ops.qgemm(xq, random_weight(qtype), int(qtype), K, isa)
     with pytest.raises(RuntimeError, match="col0"):
-        ops.qgemm_into(q8_0, random_weight(Q.Q8_0), int(Q.Q8_0), K, torch.empty(2, N), -1)
+        ops.qgemm_into(q8_0, random_weight(Q.Q8_0), int(Q.Q8_0), K, torch.empty(2, N), -1, isa)
     with pytest.raises(RuntimeError, match="unsupported GGML type"):
-        ops.quantize_activations(rows, int(Q.IQ3_S))
+        ops.quantize_activations(rows, int(Q.IQ3_S), isa)
 
 
 @pytest.mark.parametrize("path", ["avx2", "scalar"])
@@ -258,11 +264,11 @@ def test_unpacked_q4_k_equals_the_gguf_layout(ops: ModuleType, path: str) -> Non
     ids = torch.arange(N)
     assert torch.equal(ops.dequantize_rows(unpacked, ids, ops.Q4_K_UNPACKED, K),
                        ops.dequantize_rows(w, ids, int(Q.Q4_K), K))
-    with code_path(ops, path):
+    with code_path(ops, path) as isa:
         for m in (1, 3, 8, 9):
-            xq = ops.quantize_activations(activations(m), int(Q.Q4_K))
-            assert torch.equal(ops.qgemm(xq, unpacked, ops.Q4_K_UNPACKED, K),
-                               ops.qgemm(xq, w, int(Q.Q4_K), K)), m
+            xq = ops.quantize_activations(activations(m), int(Q.Q4_K), isa)
+            assert torch.equal(ops.qgemm(xq, unpacked, ops.Q4_K_UNPACKED, K, isa),
+                               ops.qgemm(xq, w, int(Q.Q4_K), K, isa)), m
 
 
 def test_rms_norm_matches_torch_and_ignores_the_batch(ops: ModuleType) -> None:
@@ -281,23 +287,19 @@ def test_silu_mul_matches_float64_and_ignores_the_batch(ops: ModuleType, path: s
     """silu(gate) * up on each vector path the CPU has (a path it lacks runs the next one):
     within float32 rounding of float64, over the range a gate takes and past exp's limits,
     and every row the same bits alone as in a batch."""
-    before = ops.set_avx2(path != "scalar")  # on: AVX512 too, where the CPU has it
-    ops.set_avx512(path == "avx512")
-    try:
-        gate = torch.cat([torch.linspace(-120, 120, 4801), torch.tensor([0.0, -0.0, 1e-30])])
-        gate = torch.stack([gate, gate.flip(0) * 0.1, torch.randn(4804) * 4])  # [3, 4804]
-        up = torch.randn(3, 4804)
-        out = ops.silu_mul(torch.cat([gate, up], dim=1))
-        g64, u64 = gate.double(), up.double()
-        expected = g64 * torch.sigmoid(g64) * u64
-        torch.testing.assert_close(out.double(), expected, rtol=2e-6, atol=1e-30)
-        for r in range(3):
-            alone = ops.silu_mul(torch.cat([gate[r : r + 1], up[r : r + 1]], dim=1))
-            assert torch.equal(alone, out[r : r + 1])
-        with pytest.raises(RuntimeError, match="silu_mul"):
-            ops.silu_mul(torch.zeros(2, 7))
-    finally:
-        ops.set_avx2(before)
+    isa = ops.Isa(path)
+    gate = torch.cat([torch.linspace(-120, 120, 4801), torch.tensor([0.0, -0.0, 1e-30])])
+    gate = torch.stack([gate, gate.flip(0) * 0.1, torch.randn(4804) * 4])  # [3, 4804]
+    up = torch.randn(3, 4804)
+    out = ops.silu_mul(torch.cat([gate, up], dim=1), isa)
+    g64, u64 = gate.double(), up.double()
+    expected = g64 * torch.sigmoid(g64) * u64
+    torch.testing.assert_close(out.double(), expected, rtol=2e-6, atol=1e-30)
+    for r in range(3):
+        alone = ops.silu_mul(torch.cat([gate[r : r + 1], up[r : r + 1]], dim=1), isa)
+        assert torch.equal(alone, out[r : r + 1])
+    with pytest.raises(RuntimeError, match="silu_mul"):
+        ops.silu_mul(torch.zeros(2, 7), isa)
 
 
 def test_rotate_is_the_torch_rotation_exactly(ops: ModuleType) -> None:
@@ -356,19 +358,6 @@ def test_rope_qkv_to_cache_is_the_split_rotation_and_cache_write(ops: ModuleType
 PANEL_N = 48  # three panels
 
 
-@contextmanager
-def panel_path(ops: ModuleType, path: str) -> Iterator[None]:
-    """Run the panels' AVX512-VNNI or scalar routines, then restore the setting."""
-    if path == "avx512-vnni" and not ops.has_vnni():
-        pytest.skip("this CPU has no AVX512-VNNI")
-    before = ops.set_vnni(path == "avx512-vnni")
-    try:
-        assert ops.panel_isa() == path
-        yield
-    finally:
-        ops.set_vnni(before)
-
-
 def panels(ops: ModuleType, qtype: Q, cols: int = K) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(GGUF rows, the same rows as panels, the panel layout id)."""
     w = random_weight(qtype, rows=PANEL_N, cols=cols)
@@ -386,42 +375,43 @@ def test_panels_hold_the_gguf_values(ops: ModuleType, qtype: Q) -> None:
 
 @by_type
 def test_panel_products_are_the_float_product_up_to_int8_activations(
-        ops: ModuleType, qtype: Q) -> None:
+        ops: ModuleType, isa: object, qtype: Q) -> None:
     w, p, layout = panels(ops, qtype)
     x = activations(11)
     reference = x.double() @ torch.from_numpy(dequantize(w.numpy(), qtype)).double().T
-    got = ops.qgemm(ops.quantize_activations(x, int(qtype)), p, layout, K)
+    got = ops.qgemm(ops.quantize_activations(x, int(qtype), isa), p, layout, K, isa)
     assert ((got.double() - reference).norm() / reference.norm()) < GEMM_RTOL
 
 
 @by_type
-def test_panel_paths_agree_bit_for_bit(ops: ModuleType, qtype: Q) -> None:
+def test_panel_paths_agree_bit_for_bit(ops: ModuleType, isa: object, qtype: Q) -> None:
     """The scalar reference does the vector kernel's integer sums and float operations in the
     same order, one output at a time: the two give the same bits."""
     _, p, layout = panels(ops, qtype)
-    xq = ops.quantize_activations(activations(11), int(qtype))
+    xq = ops.quantize_activations(activations(11), int(qtype), isa)
     results = []
     for path in ("avx512-vnni", "scalar"):
-        with panel_path(ops, path):
-            results.append(ops.qgemm(xq, p, layout, K))
+        with code_path(ops, path) as isa:
+            results.append(ops.qgemm(xq, p, layout, K, isa))
     assert torch.equal(*results)
 
 
 @by_type
 @pytest.mark.parametrize("path", ["avx512-vnni", "scalar"])
-def test_panel_rows_do_not_depend_on_the_batch(ops: ModuleType, qtype: Q, path: str) -> None:
+def test_panel_rows_do_not_depend_on_the_batch(ops: ModuleType, isa: object, qtype: Q,
+                                               path: str) -> None:
     _, p, layout = panels(ops, qtype)
     x = activations(19)  # more than one pass of eight rows
-    xq = ops.quantize_activations(x, int(qtype))
-    with panel_path(ops, path):
-        batch = ops.qgemm(xq, p, layout, K)
+    xq = ops.quantize_activations(x, int(qtype), isa)
+    with code_path(ops, path) as isa:
+        batch = ops.qgemm(xq, p, layout, K, isa)
         for i in range(19):
-            assert torch.equal(ops.qgemm(xq[i : i + 1], p, layout, K), batch[i : i + 1])
-        assert torch.equal(ops.qgemm(xq[3:12], p, layout, K), batch[3:12])
+            assert torch.equal(ops.qgemm(xq[i : i + 1], p, layout, K, isa), batch[i : i + 1])
+        assert torch.equal(ops.qgemm(xq[3:12], p, layout, K, isa), batch[3:12])
         with threads(1):
-            assert torch.equal(ops.qgemm(xq, p, layout, K), batch)
+            assert torch.equal(ops.qgemm(xq, p, layout, K, isa), batch)
         out = torch.full((19, PANEL_N + 32), float("nan"))
-        ops.qgemm_into(xq, p, layout, K, out, 16)
+        ops.qgemm_into(xq, p, layout, K, out, 16, isa)
         assert torch.equal(out[:, 16 : 16 + PANEL_N], batch)
         assert out[:, :16].isnan().all() and out[:, 16 + PANEL_N :].isnan().all()
 
@@ -437,35 +427,35 @@ def int8_activations(xq: torch.Tensor, qtype: Q) -> torch.Tensor:
 
 
 @by_type
-def test_every_path_is_the_exact_product_up_to_float_rounding(ops: ModuleType, qtype: Q
-                                                              ) -> None:
+def test_every_path_is_the_exact_product_up_to_float_rounding(ops: ModuleType, isa: object,
+                                                              qtype: Q) -> None:
     """Rows (AVX2, scalar) and panels (AVX512-VNNI, scalar) against the float64 product of
     the same int8 activations and the same weights: only float32 rounding apart. The other
     product tests allow the activations' rounding (2e-2), which could hide a value decoded
     wrong in a rare position."""
     w, p, layout = panels(ops, qtype)
-    xq = ops.quantize_activations(activations(11), int(qtype))
+    xq = ops.quantize_activations(activations(11), int(qtype), isa)
     x = int8_activations(xq, qtype)
     weights = torch.from_numpy(dequantize(w.numpy(), qtype)).double()
     exact, scale = x @ weights.T, x.abs() @ weights.abs().T
-    runs = [(code_path, path, w, int(qtype)) for path in ("avx2", "scalar")
+    runs = [(path, w, int(qtype)) for path in ("avx2", "scalar")
             if path == "scalar" or has_avx2(ops)]
-    runs += [(panel_path, path, p, layout) for path in ("avx512-vnni", "scalar")
-             if path == "scalar" or ops.has_vnni()]
-    for context, path, weight, kind in runs:
-        with context(ops, path):
-            got = ops.qgemm(xq, weight, kind, K).double()
+    runs += [(path, p, layout) for path in ("avx512-vnni", "scalar")
+             if path == "scalar" or ops.Isa().vnni]
+    for path, weight, kind in runs:
+        with code_path(ops, path) as isa:
+            got = ops.qgemm(xq, weight, kind, K, isa).double()
         assert ((got - exact).abs() <= 1e-5 * scale + 1e-30).all(), (path, kind)
 
 
-def test_panels_need_whole_panels(ops: ModuleType) -> None:
+def test_panels_need_whole_panels(ops: ModuleType, isa: object) -> None:
     w = random_weight(Q.Q8_0, rows=40)
     with pytest.raises(RuntimeError, match="multiple of 16 rows"):
         ops.repack_panels(w, int(Q.Q8_0), K)
     p = ops.repack_panels(random_weight(Q.Q8_0, rows=48), int(Q.Q8_0), K)
-    xq = ops.quantize_activations(activations(2), int(Q.Q8_0))
+    xq = ops.quantize_activations(activations(2), int(Q.Q8_0), isa)
     with pytest.raises(RuntimeError, match="multiple of 16 rows"):
-        ops.qgemm(xq, p[:40].contiguous(), ops.PANEL + int(Q.Q8_0), K)
+        ops.qgemm(xq, p[:40].contiguous(), ops.PANEL + int(Q.Q8_0), K, isa)
     with pytest.raises(RuntimeError, match="unsupported GGML type"):
         ops.repack_panels(random_weight(Q.Q8_0, rows=48), int(Q.IQ3_S), K)
 
@@ -520,28 +510,17 @@ def test_a_read_only_kernel_folder_with_a_finished_build_serves_it(
 
 
 def test_kernel_isa_can_be_chosen(ops: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    from braid.kernels import _choose_isa
+    """BRAID_KERNEL_ISA picks the instruction sets every op is given (what an AVX2-only CPU
+    runs, on any CPU that has AVX2: no AVX512 quantizer or attention either), once."""
+    from braid.kernels import kernel_isa
 
-    avx512 = ops.set_avx512(False)  # the setting before (restored below)
-    ops.set_avx512(avx512)
-    before = ops.set_vnni(True), ops.set_avx2(True)
-    has_avx2 = ops.isa() == "avx2"
-    try:
-        monkeypatch.setenv("BRAID_KERNEL_ISA", "scalar")
-        _choose_isa(ops)
-        assert (ops.panel_isa(), ops.isa()) == ("scalar", "scalar")
-        if has_avx2:
-            # what an AVX2-only CPU runs: no AVX512 quantizer or attention either (it kept
-            # them on where the CPU has AVX512)
-            monkeypatch.setenv("BRAID_KERNEL_ISA", "avx2")
-            _choose_isa(ops)
-            assert (ops.panel_isa(), ops.isa()) == ("scalar", "avx2")
-            assert ops.set_avx512(False) is False  # it was off already
-            assert "avx512" not in (ops.attention_isa(64), ops.attention_isa(128))
-        monkeypatch.setenv("BRAID_KERNEL_ISA", "avx-9000")
-        with pytest.raises(ValueError, match="BRAID_KERNEL_ISA"):
-            _choose_isa(ops)
-    finally:
-        ops.set_vnni(before[0])
-        ops.set_avx2(before[1])
-        ops.set_avx512(avx512)
+    monkeypatch.setenv("BRAID_KERNEL_ISA", "scalar")
+    assert kernel_isa.__wrapped__().name == "scalar"
+    if has_avx2(ops):
+        monkeypatch.setenv("BRAID_KERNEL_ISA", "avx2")
+        isa = kernel_isa.__wrapped__()
+        assert (isa.name, isa.avx512, isa.vnni) == ("avx2", False, False)
+        assert "avx512" not in (ops.attention_isa(64, isa), ops.attention_isa(128, isa))
+    monkeypatch.setenv("BRAID_KERNEL_ISA", "avx-9000")
+    with pytest.raises(ValueError, match="BRAID_KERNEL_ISA"):
+        kernel_isa.__wrapped__()

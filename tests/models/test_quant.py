@@ -20,7 +20,7 @@ from torch import nn
 from braid.config import ConfigError, EngineConfig
 from braid.engine.engine import LLMEngine
 from braid.files import ModelLoadError
-from braid.kernels import quant_ops
+from braid.kernels import kernel_isa, quant_ops
 from braid.models.build import load_model
 from braid.models.quant import (
     HUGE_PAGE,
@@ -175,7 +175,9 @@ def test_segments_of_different_formats_fill_their_rows() -> None:
     ops = quant_ops()
     assert ops is not None
     k_part = layer.segments[0][1]
-    alone = ops.qgemm(ops.quantize_activations(x, int(Q.Q4_K)), k_part.data, k_part.layout, 256)
+    isa = kernel_isa()
+    alone = ops.qgemm(ops.quantize_activations(x, int(Q.Q4_K), isa), k_part.data, k_part.layout,
+                      256, isa)
     assert torch.equal(got[:, :16], alone)
     # Q4_K runs with its scales as bytes (unpacked or in panels): 148 bytes a block, not 144.
     assert layer.weight_bytes() == k_rows.numel() // 144 * 148 + q8_rows.data.numel()
