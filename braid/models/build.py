@@ -24,7 +24,7 @@ logger = logging.getLogger("braid")
 
 Weights = Iterator[tuple[str, torch.Tensor | QuantWeight]]
 # config.json's architecture -> the model class that runs it (models/config.py reads it)
-FAMILIES = {"qwen2": Qwen2ForCausalLM, "llama": Qwen2ForCausalLM}
+FAMILIES = {"qwen2": Qwen2ForCausalLM, "llama": Qwen2ForCausalLM, "qwen3": Qwen2ForCausalLM}
 
 
 def load_model(

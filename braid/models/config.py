@@ -7,14 +7,17 @@ import numbers
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "llama")
+SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "qwen3")
+HF_CLASSES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+              "qwen3": "Qwen3ForCausalLM"}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Qwen2 / Llama decoder, named as in Hugging Face config.json."""
+    """Hyper-parameters of a Qwen2 / Llama / Qwen3 decoder, named as in Hugging Face
+    config.json."""
 
-    architecture: str  # "qwen2" or "llama"
+    architecture: str  # "qwen2", "llama" or "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -72,9 +75,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face config.json dict (model_type qwen2 or llama). Fields that
-        change the model's arithmetic in ways braid does not implement (RoPE scaling, a
-        sliding window, another activation) are refused: ignoring them gave other logits."""
+        """Build from a Hugging Face config.json dict (model_type qwen2, llama or qwen3).
+        Fields that change the model's arithmetic in ways braid does not implement (RoPE
+        scaling, a sliding window, another activation) are refused: ignoring them gave other
+        logits."""
         _refuse_unimplemented(d)
         arch = d.get("model_type", "")
         heads = d["num_attention_heads"]
@@ -99,12 +103,16 @@ class ModelConfig:
             rope_scaling=_rope_scaling(d),
         )
 
+    @property
+    def qk_norm(self) -> bool:
+        """Each query and key head is RMS-normalised (its own weights) before RoPE: Qwen3."""
+        return self.architecture == "qwen3"
+
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json dict that `from_hf_dict` (and transformers) reads back."""
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "architecture"}
         d["model_type"] = self.architecture
-        d["architectures"] = [
-            "Qwen2ForCausalLM" if self.architecture == "qwen2" else "LlamaForCausalLM"]
+        d["architectures"] = [HF_CLASSES[self.architecture]]
         d["hidden_act"] = "silu"
         d["torch_dtype"] = "float32"
         return d
@@ -113,7 +121,8 @@ class ModelConfig:
         """Weights of the model (a tied LM head counted once)."""
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
         q = self.num_attention_heads * self.head_dim
-        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv) * self.attention_bias
+        attn = (h * (q + 2 * kv) + q * h + (q + 2 * kv) * self.attention_bias
+                + 2 * self.head_dim * self.qk_norm)
         layer = attn + 3 * h * self.intermediate_size + 2 * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_hidden_layers * layer + h + head

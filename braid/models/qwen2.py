@@ -197,13 +197,16 @@ class Attention(nn.Module):
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
         self.o_proj = linear(self.q_size, cfg.hidden_size, bias=False)
+        # Qwen3: each q and k head RMS-normalised before RoPE
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_cache = torch.empty(0)  # [num_slots, KVH, D], bound by the runner
         self.v_cache = torch.empty(0)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        qkv = self._norm_heads(self.qkv_proj(x))
         ops = quant_ops() if qkv.device.type == "cpu" and qkv.dtype == rope[0].dtype \
             == torch.float32 and self.k_cache.dtype in KV_CACHE_DTYPES else None
         if ops is not None and meta.kv_slots is not None:
@@ -218,6 +221,15 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta)
         return self.o_proj(out.flatten(1))
+
+    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [T, q + 2 kv] with each q and k head normalised (Qwen3), else as it is."""
+        if self.q_norm is None or self.k_norm is None:
+            return qkv
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+        k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        return torch.cat([q, k, v], dim=-1)
 
 
 class MLP(nn.Module):
@@ -333,6 +345,7 @@ class Qwen2ForCausalLM(nn.Module):
         (float32, float16 or bfloat16) and the row-by-row attention's metadata; None
         elsewhere (the modules run)."""
         if (not self.fuse_layers or self.quant_type is None or meta.kv_slots is None
+                or self.config.qk_norm  # the compiled layer has no per-head norms
                 or x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous()
                 or cast(DecoderLayer, self.layers[0]).self_attn.k_cache.dtype
                 not in KV_CACHE_DTYPES):
@@ -540,4 +553,7 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.attention_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}
+        if cfg.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (cfg.head_dim,),
+                       p + "self_attn.k_norm.weight": (cfg.head_dim,)}
     return shapes

@@ -379,3 +379,59 @@ def test_a_float_gguf_gets_a_hint_toward_int8(tmp_path: Path, caplog) -> None:
             model, _ = load_model(str(path), quantization="int8")
         assert "holds float weights" not in caplog.text
         assert any(isinstance(m, QuantLinear) for m in model.modules())
+
+
+def gguf_names(hf_weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face names -> llama.cpp's (what its convert script writes for Qwen2 / Qwen3:
+    no rope permutation)."""
+    layer = {v: k for k, v in gguf_loader._LAYER_NAMES.items()}
+    top = {v: k for k, v in gguf_loader._GLOBAL_NAMES.items()}
+    out = {}
+    for name, tensor in hf_weights.items():
+        base, kind = name.rsplit(".", 1)
+        if base.startswith("model.layers."):
+            i, rest = base.removeprefix("model.layers.").split(".", 1)
+            out[f"blk.{i}.{layer[rest]}.{kind}"] = tensor
+        else:
+            out[f"{top[base]}.{kind}"] = tensor
+    return out
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "q8_0"])
+def test_a_qwen3_gguf_gives_transformers_logits(tmp_path: Path, quantized: bool) -> None:
+    """Qwen3 (q and k heads RMS-normalised before RoPE, no qkv bias), written as llama.cpp
+    writes it (`attn_q_norm` / `attn_k_norm`, the `qwen3.` metadata keys): its logits equal
+    transformers' on the same weights up to float32 rounding; with the projections stored as
+    Q8_0 (run on the kernels), transformers' on those weights' values up to the int8
+    activations' rounding."""
+    from braid.models.build import load_model
+    from tests.models.test_qwen2 import PagedRun
+    from tests.tiny import hf_model, tiny_config
+
+    cfg = tiny_config("qwen3", vocab_size=len(tiny_vocab()), hidden_size=HIDDEN,
+                      intermediate_size=FFN, num_attention_heads=HEADS,
+                      num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rope_theta=1e6,
+                      rms_norm_eps=1e-5, tie_word_embeddings=True)
+    hf = hf_model(cfg, seed=3)
+    tensors = {}
+    for name, t in gguf_names(dict(hf.state_dict())).items():
+        array = t.numpy()
+        if quantized and array.ndim == 2 and "token_embd" not in name:
+            blocks = quantize(array, Q.Q8_0)
+            tensors[name] = (blocks, Q.Q8_0)
+            t.copy_(torch.from_numpy(dequantize(blocks, Q.Q8_0)))  # the reference's weight
+        else:
+            tensors[name] = (array, None)
+    path = write_gguf(tmp_path / "qwen3.gguf", "qwen3", tensors,
+                      hparams(key_length=HEAD_DIM, value_length=HEAD_DIM))
+    model, _ = load_model(str(path))
+    assert model.config.architecture == "qwen3" and model.config.qk_norm
+    assert (model.quant_type is not None) == quantized
+    ids = [3, 200, 17, 17, 90, 41, 5, 260]
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    got = PagedRun(model).step({"a": ids})["a"]
+    if quantized:
+        assert ((got - expected).norm() / expected.norm()).item() < 2e-2
+    else:
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)

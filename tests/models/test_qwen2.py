@@ -73,8 +73,9 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(params=[("qwen2", False), ("llama", False), ("qwen2", True), ("llama", True)],
-                ids=["qwen2", "llama", "qwen2-packed", "llama-packed"])
+@pytest.fixture(params=[("qwen2", False), ("llama", False), ("qwen3", False), ("qwen2", True),
+                        ("llama", True), ("qwen3", True)],
+                ids=["qwen2", "llama", "qwen3", "qwen2-packed", "llama-packed", "qwen3-packed"])
 def models(request):
     arch, packed = request.param
     cfg = tiny_config(arch)
