@@ -144,9 +144,10 @@ class Tokenizer:
     """Encode/decode, special ids and the chat template of one model."""
 
     def __init__(self, backend: tokenizers.Tokenizer, config: dict[str, Any],
-                 extra_eos_ids: Iterable[int] = ()) -> None:
+                 extra_eos_ids: Iterable[int] = (), file: Path | None = None) -> None:
         self.backend = backend
         self.config = config
+        self.file = file  # the tokenizer.json it was read from, if any
         self.chat_template: str | None = config.get("chat_template")
         self._special = {n: _token_content(config.get(f"{n}_token")) for n in SPECIAL_NAMES}
         self._special_ids = sorted(i for i, t in backend.get_added_tokens_decoder().items()
@@ -171,7 +172,7 @@ class Tokenizer:
             config["chat_template"] = (folder / "chat_template.jinja").read_text()
         eos = [*_as_id_list(_read_json(folder / "generation_config.json").get("eos_token_id")),
                *_as_id_list(_read_json(folder / "config.json").get("eos_token_id"))]
-        return cls(backend, config, eos)
+        return cls(backend, config, eos, folder / "tokenizer.json")
 
     def _find_eos_ids(self, extra: Iterable[int]) -> set[int]:
         ids = set(extra)

@@ -78,7 +78,7 @@ class LLMEngine:
         self.step_inputs = StepInputs(self.blocks, model.config.vocab_size)
         self.runner = self.executor.runner  # the speculator's warm-up and draft share it
         self.speculator = make_speculator(config, self.runner, self.scheduler, draft_model,
-                                          self.outputs.eos_token_ids)
+                                          self.outputs.eos_token_ids, tokenizer)
         check_memory(config, self.executor.weight_and_kv_bytes, self.speculator.draft_runner)
         self.stats = EngineStats(num_kv_blocks=num_blocks)
         self.structured = None if tokenizer is None else StructuredOutputManager(

@@ -24,7 +24,8 @@ logger = logging.getLogger("braid")
 
 Weights = Iterator[tuple[str, torch.Tensor | QuantWeight]]
 # config.json's architecture -> the model class that runs it (models/config.py reads it)
-FAMILIES = {"qwen2": Qwen2ForCausalLM, "llama": Qwen2ForCausalLM, "qwen3": Qwen2ForCausalLM}
+FAMILIES = {"qwen2": Qwen2ForCausalLM, "llama": Qwen2ForCausalLM,
+            "qwen3": Qwen2ForCausalLM}
 
 
 def load_model(
@@ -42,7 +43,7 @@ def load_model(
     asked for by hand (a default needs no note that quantized weights run in float32)."""
     start = time.perf_counter()
     path = resolve_model_path(name_or_path)
-    folder = gguf_to_hf_folder(path) if path.is_file() else path
+    folder = model_folder(name_or_path)
     cfg = load_config(folder)
     quant_type, weights = _weights(path, cfg, quantization, device)
     if quant_type is not None:
@@ -68,6 +69,13 @@ def load_model(
                 "float" if quant_type is None else "quantized", model.weight_bytes() / 1e9,
                 time.perf_counter() - start)
     return model.eval(), tokenizer
+
+
+def model_folder(name_or_path: str) -> Path:
+    """The Hugging Face style folder of a model: its own, or a GGUF's converted one
+    (config.json and tokenizer files; converted once, then found in the cache)."""
+    path = resolve_model_path(name_or_path)
+    return gguf_to_hf_folder(path) if path.is_file() else path
 
 
 def release_freed_memory() -> None:

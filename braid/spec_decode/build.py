@@ -3,8 +3,11 @@ loaded here unless one is given), the policy's state, and its warm-up forwards."
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any
 
+import tokenizers
 import torch
 
 from braid.config import ConfigError, EngineConfig
@@ -16,15 +19,21 @@ from braid.spec_decode.draft import DraftModelProposer
 from braid.spec_decode.ngram import NgramProposer
 from braid.spec_decode.proposer import Proposer
 from braid.spec_decode.speculator import Speculation, Speculator
+from braid.tokenizer import Tokenizer
 from braid.worker.runner import ModelRunner
+
+logger = logging.getLogger("braid")
+
+TOKEN_SAMPLE = 1000  # token ids compared between the draft's tokenizer and the target's
 
 
 def make_speculator(cfg: EngineConfig, target: ModelRunner, scheduler: Scheduler,
                     draft: CausalLM | None = None,
-                    eos_token_ids: frozenset[int] = frozenset()) -> Speculation:
+                    eos_token_ids: frozenset[int] = frozenset(),
+                    tokenizer: Tokenizer | None = None) -> Speculation:
     """Speculation off (the base class) without `speculative_config`. `eos_token_ids` are
     the target's (the draft's sampling rows suppress and fall back to them as the target's
-    do)."""
+    do); a draft loaded here must share `tokenizer`, the target's."""
     spec = cfg.spec_config
     if spec is None:
         return Speculation()
@@ -32,7 +41,7 @@ def make_speculator(cfg: EngineConfig, target: ModelRunner, scheduler: Scheduler
     if spec.method == "ngram":
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     else:
-        draft = draft or _load_draft(cfg)
+        draft = draft or _load_draft(cfg, tokenizer)
         check_draft(cfg, target.model.config, draft.config)
         kv_dtype = cfg.kv_dtype(draft.dtype, draft.quant_type is not None)
         proposer = DraftModelProposer(draft, scheduler.blocks, cfg.block_size, target.device,
@@ -63,11 +72,42 @@ def check_draft(cfg: EngineConfig, target: ModelConfig, draft: ModelConfig) -> N
                           f"--max-model-len {cfg.max_model_len}; lower --max-model-len")
 
 
-def _load_draft(cfg: EngineConfig) -> CausalLM:
-    from braid.models.build import load_model
+def check_draft_tokenizer(target: Tokenizer | None, draft_folder: Path) -> None:
+    """A ConfigError where the draft's tokenizer gives a token another id than the target's:
+    another size, or any token of a sample (TOKEN_SAMPLE ids spread over the vocabulary, and
+    the last ones, where added and special tokens sit). The draft proposes ids, so they must
+    mean the target's tokens. Nothing to compare without a tokenizer on either side (a
+    warning where the draft's cannot be read)."""
+    file = draft_folder / "tokenizer.json"
+    if target is None or not file.is_file():
+        return
+    if target.file is not None and target.file.read_bytes() == file.read_bytes():
+        return  # the same file (the default pair's): ~10 ms against ~0.3 s to compare ids
+    try:
+        draft = tokenizers.Tokenizer.from_file(str(file))
+    except Exception as e:  # the tokenizers library raises a bare Exception
+        logger.warning("--speculative-config model: cannot read %s (%s); the draft's "
+                       "vocabulary is taken to be the target's", file, e)
+        return
+    size = draft.get_vocab_size(with_added_tokens=True)
+    if size != target.vocab_size:
+        raise ConfigError(f"--speculative-config: the draft model's tokenizer has {size} "
+                          f"tokens, the target's {target.vocab_size}: they must be the same")
+    step = max(1, size // TOKEN_SAMPLE)
+    for token_id in [*range(0, size, step), *range(max(0, size - TOKEN_SAMPLE), size)]:
+        ours, theirs = target.backend.id_to_token(token_id), draft.id_to_token(token_id)
+        if ours != theirs:
+            raise ConfigError(f"--speculative-config: token id {token_id} is {theirs!r} in the "
+                              f"draft model's tokenizer but {ours!r} in the target's: the "
+                              "draft must share the target's tokenizer")
+
+
+def _load_draft(cfg: EngineConfig, tokenizer: Tokenizer | None) -> CausalLM:
+    from braid.models.build import load_model, model_folder
 
     spec = cfg.spec_config
     assert spec is not None and spec.model is not None
+    check_draft_tokenizer(tokenizer, model_folder(spec.model))
     dtype = resolve_draft_dtype(spec.draft_dtype, cfg.torch_dtype, cfg.device)
     draft, _ = load_model(spec.model, dtype, cfg.device, spec.quantization or cfg.quantization,
                           dtype_given=spec.draft_dtype != "auto" or cfg.dtype != "auto",

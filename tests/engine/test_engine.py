@@ -251,9 +251,10 @@ def test_a_draft_that_cannot_draft_is_refused_before_the_weights_load(
         LLMEngine(EngineConfig(model=str(tmp_path / "m"), speculative_config=spec))
 
 
-def test_a_draft_s_tokenizer_is_not_read(tmp_path) -> None:
-    """The draft proposes token ids: its own tokenizer is never used, so it is not read (it
-    cost ~0.3 s of every start with the default pair; here it could not be read)."""
+def test_a_draft_whose_tokenizer_cannot_be_read_starts_with_a_warning(tmp_path, caplog) -> None:
+    """The draft proposes token ids and never decodes: a tokenizer file it cannot read only
+    means its ids cannot be compared with the target's (test_a_draft_with_another_tokenizer
+    _is_refused), which the log says."""
     save_tiny_model(tmp_path / "m")
     save_tiny_model(tmp_path / "d")
     (tmp_path / "d" / "tokenizer.json").write_text("not a tokenizer")
@@ -261,6 +262,38 @@ def test_a_draft_s_tokenizer_is_not_read(tmp_path) -> None:
     engine = LLMEngine(EngineConfig(model=str(tmp_path / "m"), speculative_config=spec,
                                     log_stats_interval=0))
     assert engine.tokenizer is not None and engine.speculator.draft_runner is not None
+    assert "the draft's vocabulary is taken to be the target's" in caplog.text
+
+
+@pytest.mark.parametrize("change", ["swapped", "extra"])
+def test_a_draft_with_another_tokenizer_is_refused(tmp_path, change: str) -> None:
+    """A draft whose tokenizer gives ids to other tokens (two swapped), or has more tokens,
+    is refused at start naming what differs (its drafts would be another model's text);
+    the same draft with the target's tokenizer starts."""
+    import json
+
+    save_tiny_model(tmp_path / "m")
+    save_tiny_model(tmp_path / "d", seed=1)
+    file = tmp_path / "d" / "tokenizer.json"
+    tok = json.loads(file.read_text())
+    vocab = tok["model"]["vocab"]
+    if change == "swapped":
+        a, b = (t for t, i in vocab.items() if i in (65, 66))
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+        match = "token id 65 is"
+    else:
+        tok["added_tokens"].append({"id": max(vocab.values()) + 10, "content": "<|extra|>",
+                                    "special": True, "single_word": False, "lstrip": False,
+                                    "rstrip": False, "normalized": False})
+        match = "the draft model's tokenizer has"
+    file.write_text(json.dumps(tok))
+    spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": str(tmp_path / "d")}
+    config = EngineConfig(model=str(tmp_path / "m"), speculative_config=spec,
+                          log_stats_interval=0)
+    with pytest.raises(ConfigError, match=match):
+        LLMEngine(config)
+    file.write_text((tmp_path / "m" / "tokenizer.json").read_text())
+    assert LLMEngine(config).speculator.draft_runner is not None
 
 
 def test_server_port_is_checked_by_the_parser(capsys) -> None:
