@@ -324,13 +324,14 @@ class EngineConfig:
             if value is not None and value <= 0:
                 raise ConfigError(f"{_flag(name)} must be > 0, got {value}")
 
-    def finalize(self, model_max_len: int) -> None:
-        """Fill defaults that depend on the model and check the combinations."""
+    def finalize(self, model_max_len: int, limit: str = "context") -> None:
+        """Fill defaults that depend on the model and check the combinations (`limit`: what
+        bounds `model_max_len`, for the error)."""
         if self.max_model_len is None:
             self.max_model_len = min(4096, model_max_len)
         elif self.max_model_len > model_max_len:
-            raise ConfigError(
-                f"--max-model-len {self.max_model_len} exceeds the model's {model_max_len}")
+            raise ConfigError(f"--max-model-len {self.max_model_len} exceeds the model's "
+                              f"{model_max_len} ({limit})")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 128 if self.enable_chunked_prefill else self.max_model_len
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

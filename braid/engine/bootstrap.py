@@ -97,7 +97,7 @@ def check_before_loading(config: EngineConfig, draft: bool = True) -> Checked:
     path = resolve_model_path(config.model)
     folder = folder_of(path)
     model_config = load_config(folder)
-    config.finalize(model_config.max_position_embeddings)
+    config.finalize(model_config.max_context, model_config.context_limit)
     quantized = loads_quantized(path, config.quantization)
     kv_cache_blocks(config, model_config, config.kv_dtype(config.torch_dtype, quantized))
     spec = config.spec_config

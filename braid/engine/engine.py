@@ -58,7 +58,7 @@ class LLMEngine:
         # --override-generation-config's max_new_tokens caps the server's requests (vLLM's)
         self.max_tokens_cap: int | None = (config.override_generation_config or {}).get(
             "max_new_tokens")
-        config.finalize(model.config.max_position_embeddings)
+        config.finalize(model.config.max_context, model.config.context_limit)
         self.config = config
         self.model_config = model.config
         self.tokenizer = tokenizer

@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from braid.kernels import quant_ops
-from braid.models.config import ModelConfig
+from braid.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from braid.models.gguf_loader import gguf_to_hf_folder, iter_gguf_weights, quantized_types
 from braid.models.loader import iter_weights, load_config, resolve_model_path
 from braid.models.quant import QuantWeight, float_quant_type
@@ -24,8 +24,7 @@ logger = logging.getLogger("braid")
 
 Weights = Iterator[tuple[str, torch.Tensor | QuantWeight]]
 # config.json's architecture -> the model class that runs it (models/config.py reads it)
-FAMILIES = {"qwen2": Qwen2ForCausalLM, "llama": Qwen2ForCausalLM,
-            "qwen3": Qwen2ForCausalLM}
+FAMILIES = {name: Qwen2ForCausalLM for name in SUPPORTED_ARCHITECTURES}
 
 
 def load_model(

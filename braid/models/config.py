@@ -7,9 +7,13 @@ import numbers
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "qwen3")
+SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral", "phi3")
 HF_CLASSES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
-              "qwen3": "Qwen3ForCausalLM"}
+              "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+              "phi3": "Phi3ForCausalLM"}
+# Architectures whose config.json `sliding_window` applies to every layer when set (Qwen2's
+# needs use_sliding_window as well, and is refused then).
+SLIDING_WINDOW_ARCHITECTURES = ("mistral", "phi3")
 
 
 @dataclass(frozen=True)
@@ -17,7 +21,7 @@ class ModelConfig:
     """Hyper-parameters of a Qwen2 / Llama / Qwen3 decoder, named as in Hugging Face
     config.json."""
 
-    architecture: str  # "qwen2", "llama" or "qwen3"
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -34,6 +38,10 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     # RoPE scaling as config.json spells it: None (plain RoPE), linear or llama3
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    # Mistral / Phi-3: each position attends to the last `sliding_window` positions. braid
+    # attends to all of them, which is the same while a sequence fits the window: the
+    # context is capped there (`max_context`; vLLM's --disable-sliding-window).
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -54,6 +62,10 @@ class ModelConfig:
             if (not isinstance(value, numbers.Real) or isinstance(value, bool)
                     or not 0 < float(value) < math.inf):
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if self.sliding_window is not None and (not _is_token_id(self.sliding_window)
+                                                or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be an integer >= 1 or null, got "
+                             f"{self.sliding_window!r}")
         if not _is_token_id(self.max_position_embeddings) or self.max_position_embeddings < 1:
             raise ValueError(f"max_position_embeddings must be an integer >= 1, got "
                              f"{self.max_position_embeddings!r}")
@@ -101,7 +113,29 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             rope_scaling=_rope_scaling(d),
+            sliding_window=(d.get("sliding_window") if arch in SLIDING_WINDOW_ARCHITECTURES
+                            else None),
         )
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence braid runs exactly: the model's positions, within its
+        sliding window where it has one."""
+        return min(self.max_position_embeddings,
+                   self.sliding_window or self.max_position_embeddings)
+
+    @property
+    def context_limit(self) -> str:
+        """What bounds `max_context`, in words (for errors)."""
+        if self.max_context < self.max_position_embeddings:
+            return ("its sliding_window: braid attends to every earlier position, the same "
+                    "as the window only within it")
+        return "its max_position_embeddings"
+
+    @property
+    def fused_weights(self) -> bool:
+        """Checkpoints store q/k/v as one qkv_proj and gate/up as one gate_up_proj: Phi-3."""
+        return self.architecture == "phi3"
 
     @property
     def qk_norm(self) -> bool:
@@ -114,6 +148,7 @@ class ModelConfig:
         d["model_type"] = self.architecture
         d["architectures"] = [HF_CLASSES[self.architecture]]
         d["hidden_act"] = "silu"
+        d["pad_token_id"] = None  # (Phi-3's default, 32000, lies outside small vocabularies)
         d["torch_dtype"] = "float32"
         return d
 
@@ -180,6 +215,11 @@ def _refuse_unimplemented(d: dict[str, Any]) -> None:
             isinstance(layers, int) and d.get("max_window_layers", 0) >= layers):
         raise ValueError("use_sliding_window is not supported (braid attends to every "
                          "earlier position)")
+    partial = d.get("partial_rotary_factor",
+                    (d.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor {partial} is not supported (braid rotates "
+                         "every dimension of a head)")
     if (d.get("hidden_act") or "silu") not in ("silu", "swish"):
         raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (SiLU only)")
 

@@ -28,7 +28,11 @@ from gguf.quants import dequantize
 from tqdm import tqdm
 
 from braid.files import ModelLoadError, cache_root
-from braid.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from braid.models.config import (
+    SLIDING_WINDOW_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+)
 from braid.models.gguf_index import GGUFTensor, read_tensors
 from braid.models.quant import QuantWeight, runnable
 
@@ -44,6 +48,7 @@ _LAYER_NAMES = {
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q, k and v in one tensor
     "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
@@ -149,15 +154,17 @@ def hf_shape(tensor: Tensor) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, architecture: str = "") -> str:
     if m := _LAYER_RE.fullmatch(gguf_name):
         layer, part, kind = m.groups()
+        if part == "ffn_up" and architecture == "phi3":  # gate and up in one tensor
+            return f"model.layers.{layer}.mlp.gate_up_proj.{kind}"
         if part in _LAYER_NAMES:
             return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
     elif (m := _GLOBAL_RE.fullmatch(gguf_name)) and m.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
     raise ModelLoadError(
-        f"unexpected GGUF tensor {gguf_name!r}: not part of a plain Qwen2/Llama decoder"
+        f"unexpected GGUF tensor {gguf_name!r}: not part of a decoder braid runs"
     )
 
 
@@ -228,6 +235,8 @@ def config_from_metadata(
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
             rope_scaling=rope_scaling,
+            sliding_window=(meta.get(f"{arch}.attention.sliding_window")
+                            if arch in SLIDING_WINDOW_ARCHITECTURES else None),
         )
     except ModelLoadError:  # a missing key, named already
         raise
@@ -309,7 +318,8 @@ def iter_gguf_weights(path: Path, config: ModelConfig, quantized: bool
     for tensor in tqdm(read_tensors(path), desc=f"Loading {path.name}", unit="tensor",
                        leave=False):
         if tensor.name != ROPE_FREQS:  # in the config (rope_scaling), not a weight
-            yield hf_name(tensor.name), read_tensor(tensor, config, quantized)
+            yield (hf_name(tensor.name, config.architecture),
+                   read_tensor(tensor, config, quantized))
 
 
 def quantized_types(path: Path) -> set[GGMLQuantizationType]:

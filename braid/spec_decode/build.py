@@ -66,9 +66,9 @@ def check_draft(cfg: EngineConfig, target: ModelConfig, draft: ModelConfig) -> N
         raise ConfigError(f"--speculative-config: draft_vocab_size {spec.draft_vocab_size} "
                           f"exceeds the vocabulary ({vocab} tokens)")
     # the draft reads positions up to the target's last (its rotary table ends at its own)
-    if cfg.max_model_len is not None and draft.max_position_embeddings < cfg.max_model_len:
+    if cfg.max_model_len is not None and draft.max_context < cfg.max_model_len:
         raise ConfigError(f"--speculative-config: the draft model's context "
-                          f"({draft.max_position_embeddings} tokens) is shorter than "
+                          f"({draft.max_context} tokens) is shorter than "
                           f"--max-model-len {cfg.max_model_len}; lower --max-model-len")
 
 

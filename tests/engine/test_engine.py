@@ -723,3 +723,19 @@ def test_degenerate_sampling_parameters_hurt_no_other_request(degenerate: dict,
     else:
         assert together["odd"] == outputs({"odd": (ps[2], GREEDY)})["odd"]
     assert together["odd"][1] == "length"
+
+
+def test_a_sliding_window_model_s_context_stops_at_its_window(tmp_path) -> None:
+    """braid attends to every earlier position: the same as a sliding window only within it,
+    so a Mistral-style model runs contexts up to its window (by default) and a longer
+    --max-model-len is refused naming the window (vLLM's --disable-sliding-window)."""
+    folder = save_tiny_model(tmp_path / "m", arch="mistral", sliding_window=32)
+    engine = LLMEngine(EngineConfig(model=str(folder), log_stats_interval=0))
+    assert engine.config.max_model_len == 32
+    engine.add_request("a", list(range(3, 30)), SamplingParams(temperature=0, max_tokens=10,
+                                                               ignore_eos=True))
+    done = [o for o in engine.run_until_done() if o.finished]
+    assert len(done[0].outputs[0].token_ids) == 5  # to the end of the window
+    assert done[0].outputs[0].finish_reason == "length"
+    with pytest.raises(ConfigError, match="exceeds the model's 32 .its sliding_window"):
+        LLMEngine(EngineConfig(model=str(folder), max_model_len=64))

@@ -382,9 +382,10 @@ def test_a_float_gguf_gets_a_hint_toward_int8(tmp_path: Path, caplog) -> None:
 
 
 def gguf_names(hf_weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Hugging Face names -> llama.cpp's (what its convert script writes for Qwen2 / Qwen3:
-    no rope permutation)."""
+    """Hugging Face names -> llama.cpp's (what its convert script writes for Qwen2, Qwen3 and
+    Phi-3: no rope permutation)."""
     layer = {v: k for k, v in gguf_loader._LAYER_NAMES.items()}
+    layer["mlp.gate_up_proj"] = "ffn_up"  # Phi-3's gate and up, one tensor
     top = {v: k for k, v in gguf_loader._GLOBAL_NAMES.items()}
     out = {}
     for name, tensor in hf_weights.items():
@@ -397,10 +398,13 @@ def gguf_names(hf_weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "q8_0"])
-def test_a_qwen3_gguf_gives_transformers_logits(tmp_path: Path, quantized: bool) -> None:
-    """Qwen3 (q and k heads RMS-normalised before RoPE, no qkv bias), written as llama.cpp
-    writes it (`attn_q_norm` / `attn_k_norm`, the `qwen3.` metadata keys): its logits equal
+def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch: str,
+                                                              quantized: bool) -> None:
+    """Qwen3 (q and k heads RMS-normalised before RoPE: `attn_q_norm` / `attn_k_norm`) and
+    Phi-3 (q/k/v in one `attn_qkv`, gate and up in one `ffn_up`, a sliding window in
+    `phi3.attention.sliding_window`), written as llama.cpp writes them: logits equal to
     transformers' on the same weights up to float32 rounding; with the projections stored as
     Q8_0 (run on the kernels), transformers' on those weights' values up to the int8
     activations' rounding."""
@@ -408,10 +412,11 @@ def test_a_qwen3_gguf_gives_transformers_logits(tmp_path: Path, quantized: bool)
     from tests.models.test_qwen2 import PagedRun
     from tests.tiny import hf_model, tiny_config
 
-    cfg = tiny_config("qwen3", vocab_size=len(tiny_vocab()), hidden_size=HIDDEN,
+    window = 200 if arch == "phi3" else None
+    cfg = tiny_config(arch, vocab_size=len(tiny_vocab()), hidden_size=HIDDEN,
                       intermediate_size=FFN, num_attention_heads=HEADS,
                       num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rope_theta=1e6,
-                      rms_norm_eps=1e-5, tie_word_embeddings=True)
+                      rms_norm_eps=1e-5, tie_word_embeddings=True, sliding_window=window)
     hf = hf_model(cfg, seed=3)
     tensors = {}
     for name, t in gguf_names(dict(hf.state_dict())).items():
@@ -422,10 +427,12 @@ def test_a_qwen3_gguf_gives_transformers_logits(tmp_path: Path, quantized: bool)
             t.copy_(torch.from_numpy(dequantize(blocks, Q.Q8_0)))  # the reference's weight
         else:
             tensors[name] = (array, None)
-    path = write_gguf(tmp_path / "qwen3.gguf", "qwen3", tensors,
-                      hparams(key_length=HEAD_DIM, value_length=HEAD_DIM))
+    extra = {"sliding_window": window} if window else {}
+    path = write_gguf(tmp_path / f"{arch}.gguf", arch, tensors,
+                      hparams(key_length=HEAD_DIM, value_length=HEAD_DIM, **extra))
     model, _ = load_model(str(path))
-    assert model.config.architecture == "qwen3" and model.config.qk_norm
+    assert model.config.architecture == arch and model.config.qk_norm == (arch == "qwen3")
+    assert model.config.max_context == (window or 512)
     assert (model.quant_type is not None) == quantized
     ids = [3, 200, 17, 17, 90, 41, 5, 260]
     with torch.no_grad():

@@ -179,28 +179,36 @@ def test_broken_folder_files_are_load_errors_naming_them(tmp_path: Path) -> None
             Tokenizer.from_folder(folder)
 
 
-def test_a_qwen3_folder_saved_by_transformers_gives_its_logits(tmp_path: Path) -> None:
-    """A folder written by transformers' own Qwen3 classes (config.json as transformers spells
-    it, head_dim apart from hidden / heads, q and k norms) loads and runs to its logits."""
+@pytest.mark.parametrize("family, extra", [
+    ("Qwen3", {"head_dim": 32}),  # q and k norms, head_dim apart from hidden / heads
+    ("Mistral", {"sliding_window": 64}),  # a window: the context stops there
+    ("Phi3", {"pad_token_id": None}),  # q/k/v and gate/up stored fused
+])
+def test_a_folder_saved_by_transformers_gives_its_logits(tmp_path: Path, family: str,
+                                                        extra: dict) -> None:
+    """A folder written by transformers' own classes of each family (config.json as
+    transformers spells it) loads and runs to its logits."""
     import transformers
 
     from braid.models.build import load_model
     from tests.models.test_qwen2 import PagedRun
 
-    config = transformers.Qwen3Config(
+    config = getattr(transformers, f"{family}Config")(
         vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, bos_token_id=1,
-        eos_token_id=2)
+        eos_token_id=2, **extra)
     torch.manual_seed(0)
-    hf = transformers.Qwen3ForCausalLM(config).eval()
+    hf = getattr(transformers, f"{family}ForCausalLM")(config).eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0, 0.2)
     hf.save_pretrained(tmp_path)
     model, _ = load_model(str(tmp_path))
-    assert (model.config.architecture, model.config.head_dim) == ("qwen3", 32)
+    assert model.config.architecture == family.lower()
     assert not model.config.attention_bias
+    assert model.config.head_dim == extra.get("head_dim", 16)
+    assert model.config.max_context == extra.get("sliding_window", 256)
     ids = [5, 250, 17, 17, 90, 41, 299, 0, 3]
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]

@@ -73,9 +73,11 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(params=[("qwen2", False), ("llama", False), ("qwen3", False), ("qwen2", True),
-                        ("llama", True), ("qwen3", True)],
-                ids=["qwen2", "llama", "qwen3", "qwen2-packed", "llama-packed", "qwen3-packed"])
+ARCHITECTURES = ["qwen2", "llama", "qwen3", "mistral", "phi3"]
+
+
+@pytest.fixture(params=[(arch, packed) for packed in (False, True) for arch in ARCHITECTURES],
+                ids=[arch + suffix for suffix in ("", "-packed") for arch in ARCHITECTURES])
 def models(request):
     arch, packed = request.param
     cfg = tiny_config(arch)
@@ -215,3 +217,20 @@ def test_packed_bfloat16_matches_reference() -> None:
                                                                        (11, 12))])
     assert (logits - ref_logits).abs().max() < 0.03 * ref_logits.abs().max()
     assert (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean() >= 0.9
+
+
+def test_a_sliding_window_model_equals_transformers_across_its_whole_window() -> None:
+    """Mistral with a 16-position window: every position of a 16-token sequence (the longest
+    braid runs, ModelConfig.max_context) has transformers' logits, the last one attending to
+    all 16; a chunked run gives the same."""
+    cfg = tiny_config("mistral", sliding_window=16)
+    assert cfg.max_context == 16 and "sliding_window" in cfg.context_limit
+    hf = hf_model(cfg, seed=2)
+    toks = prompt(16, seed=9)
+    ref_logits, _ = reference(hf, toks)
+    model = braid_model(cfg, dict(hf.state_dict()))
+    torch.testing.assert_close(PagedRun(model).step({"a": toks})["a"], ref_logits, atol=TOL,
+                               rtol=0)
+    run = PagedRun(model)
+    run.step({"a": toks[:9]})
+    torch.testing.assert_close(run.step({"a": toks[9:]})["a"], ref_logits[9:], atol=TOL, rtol=0)
