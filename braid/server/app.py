@@ -320,6 +320,7 @@ def _context(args: argparse.Namespace, engine: EngineProcess, tokenizer: Tokeniz
                          root=config.model, max_logprobs=info.max_logprobs,
                          vocab_size=info.vocab_size,
                          response_role=args.response_role,
+                         reasoning_parser=args.reasoning_parser,
                          max_tokens_cap=info.max_tokens_cap,
                          force_include_usage=args.enable_force_include_usage,
                          log_requests=args.enable_log_requests, max_log_len=args.max_log_len,

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from braid.config import positive_int
+from braid.server.reasoning import PARSERS as REASONING_PARSERS
 
 
 def _port(text: str) -> int:
@@ -153,6 +154,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tool-call-parser", choices=["hermes"], default="hermes",
                        help="how tool calls are read from the output: hermes (<tool_call> "
                             "blocks, Qwen2.5's format; the one braid implements)")
+    group.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
+                       help="split a reasoning model's <think> block from its answer into "
+                            "reasoning_content (vLLM's): qwen3 (a reply that opens with "
+                            "<think>) or deepseek_r1 (the template opens it in the prompt)")
     group.add_argument("--enable-force-include-usage", action="store_true",
                        help="every stream carries usage, in each chunk and a last one, "
                             "whatever its stream_options (vLLM's)")

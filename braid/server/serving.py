@@ -50,6 +50,7 @@ class ServerContext:
     max_logprobs: int = 20  # --max-logprobs (the engine checks it too, naming its own fields)
     vocab_size: int = 0  # what a logprobs field's -1 stands for (vLLM's: the whole vocabulary)
     response_role: str = "assistant"  # --response-role
+    reasoning_parser: str | None = None  # --reasoning-parser
     # sampling for the fields a request leaves unset (the model's generation_config.json)
     default_sampling: dict[str, Any] = field(default_factory=dict)
     # --override-generation-config's max_new_tokens: as in vLLM, every request's max_tokens

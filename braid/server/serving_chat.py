@@ -24,6 +24,7 @@ from braid.server.protocol import (
     DeltaMessage,
     TokenizeChatRequest,
 )
+from braid.server.reasoning import ReasoningSplitter, split_reasoning
 from braid.server.responses import (
     ChoiceState,
     Delta,
@@ -223,13 +224,15 @@ def _response(ctx: ServerContext, job: Job, body: ChatCompletionRequest, model: 
     for choice, out in zip(job.choices, finals, strict=True):
         c = out.outputs[0]
         role = response_role(ctx, body)
-        message, reason = ChatResponseMessage(role=role, content=echoed + c.text), \
-            c.finish_reason
+        reasoning, text = (split_reasoning(ctx.reasoning_parser, c.text)
+                           if ctx.reasoning_parser else (None, c.text))
+        message, reason = ChatResponseMessage(role=role, content=echoed + text,
+                                              reasoning_content=reasoning), c.finish_reason
         if (t := tools.get(choice.index)) is not None:
-            content, calls = t.whole(c.text)
+            content, calls = t.whole(text)
             message, reason = ChatResponseMessage(
                 role=role, content=echoed + (content or "") if echoed else content,
-                tool_calls=calls), t.finish_reason(reason)
+                reasoning_content=reasoning, tool_calls=calls), t.finish_reason(reason)
         choices.append(ChatChoice(
             index=choice.index, message=message,
             logprobs=_logprobs(ctx, body, Delta(c.text, c.token_ids, c.logprobs)),
@@ -245,15 +248,22 @@ def _stream(ctx: ServerContext, job: Job, body: ChatCompletionRequest, model: st
         return ChatCompletionStreamResponse(id=job.id, model=model, choices=[
             ChatStreamChoice(index=index, delta=delta, **fields)])  # type: ignore[arg-type]
 
+    splitters = ({c.index: ReasoningSplitter(ctx.reasoning_parser) for c in job.choices}
+                 if ctx.reasoning_parser else {})
+
     def render(choice: ChoiceState, delta: Delta, out: RequestOutput) -> list[str]:
         c = out.outputs[0]
-        message, reason = DeltaMessage(content=delta.text), c.finish_reason
+        reasoning, text = (splitters[choice.index].feed(delta.text, out.finished)
+                           if splitters else ("", delta.text))
+        message, reason = DeltaMessage(content=(text or None) if splitters else text,
+                                       reasoning_content=reasoning or None), c.finish_reason
         if (t := tools.get(choice.index)) is not None:
-            content, calls = t.delta(delta.text, out.finished)
-            message = DeltaMessage(content=content or None, tool_calls=calls or None)
+            content, calls = t.delta(text, out.finished)
+            message = DeltaMessage(content=content or None, reasoning_content=reasoning or None,
+                                   tool_calls=calls or None)
             reason = t.finish_reason(reason)
-        if not (message.content or message.tool_calls) and not out.finished \
-                and not body.logprobs:
+        if not (message.content or message.reasoning_content or message.tool_calls) \
+                and not out.finished and not body.logprobs:
             return []
         body_chunk = chunk(choice.index, message,
                            logprobs=_logprobs(ctx, body, delta),

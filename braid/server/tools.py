@@ -175,7 +175,7 @@ class HermesParser:
             if not self._in_call:
                 i = self._buffer.find(CALL_OPEN)
                 if i < 0:
-                    keep = _partial_tag(self._buffer, CALL_OPEN)
+                    keep = partial_tag(self._buffer, CALL_OPEN)
                     content.append(self._buffer[:len(self._buffer) - keep])
                     self._buffer = self._buffer[len(self._buffer) - keep:]
                     break
@@ -217,7 +217,7 @@ class HermesParser:
         if not self._in_call or (m := _CALL_HEAD.match(self._buffer)) is None:
             return None
         text = self._buffer[m.end():]
-        return m.group(1), _written(text[:len(text) - _partial_tag(text, CALL_CLOSE)])
+        return m.group(1), _written(text[:len(text) - partial_tag(text, CALL_CLOSE)])
 
     @staticmethod
     def _parse(block: str) -> ToolCall | None:
@@ -256,7 +256,7 @@ def _arguments_text(block: str, arguments: Any) -> str:
     return json.dumps(arguments, ensure_ascii=False)
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """Length of the longest end of `text` that begins `tag`."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-n:]):
