@@ -241,13 +241,7 @@ class LLMEngine:
                 self.stats.prompt_tokens += req.num_prompt_tokens
             if (lp := samples[req.request_id].logprobs) is not None:
                 self.outputs.add_logprobs(req, lp[: u.num_new_tokens])
-            if u.num_drafts:
-                req.spec_stats.record(u.num_drafts, u.num_accepted)
-            if u.num_drafts or u.num_grammar_rejected:
-                # the policy learns from what it proposed: drafts a grammar cut count as
-                # rejected
-                self.speculator.on_verified(req, u.num_drafts + u.num_grammar_rejected,
-                                            u.num_accepted)
+            self.speculator.on_update(u)
             self.stats.add_update(u.num_new_tokens, u.num_drafts, u.num_accepted,
                                   u.num_grammar_rejected)
             if u.finish_reason is not None:

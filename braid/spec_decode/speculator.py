@@ -15,7 +15,7 @@ import torch
 
 from braid.config import SpecConfig
 from braid.core.request import Request
-from braid.core.scheduler import Scheduler
+from braid.core.scheduler import RequestUpdate, Scheduler
 from braid.spec_decode.goodput import FixedPolicy, GoodputPolicy, Window, usual_lag
 from braid.spec_decode.ngram import NgramProposer
 from braid.spec_decode.policy import AcceptanceEstimator
@@ -75,6 +75,14 @@ class Speculation:
 
     def on_verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         """A window of `req`'s drafts was verified."""
+
+    def on_update(self, u: RequestUpdate) -> None:
+        """A request's step: its window's figures, and what the policy learns from the drafts
+        it proposed (those a grammar cut count as rejected)."""
+        if u.num_drafts:
+            u.request.spec_stats.record(u.num_drafts, u.num_accepted)
+        if u.num_drafts or u.num_grammar_rejected:
+            self.on_verified(u.request, u.num_drafts + u.num_grammar_rejected, u.num_accepted)
 
     def forget(self, request_id: str) -> None:
         """The request finished or lost its KV blocks (preempted)."""
