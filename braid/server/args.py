@@ -151,9 +151,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     # parser Qwen2.5 needs, so a vLLM command line runs unchanged
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="accepted for vLLM command lines: tool_choice \"auto\" is always on")
-    group.add_argument("--tool-call-parser", choices=["hermes"], default="hermes",
-                       help="how tool calls are read from the output: hermes (<tool_call> "
-                            "blocks, Qwen2.5's format; the one braid implements)")
+    group.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"],
+                       default="hermes",
+                       help="accepted for vLLM command lines: braid reads both formats "
+                            "whatever it says, hermes (Qwen's <tool_call> blocks) and "
+                            "llama3_json (Llama 3's bare JSON calls, after <|python_tag|>)")
     group.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                        help="split a reasoning model's <think> block from its answer into "
                             "reasoning_content (vLLM's): qwen3 (a reply that opens with "

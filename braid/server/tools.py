@@ -4,7 +4,8 @@ The tools go to the model through its chat template; a call comes back as
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` in the text, parsed into
 `tool_calls` (streamed as vLLM's hermes parser does: a call's id and name once its head is
 in, then its arguments text as it grows; text before and between calls streams as content).
-An output that is nothing but such a call without the tags (or a ```json block of one) is a
+An output that is nothing but such a call without the tags (or a ```json block of one, or
+Llama 3's form: `<|python_tag|>` then {"name", "parameters"} objects, vLLM's llama3_json) is a
 call too (`bare_calls`). `tool_choice`:
 - "none": the model sees the tools, its text stays text.
 - "auto": the model decides; calls are parsed out of its text.
@@ -34,6 +35,7 @@ from braid.server.protocol import (
 )
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"  # what Llama 3 writes before its calls
 
 
 def tool_mode(body: ChatCompletionRequest) -> str | None:
@@ -265,28 +267,34 @@ def partial_tag(text: str, tag: str) -> int:
 
 
 def bare_calls(text: str, names: set[str], limit: int | None) -> list[ToolCall]:
-    """Calls written without `<tool_call>` tags, as small models often do (Qwen2.5-Coder-1.5B
-    answers with a ```json block): the whole output, fences aside, is one call, a list of
-    calls or calls one after another, each {"name": a tool's name, "arguments": an
-    object}. vLLM's llama3_json parser
-    reads such output; anything else stays text."""
-    body = text.strip()
+    """Calls written without `<tool_call>` tags: the whole output, fences and Llama 3's
+    `<|python_tag|>` aside, is one call, a list of calls or calls one after another (with
+    whitespace or Llama 3.2's "; " between), each {"name": a tool's name, "arguments" (or
+    Llama 3's "parameters"): an object}. Small Qwen models answer so too (Qwen2.5-Coder-1.5B
+    writes a ```json block); vLLM's llama3_json parser reads Llama 3's. Anything else stays
+    text."""
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
     if body.startswith("```"):
         body = body.removeprefix("```json").removeprefix("```").removesuffix("```").strip()
-    items = _json_values(body)
+    items = _json_values(body, separators=";")
     if len(items) == 1 and isinstance(items[0], list):
         items = items[0]
     if not items or not all(isinstance(c, dict) and c.get("name") in names
-                            and isinstance(c.get("arguments", {}), dict) for c in items):
+                            and isinstance(_call_arguments(c), dict) for c in items):
         return []
-    calls = [new_call(c["name"], json.dumps(c.get("arguments", {}), ensure_ascii=False))
+    calls = [new_call(c["name"], json.dumps(_call_arguments(c), ensure_ascii=False))
              for c in items]
     return calls[:limit]
 
 
-def _json_values(text: str) -> list[Any]:
-    """The JSON values `text` is made of, one after another with whitespace between (a
-    model writing two calls as two objects); [] where it is anything else."""
+def _call_arguments(call: dict[str, Any]) -> Any:
+    return call.get("arguments", call.get("parameters", {}))
+
+
+def _json_values(text: str, separators: str = "") -> list[Any]:
+    """The JSON values `text` is made of, one after another with whitespace (or one of
+    `separators`) between (a model writing two calls as two objects); [] where it is
+    anything else."""
     decoder, values, i = json.JSONDecoder(), [], 0
     while i < len(text):
         try:
@@ -296,6 +304,10 @@ def _json_values(text: str) -> list[Any]:
         values.append(value)
         while i < len(text) and text[i].isspace():
             i += 1
+        if i < len(text) and text[i] in separators:
+            i += 1
+            while i < len(text) and text[i].isspace():
+                i += 1
     return values
 
 
@@ -306,10 +318,11 @@ def _argument_delta(index: int, arguments: str, sent: str) -> list[DeltaToolCall
 
 
 def _may_be_bare(text: str) -> bool:
-    """The output so far could still be a bare call (whitespace, or it opens with JSON or a
-    fence)."""
+    """The output so far could still be a bare call (whitespace, or it opens with JSON, a
+    fence or Llama 3's `<|python_tag|>`)."""
     head = text.lstrip()
-    return not head or head[0] in "{[`"
+    return (not head or head[0] in "{[`" or PYTHON_TAG.startswith(head)
+            or head.startswith(PYTHON_TAG))
 
 
 _REQUIRED_HEAD = re.compile(r'\s*,?\s*\{\s*"name"\s*:\s*')

@@ -118,6 +118,19 @@ def test_required_and_named_tools_with_references(server: ServerProcess, stream:
                             {**SCHEMAS, "convert": UNITS}[name])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_llama3_json_calls_come_back_as_tool_calls(server: ServerProcess, stream: bool) -> None:
+    """Llama 3's form (vLLM's llama3_json): `<|python_tag|>` and {"name", "parameters"}
+    objects, "; " between two calls (a grammar makes the tiny model write it)."""
+    regex = (r'<\|python_tag\|>\{"name": "get_time", "parameters": \{"zone": "(UTC|CET)"\}\}; '
+             r'\{"name": "get_weather", "parameters": \{"city": "(Paris|Oslo)", "days": [1-7]\}\}')
+    content, calls, finish = chat(server, stream,
+                                  extra_body={"structured_outputs": {"regex": regex}})
+    assert content is None and finish == "tool_calls"
+    assert [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
+    check_calls(calls)
+
+
 def test_stream_and_whole_agree(server: ServerProcess) -> None:
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         kwargs: dict[str, Any] = {"tool_choice": choice, "parallel_tool_calls": False}
@@ -205,6 +218,12 @@ BARE = '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris", "
     ('[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {}}]', True),
     ('```json\n{"name": "get_time", "arguments": {"zone": "CET"}}\n{"name": "get_weather", '
      '"arguments": {"city": "Oslo", "days": 1}}\n```', True),
+    # Llama 3's forms (vLLM's llama3_json): "parameters", <|python_tag|>, "; " between calls
+    ('<|python_tag|>{"name": "get_time", "parameters": {"zone": "CET"}}', True),
+    ('{"name": "get_time", "parameters": {"zone": "CET"}}; {"name": "get_weather", '
+     '"parameters": {"city": "Oslo", "days": 1}}', True),
+    ('<|python_tag|>{"name": "get_time", "parameters": {}} and then', False),
+    ("<|python_tag|>print(1)", False), ("<b>bold</b>", False),
     ('{"name": "get_time", "arguments": {}} and then', False),
     ('{"name": "unknown_tool", "arguments": {}}', False),
     ('{"city": "Paris"}', False), ("Sure: " + BARE, False), ("It is sunny.", False),
