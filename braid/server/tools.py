@@ -5,8 +5,8 @@ The tools go to the model through its chat template; a call comes back as
 `tool_calls` (streamed as vLLM's hermes parser does: a call's id and name once its head is
 in, then its arguments text as it grows; text before and between calls streams as content).
 An output that is nothing but such a call without the tags (or a ```json block of one, or
-Llama 3's form: `<|python_tag|>` then {"name", "parameters"} objects, vLLM's llama3_json) is a
-call too (`bare_calls`). `tool_choice`:
+Llama 3's form: `<|python_tag|>` then {"name", "parameters"} objects, vLLM's llama3_json, or
+Mistral's: `[TOOL_CALLS]` then a list of calls) is a call too (`bare_calls`). `tool_choice`:
 - "none": the model sees the tools, its text stays text.
 - "auto": the model decides; calls are parsed out of its text.
 - "required": the grammar forces a JSON array of one or more calls of the given functions,
@@ -36,6 +36,7 @@ from braid.server.protocol import (
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # what Llama 3 writes before its calls
+MISTRAL_TAG = "[TOOL_CALLS]"  # what Mistral writes before its list of calls
 
 
 def tool_mode(body: ChatCompletionRequest) -> str | None:
@@ -267,13 +268,13 @@ def partial_tag(text: str, tag: str) -> int:
 
 
 def bare_calls(text: str, names: set[str], limit: int | None) -> list[ToolCall]:
-    """Calls written without `<tool_call>` tags: the whole output, fences and Llama 3's
-    `<|python_tag|>` aside, is one call, a list of calls or calls one after another (with
-    whitespace or Llama 3.2's "; " between), each {"name": a tool's name, "arguments" (or
-    Llama 3's "parameters"): an object}. Small Qwen models answer so too (Qwen2.5-Coder-1.5B
-    writes a ```json block); vLLM's llama3_json parser reads Llama 3's. Anything else stays
-    text."""
-    body = text.strip().removeprefix(PYTHON_TAG).strip()
+    """Calls written without `<tool_call>` tags: the whole output, fences, Llama 3's
+    `<|python_tag|>` and Mistral's `[TOOL_CALLS]` aside, is one call, a list of calls or
+    calls one after another (with whitespace or Llama 3.2's "; " between), each {"name": a
+    tool's name, "arguments" (or Llama 3's "parameters"): an object}. Small Qwen models
+    answer so too (Qwen2.5-Coder-1.5B writes a ```json block); vLLM's llama3_json and mistral
+    parsers read Llama 3's and Mistral's. Anything else stays text."""
+    body = text.strip().removeprefix(PYTHON_TAG).removeprefix(MISTRAL_TAG).strip()
     if body.startswith("```"):
         body = body.removeprefix("```json").removeprefix("```").removesuffix("```").strip()
     items = _json_values(body, separators=";")

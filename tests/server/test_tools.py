@@ -224,6 +224,10 @@ BARE = '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris", "
      '"parameters": {"city": "Oslo", "days": 1}}', True),
     ('<|python_tag|>{"name": "get_time", "parameters": {}} and then', False),
     ("<|python_tag|>print(1)", False), ("<b>bold</b>", False),
+    # Mistral's (vLLM's mistral parser): [TOOL_CALLS] and a list
+    ('[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "CET"}}, {"name": '
+     '"get_weather", "arguments": {"city": "Oslo", "days": 2}}]', True),
+    ("[TOOL_CALLS] not json", False),
     ('{"name": "get_time", "arguments": {}} and then', False),
     ('{"name": "unknown_tool", "arguments": {}}', False),
     ('{"city": "Paris"}', False), ("Sure: " + BARE, False), ("It is sunny.", False),
