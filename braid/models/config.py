@@ -7,10 +7,10 @@ import numbers
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral", "phi3")
+SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3")
 HF_CLASSES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
               "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
-              "phi3": "Phi3ForCausalLM"}
+              "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 # Architectures whose config.json `sliding_window` applies to every layer when set (Qwen2's
 # needs use_sliding_window as well, and is refused then).
 SLIDING_WINDOW_ARCHITECTURES = ("mistral", "phi3")
@@ -42,6 +42,8 @@ class ModelConfig:
     # attends to all of them, which is the same while a sequence fits the window: the
     # context is capped there (`max_context`; vLLM's --disable-sliding-window).
     sliding_window: int | None = None
+    # SmolLM3: per layer, 1 where it applies RoPE and 0 where it does not (NoPE); None: all do
+    no_rope_layers: list[int] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -66,6 +68,13 @@ class ModelConfig:
                                                 or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be an integer >= 1 or null, got "
                              f"{self.sliding_window!r}")
+        layers = self.no_rope_layers
+        if layers is not None and (not isinstance(layers, list)
+                                   or len(layers) != self.num_hidden_layers
+                                   or any(v not in (0, 1) or isinstance(v, bool)
+                                          for v in layers)):
+            raise ValueError(f"no_rope_layers must be a 0 / 1 per layer "
+                             f"({self.num_hidden_layers}), got {layers!r}")
         if not _is_token_id(self.max_position_embeddings) or self.max_position_embeddings < 1:
             raise ValueError(f"max_position_embeddings must be an integer >= 1, got "
                              f"{self.max_position_embeddings!r}")
@@ -115,6 +124,7 @@ class ModelConfig:
             rope_scaling=_rope_scaling(d),
             sliding_window=(d.get("sliding_window") if arch in SLIDING_WINDOW_ARCHITECTURES
                             else None),
+            no_rope_layers=_no_rope_layers(d) if arch == "smollm3" else None,
         )
 
     @property
@@ -136,6 +146,10 @@ class ModelConfig:
     def fused_weights(self) -> bool:
         """Checkpoints store q/k/v as one qkv_proj and gate/up as one gate_up_proj: Phi-3."""
         return self.architecture == "phi3"
+
+    def rotates(self, layer: int) -> bool:
+        """Whether decoder layer `layer` applies RoPE (SmolLM3's NoPE layers do not)."""
+        return self.no_rope_layers is None or self.no_rope_layers[layer] == 1
 
     @property
     def qk_norm(self) -> bool:
@@ -207,6 +221,17 @@ def _rope_scaling(d: dict[str, Any]) -> dict[str, Any] | None:
     if isinstance(parameters, dict) and parameters.get("rope_type", "default") != "default":
         return parameters
     return None
+
+
+def _no_rope_layers(d: dict[str, Any]) -> Any:
+    """SmolLM3's RoPE layers as transformers reads them: the list, else every
+    `no_rope_layer_interval`-th layer without."""
+    if d.get("no_rope_layers") is not None:
+        return d["no_rope_layers"]
+    interval, layers = d.get("no_rope_layer_interval", 4), d.get("num_hidden_layers")
+    if not isinstance(interval, int) or interval < 1 or not isinstance(layers, int):
+        raise ValueError(f"no_rope_layer_interval must be an integer >= 1, got {interval!r}")
+    return [int((i + 1) % interval != 0) for i in range(layers)]
 
 
 def _refuse_unimplemented(d: dict[str, Any]) -> None:

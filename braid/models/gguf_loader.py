@@ -189,6 +189,9 @@ def config_from_metadata(
     """The model's config from the GGUF's metadata, tensor shapes and, for a llama3 GGUF,
     its rope_freqs tensor (one divisor per rotary frequency)."""
     arch = meta.get("general.architecture")
+    if arch == "smollm3":  # its NoPE layers: not read from a GGUF yet
+        raise ModelLoadError(f"GGUF {source}: SmolLM3 files are not supported yet (which layers "
+                             "skip RoPE); load its Hugging Face folder")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported architecture {arch!r} in {source}; supported: "

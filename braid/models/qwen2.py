@@ -326,18 +326,27 @@ class Qwen2ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden] (before the final norm)."""
         x = self.embed_tokens(input_ids)
-        rope = self.rotary.tables(positions)
+        ropes = self._layer_ropes(self.rotary.tables(positions))
         fused = self._fused_layers(x, attn_metadata)
         if fused is not None:
             meta = attn_metadata
-            for layer, f in zip(self.layers, fused, strict=True):
+            for layer, f, rope in zip(self.layers, fused, ropes, strict=True):
                 attn = cast(DecoderLayer, layer).self_attn  # attribute: get_submodule is slow
                 x = f.forward(x, attn.k_cache, attn.v_cache, *rope,  # type: ignore[attr-defined]
                               meta.slot_mapping, meta.kv_slots, meta.row_seq, meta.row_len)
             return x
-        for layer in self.layers:
+        for layer, rope in zip(self.layers, ropes, strict=True):
             x = layer(x, rope, attn_metadata)
         return x
+
+    def _layer_ropes(self, rope: tuple[torch.Tensor, torch.Tensor]
+                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's rotary tables: a NoPE layer (SmolLM3) gets cos 1 and sin 0, a rotation
+        that leaves q and k exactly as they are, so every layer runs the same kernels."""
+        if self.config.no_rope_layers is None:
+            return [rope] * len(self.layers)
+        identity = (torch.ones_like(rope[0]), torch.zeros_like(rope[1]))
+        return [rope if self.config.rotates(i) else identity for i in range(len(self.layers))]
 
     def _fused_layers(self, x: torch.Tensor, meta: AttentionMetadata) -> list[object] | None:
         """The layers as compiled calls, where every operation has its compiled form:

@@ -183,11 +183,12 @@ def test_broken_folder_files_are_load_errors_naming_them(tmp_path: Path) -> None
     ("Qwen3", {"head_dim": 32}),  # q and k norms, head_dim apart from hidden / heads
     ("Mistral", {"sliding_window": 64}),  # a window: the context stops there
     ("Phi3", {"pad_token_id": None}),  # q/k/v and gate/up stored fused
+    ("SmolLM3", {"no_rope_layer_interval": 2, "pad_token_id": None}),  # layer 2: no RoPE
 ])
 def test_a_folder_saved_by_transformers_gives_its_logits(tmp_path: Path, family: str,
                                                         extra: dict) -> None:
     """A folder written by transformers' own classes of each family (config.json as
-    transformers spells it) loads and runs to its logits."""
+    transformers spells it) loads and runs to its logits, in float32 and on the kernels."""
     import transformers
 
     from braid.models.build import load_model
@@ -209,8 +210,16 @@ def test_a_folder_saved_by_transformers_gives_its_logits(tmp_path: Path, family:
     assert not model.config.attention_bias
     assert model.config.head_dim == extra.get("head_dim", 16)
     assert model.config.max_context == extra.get("sliding_window", 256)
+    assert [model.config.rotates(i) for i in range(2)] == (
+        [True, False] if family == "SmolLM3" else [True, True])
     ids = [5, 250, 17, 17, 90, 41, 299, 0, 3]
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(PagedRun(model).step({"a": ids})["a"], expected, rtol=0,
                                atol=1e-4)
+    # on the kernels (int8 weights and activations; the one-call compiled layers where the
+    # family has them): within int8's rounding
+    quantized, _ = load_model(str(tmp_path), quantization="int8")
+    assert quantized.quant_type is not None
+    got = PagedRun(quantized).step({"a": ids})["a"]
+    assert ((got - expected).norm() / expected.norm()).item() < 3e-2

@@ -73,14 +73,15 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-ARCHITECTURES = ["qwen2", "llama", "qwen3", "mistral", "phi3"]
+ARCHITECTURES = ["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3"]
 
 
 @pytest.fixture(params=[(arch, packed) for packed in (False, True) for arch in ARCHITECTURES],
                 ids=[arch + suffix for suffix in ("", "-packed") for arch in ARCHITECTURES])
 def models(request):
     arch, packed = request.param
-    cfg = tiny_config(arch)
+    # SmolLM3: its second layer without RoPE (NoPE)
+    cfg = tiny_config(arch, **({"no_rope_layers": [1, 0]} if arch == "smollm3" else {}))
     hf = hf_model(cfg, seed=0)
     return hf, braid_model(cfg, dict(hf.state_dict()), packed=packed)
 
