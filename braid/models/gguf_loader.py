@@ -182,12 +182,8 @@ def _f32_to_float(value: Any) -> float:
     return float(str(np.float32(value)))
 
 
-def config_from_metadata(
-    meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: Path,
-    rope_freqs: list[float] | None = None,
-) -> ModelConfig:
-    """The model's config from the GGUF's metadata, tensor shapes and, for a llama3 GGUF,
-    its rope_freqs tensor (one divisor per rotary frequency)."""
+def _architecture(meta: dict[str, Any], source: Path) -> str:
+    """The GGUF's architecture, where braid runs it (else a ModelLoadError naming it)."""
     arch = meta.get("general.architecture")
     if arch == "smollm3":  # its NoPE layers: not read from a GGUF yet
         raise ModelLoadError(f"GGUF {source}: SmolLM3 files are not supported yet (which layers "
@@ -197,6 +193,16 @@ def config_from_metadata(
             f"unsupported architecture {arch!r} in {source}; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    return str(arch)
+
+
+def config_from_metadata(
+    meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: Path,
+    rope_freqs: list[float] | None = None,
+) -> ModelConfig:
+    """The model's config from the GGUF's metadata, tensor shapes and, for a llama3 GGUF,
+    its rope_freqs tensor (one divisor per rotary frequency)."""
+    arch = _architecture(meta, source)
 
     def key(name: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{name}", default)

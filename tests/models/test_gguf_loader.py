@@ -198,6 +198,11 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
                       {"token_embd.weight": (rand(len(tiny_vocab()), HIDDEN), None)})
     with pytest.raises(ModelLoadError, match="unsupported architecture 'mamba'"):
         load_model_files(str(path))
+    # SmolLM3 runs from its folder, but its GGUF would not say which layers skip RoPE
+    path = write_gguf(tmp_path / "smollm3.gguf", "smollm3",
+                      {"token_embd.weight": (rand(len(tiny_vocab()), HIDDEN), None)})
+    with pytest.raises(ModelLoadError, match="SmolLM3 files are not supported yet"):
+        load_model_files(str(path))
 
 
 def test_rope_scaling_and_no_heads_are_load_errors(tmp_path: Path) -> None:
