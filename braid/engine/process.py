@@ -375,9 +375,7 @@ def _write_messages(conn: Connection, outbox: queue.SimpleQueue[tuple]) -> None:
     while True:
         kind, ok, value, load = outbox.get()
         try:
-            conn.send((kind, ok, value, load))
-        except (OSError, ValueError):  # the server is gone (the reader sees it)
-            pass
+            _send(conn, (kind, ok, value, load))
         except Exception as e:
             logger.exception("an engine message did not pickle")
             _send(conn, (kind, False, RuntimeError(f"the engine's answer did not pickle: {e}"),

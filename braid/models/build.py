@@ -14,8 +14,8 @@ from gguf import GGMLQuantizationType
 
 from braid.kernels import quant_ops
 from braid.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from braid.models.gguf_loader import gguf_to_hf_folder, iter_gguf_weights, quantized_types
-from braid.models.loader import iter_weights, load_config, resolve_model_path
+from braid.models.gguf_loader import iter_gguf_weights, quantized_types
+from braid.models.loader import folder_of, iter_weights, load_config, resolve_model_path
 from braid.models.quant import QuantWeight, float_quant_type
 from braid.models.qwen2 import Qwen2ForCausalLM, can_pack
 from braid.tokenizer import Tokenizer
@@ -42,7 +42,7 @@ def load_model(
     asked for by hand (a default needs no note that quantized weights run in float32)."""
     start = time.perf_counter()
     path = resolve_model_path(name_or_path)
-    folder = model_folder(name_or_path)
+    folder = folder_of(path)
     cfg = load_config(folder)
     quant_type, weights = _weights(path, cfg, quantization, device)
     if quant_type is not None:
@@ -68,13 +68,6 @@ def load_model(
                 "float" if quant_type is None else "quantized", model.weight_bytes() / 1e9,
                 time.perf_counter() - start)
     return model.eval(), tokenizer
-
-
-def model_folder(name_or_path: str) -> Path:
-    """The Hugging Face style folder of a model: its own, or a GGUF's converted one
-    (config.json and tokenizer files; converted once, then found in the cache)."""
-    path = resolve_model_path(name_or_path)
-    return gguf_to_hf_folder(path) if path.is_file() else path
 
 
 def release_freed_memory() -> None:

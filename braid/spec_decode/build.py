@@ -103,7 +103,8 @@ def check_draft_tokenizer(target: Tokenizer | None, draft_folder: Path) -> None:
 
 
 def _load_draft(cfg: EngineConfig, tokenizer: Tokenizer | None) -> CausalLM:
-    from braid.models.build import load_model, model_folder
+    from braid.models.build import load_model
+    from braid.models.loader import model_folder
 
     spec = cfg.spec_config
     assert spec is not None and spec.model is not None
