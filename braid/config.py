@@ -74,9 +74,17 @@ class SpecConfig:
     # verifying, leaves the request to the model. Code repeats names and lines. Lossless
     # either way (the target verifies every draft). Method ngram drafts only by lookup.
     draft_prompt_lookup: bool = True
+    # Method suffix (vLLM's names): the matched context is at most max_tree_depth tokens;
+    # the outputs of the last max_cached_requests finished requests stay in the shared
+    # corpus; a match of m tokens drafts at most max_spec_factor * m tokens, while the
+    # draft's estimated probability stays >= min_token_prob (braid/spec_decode/suffix.py).
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     MAX_TOKENS = 16
-    METHODS = ("ngram", "draft_model")
+    METHODS = ("ngram", "draft_model", "suffix")
     # keys that configure the draft model: an ngram config naming one is a mistake
     DRAFT_MODEL_KEYS = frozenset({"model", "draft_dtype", "quantization", "draft_vocab_size",
                                   "draft_coarse_head", "draft_prompt_lookup"})
@@ -108,9 +116,14 @@ class SpecConfig:
         if "method" not in d or "num_speculative_tokens" not in d:
             raise ConfigError("--speculative-config needs 'method' (or a draft 'model') and "
                               "'num_speculative_tokens'")
-        if d["method"] == "ngram" and (draft_only := sorted(set(d) & cls.DRAFT_MODEL_KEYS)):
+        if d["method"] != "draft_model" and (
+                draft_only := sorted(set(d) & cls.DRAFT_MODEL_KEYS)):
             raise ConfigError(f"--speculative-config: {draft_only[0]!r} is only for method "
                               "draft_model")  # accepted and ignored before
+        if d["method"] != "suffix" and (
+                suffix_only := sorted(k for k in d if k.startswith("suffix_decoding_"))):
+            raise ConfigError(f"--speculative-config: {suffix_only[0]!r} is only for method "
+                              "suffix")
         spec = cls(**d)
         spec.validate()
         return spec
@@ -158,11 +171,27 @@ class SpecConfig:
                               f"{self.draft_prompt_lookup!r}")
         if self.method == "draft_model" and self.model is None:
             self.model = DEFAULT_DRAFT
-        if self.method == "ngram" and self.model is not None:
+        if self.method != "draft_model" and self.model is not None:
             raise ConfigError(f"{where}: 'model' is only for method draft_model")
+        self._validate_suffix(where)
         if self.model is not None and not isinstance(self.model, str):
             raise ConfigError(f"{where}: 'model' must be a model name or path, got "
                               f"{self.model!r}")
+
+
+    def _validate_suffix(self, where: str) -> None:
+        for name in ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests"):
+            value = getattr(self, name)
+            if not is_int(value) or value < (2 if name.endswith("depth") else 0):
+                raise ConfigError(f"{where}: {name} must be an integer >= "
+                                  f"{2 if name.endswith('depth') else 0}, got {value!r}")
+        factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if not is_finite_number(factor) or not factor > 0:
+            raise ConfigError(f"{where}: suffix_decoding_max_spec_factor must be a number > 0, "
+                              f"got {factor!r}")
+        if not is_finite_number(prob) or not 0 <= prob <= 1:
+            raise ConfigError(f"{where}: suffix_decoding_min_token_prob must be a number in "
+                              f"[0, 1], got {prob!r}")
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:

@@ -150,7 +150,7 @@ class LLMEngine:
         """The one path every finished request takes after the scheduler finished it: the
         output side and the speculator drop their per-request state."""
         self.outputs.finish(req)
-        self.speculator.forget(req.request_id)
+        self.speculator.finish(req)
         self.scorers.finish(req)
         self.step_inputs.forget(req.request_id)
 

@@ -19,6 +19,7 @@ from braid.spec_decode.draft import DraftModelProposer
 from braid.spec_decode.ngram import NgramProposer
 from braid.spec_decode.proposer import Proposer
 from braid.spec_decode.speculator import Speculation, Speculator
+from braid.spec_decode.suffix import SuffixProposer, SuffixSettings
 from braid.tokenizer import Tokenizer
 from braid.worker.runner import ModelRunner
 
@@ -40,6 +41,10 @@ def make_speculator(cfg: EngineConfig, target: ModelRunner, scheduler: Scheduler
     proposer: Proposer
     if spec.method == "ngram":
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    elif spec.method == "suffix":
+        proposer = SuffixProposer(SuffixSettings(
+            spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
+            spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob))
     else:
         draft = draft or _load_draft(cfg, tokenizer)
         check_draft(cfg, target.model.config, draft.config)

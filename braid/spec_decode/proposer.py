@@ -48,3 +48,7 @@ class Proposer(ABC):
 
     def forget(self, request_id: str) -> None:  # noqa: B027 - optional hook, no state by default
         """The request finished or lost its KV blocks (preempted)."""
+
+    def finish(self, req: Request) -> None:
+        """The request finished (a proposer that learns from outputs keeps its own)."""
+        self.forget(req.request_id)

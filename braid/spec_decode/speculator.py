@@ -25,7 +25,7 @@ from braid.worker.runner import ModelRunner
 logger = logging.getLogger("braid")
 
 # Prior acceptance before any verification (roughly what each method gets on code).
-PRIOR_ALPHA = {"draft_model": 0.7, "ngram": 0.3}
+PRIOR_ALPHA = {"draft_model": 0.7, "ngram": 0.3, "suffix": 0.3}
 # Prior of lookups beside a draft model: about what n-grams of 2-5 accept on the target's
 # own outputs, code and chat alike (docs/benchmarks.md, What the policy's rules rest on).
 LOOKUP_PRIOR_ALPHA = 0.5
@@ -86,6 +86,10 @@ class Speculation:
 
     def forget(self, request_id: str) -> None:
         """The request finished or lost its KV blocks (preempted)."""
+
+    def finish(self, req: Request) -> None:
+        """The request finished: `forget`, but a proposer may keep what it wrote."""
+        self.forget(req.request_id)
 
     def request_figures(self, req: Request) -> dict[str, float | str]:
         return {}
@@ -217,8 +221,16 @@ class Speculator(Speculation):
                         self.acceptance.global_alpha, dict(sorted(self.chosen_k.items())),
                         self.lookup_windows)
 
+    def finish(self, req: Request) -> None:
+        self.proposer.finish(req)
+        self._forget_state(req.request_id)
+
     def forget(self, request_id: str) -> None:
         self.proposer.forget(request_id)
+        self._forget_state(request_id)
+
+    def _forget_state(self, request_id: str) -> None:
+        """Everything but the proposer's state of the request."""
         self.acceptance.forget(request_id)
         self.lookup_acceptance.forget(request_id)
         if self.lookup is not None:
