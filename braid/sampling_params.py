@@ -91,7 +91,9 @@ class SamplingParams:
     finishes when the grammar is complete. `detokenize=False` leaves the outputs' text empty
     (and logprobs' decoded tokens None) and skips the detokenizer; stop strings need it.
     `output_kind` (a RequestOutputKind) shapes what the engine's outputs carry; `LLM`
-    always returns whole outputs.
+    always returns whole outputs. `prediction` (OpenAI's Predicted Outputs) is the text the
+    output is expected to be: with speculation on, it drafts the tokens it predicts (the
+    output is the same with it or without; braid/spec_decode/prediction.py).
     """
 
     n: int = 1
@@ -126,6 +128,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    prediction: str | None = None
+    # prediction as token ids; the engine fills it from prediction at admission
+    prediction_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -145,6 +150,8 @@ class SamplingParams:
             raise ValueError("output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or "
                              f"FINAL_ONLY), got {self.output_kind!r}")
         self.output_kind = RequestOutputKind(self.output_kind)
+        if self.prediction is not None and not isinstance(self.prediction, str):
+            raise ValueError(f"prediction must be a string, got {type(self.prediction).__name__}")
         self._validate()
         self._normalize()
 

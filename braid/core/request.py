@@ -29,6 +29,9 @@ class Grammar(Protocol):
     def fill_mask(self, drafts: Sequence[int], out: Any) -> None:
         """The allowed tokens after `drafts`, as a bitmask written into `out`."""
 
+    def forced_tokens(self, limit: int) -> list[int]:
+        """Up to `limit` tokens that are the grammar's only continuation from here."""
+
     def take_mask_time(self) -> float:
         """Seconds spent on its masks since the last call."""
 

@@ -34,6 +34,9 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: accepted at draft i
+    # drafts from the request's predicted output, as OpenAI's usage counts them
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted == 0:
@@ -45,6 +48,10 @@ class SpecStats:
             self.accepted_per_position += [0] * (num_drafted - len(self.accepted_per_position))
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
+
+    def record_prediction(self, num_drafted: int, num_accepted: int) -> None:
+        self.accepted_prediction_tokens += num_accepted
+        self.rejected_prediction_tokens += num_drafted - num_accepted
 
     @property
     def acceptance_rate(self) -> float:
@@ -61,6 +68,8 @@ class SpecStats:
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "accepted_per_position": list(self.accepted_per_position),
+            "accepted_prediction_tokens": self.accepted_prediction_tokens,
+            "rejected_prediction_tokens": self.rejected_prediction_tokens,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
         }

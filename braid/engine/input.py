@@ -1,6 +1,7 @@
 """A request as the engine takes it in: its prompt tokenized and truncated, its parameters
 checked against the model and the engine's options (a RequestError naming the field),
-vLLM's -1 logprobs made the vocabulary, its bad words tokenized, an unseeded request seeded.
+vLLM's -1 logprobs made the vocabulary, its bad words and its prediction tokenized, an
+unseeded request seeded.
 No engine state changes here; `LLMEngine.add_request` queues what this returns."""
 
 from __future__ import annotations
@@ -30,6 +31,19 @@ def with_bad_words(params: SamplingParams, tokenizer: Tokenizer | None) -> Sampl
         lambda texts: tokenizer.encode_batch(texts, add_special_tokens=False))))
 
 
+def with_prediction(params: SamplingParams, tokenizer: Tokenizer | None,
+                    max_model_len: int | None) -> SamplingParams:
+    """`params` with its prediction as token ids (at most max_model_len of them: no output is
+    longer). The server does it in a worker thread before it adds the request."""
+    if tokenizer is None:
+        raise RequestError("prediction needs a tokenizer: this engine has none")
+    text = params.prediction or ""
+    if max_model_len is not None:
+        text = text[:tokenizer.max_token_chars * max_model_len]  # the rest predicts nothing
+    ids = tokenizer.encode(text, add_special_tokens=False)[:max_model_len]
+    return dataclasses.replace(params, prediction_token_ids=ids)
+
+
 class InputProcessor:
     def __init__(self, config: EngineConfig, vocab_size: int,
                  tokenizer: Tokenizer | None) -> None:
@@ -54,6 +68,8 @@ class InputProcessor:
             raise RequestError(f"priority {priority} needs --scheduling-policy priority")
         if params.bad_words and params.bad_words_token_ids is None:
             params = with_bad_words(params, self.tokenizer)
+        if params.prediction and params.prediction_token_ids is None:
+            params = with_prediction(params, self.tokenizer, self.config.max_model_len)
         if -1 in (params.logprobs, params.prompt_logprobs):  # vLLM's: the whole vocabulary
             vocab = self.vocab_size
             params = dataclasses.replace(

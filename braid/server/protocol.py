@@ -14,6 +14,8 @@ Fields are strict JSON types: no bool for a number, no number in a string, no fr
 an integer (a JSON integer is a float). Tool names follow OpenAI's rule (1 to 64 letters,
 digits, "_" or "-", unique within `tools`); `logit_bias` keys are token ids in ASCII digits.
 Structured output comes as OpenAI's `response_format` or vLLM's `structured_outputs`.
+`prediction` (OpenAI's Predicted Outputs) drafts where speculation is on and changes nothing
+where it is off (chat and completions alike).
 Text that cannot be UTF-8 (a lone surrogate such as "\ud800") is refused where it enters,
 in any string or key of a JSON value too (a tool's parameters, chat_template_kwargs).
 Responses carry one extra field, `braid`: per-response speculation figures and preemptions.
@@ -29,7 +31,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from braid.messages import ChatMessage, JsonObject, Text, ToolName
+from braid.messages import ChatMessage, JsonObject, Text, TextPart, ToolName
 
 
 def _takes_null(annotation: Any) -> bool:
@@ -96,6 +98,22 @@ class ResponseFormat(Options):
     json_schema: JsonSchemaFormat | None = None
 
 
+class PredictedOutput(BaseModel):
+    """OpenAI's Predicted Outputs: the text the reply is expected to be (a file to edit,
+    say); with speculation on, its tokens are drafts the model verifies."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["content"]
+    content: Text | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
 class SamplingRequest(Options):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -126,6 +144,7 @@ class SamplingRequest(Options):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     allowed_token_ids: list[int] | None = None
     bad_words: list[Text] | None = None
+    prediction: PredictedOutput | None = None
     # vLLM's: keep the prompt's last k tokens (-1: max_model_len); the response id's tail
     truncate_prompt_tokens: int | None = None
     request_id: Text | None = None
@@ -315,11 +334,18 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    # drafts from the request's `prediction` the model verified and took, or did not
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails | None = None  # with a prediction
 
 
 class BraidInfo(BaseModel):

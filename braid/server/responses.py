@@ -14,6 +14,7 @@ from braid.server.protocol import (
     BraidInfo,
     ChatLogprobs,
     CompletionLogprobs,
+    CompletionTokensDetails,
     PromptLogprob,
     PromptTokensDetails,
     TokenLogprob,
@@ -42,12 +43,18 @@ class ChoiceState:
     sent_chars: int = 0
     sent_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens from the prefix cache, as the last output says
+    # its prediction's drafts accepted and rejected, as the last output says
+    prediction_tokens: tuple[int, int] = (0, 0)
     final: RequestOutput | None = None
 
     def advance(self, out: RequestOutput) -> Delta:
         """What `out` adds to what was sent (engine text and token ids are cumulative)."""
         c = out.outputs[0]
         self.cached_tokens = out.num_cached_tokens
+        spec = out.metrics.spec_stats
+        if spec:
+            self.prediction_tokens = (spec.get("accepted_prediction_tokens", 0),
+                                      spec.get("rejected_prediction_tokens", 0))
         delta = Delta(c.text[self.sent_chars:], c.token_ids[self.sent_tokens:],
                       None if c.logprobs is None else c.logprobs[self.sent_tokens:])
         self.sent_chars = max(self.sent_chars, len(c.text))
@@ -151,9 +158,11 @@ def _top_logprob(tokenizer: Tokenizer, token_id: int, lp: Logprob,
                       bytes=list(tokenizer.token_bytes(token_id)))
 
 
-def usage(prompts: list[list[int]], choices: list[ChoiceState]) -> UsageInfo:
+def usage(prompts: list[list[int]], choices: list[ChoiceState], predicted: bool = False
+          ) -> UsageInfo:
     """Each prompt counts once however many choices it has (OpenAI's n semantics), and so do
-    its cached tokens (its first choice's: the others share that choice's blocks)."""
+    its cached tokens (its first choice's: the others share that choice's blocks).
+    `predicted`: the request came with a prediction, whose drafts' fate the usage tells."""
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(c.sent_tokens for c in choices)
     first: dict[int, ChoiceState] = {}
@@ -161,9 +170,14 @@ def usage(prompts: list[list[int]], choices: list[ChoiceState]) -> UsageInfo:
         if c.prompt_index not in first or c.index < first[c.prompt_index].index:
             first[c.prompt_index] = c
     cached = sum(c.cached_tokens for c in first.values())  # known from the first output on
+    details = CompletionTokensDetails(
+        accepted_prediction_tokens=sum(c.prediction_tokens[0] for c in choices),
+        rejected_prediction_tokens=sum(c.prediction_tokens[1] for c in choices),
+    ) if predicted else None
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+                     completion_tokens_details=details)
 
 
 def braid_info(outputs: list[RequestOutput]) -> BraidInfo:

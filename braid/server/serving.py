@@ -21,13 +21,13 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from braid.engine.input import RequestError, with_bad_words
+from braid.engine.input import RequestError, with_bad_words, with_prediction
 from braid.outputs import RequestOutput
 from braid.sampling_params import SamplingParams, StructuredOutputsParams, choice_seed
 from braid.server.bodies import INLINE_BYTES, json_response, off_loop
 from braid.server.engine_loop import AsyncEngine, OutputQueue, RequestFailed, ShuttingDown
 from braid.server.errors import APIError, bad_request, field_of, prompt_too_long
-from braid.server.protocol import SamplingRequest, StreamOptions
+from braid.server.protocol import SamplingRequest, StreamOptions, UsageInfo
 from braid.server.responses import ChoiceState, Delta, usage
 from braid.structured.manager import StructuredOutputManager
 from braid.tokenizer import Tokenizer
@@ -91,6 +91,14 @@ class Job:
         """Whether the response carries logprobs (of its tokens or its prompt)."""
         p = self.params[0]
         return p.logprobs is not None or p.prompt_logprobs is not None
+
+    @property
+    def predicted(self) -> bool:
+        """Whether the request came with a prediction (its usage then counts its drafts)."""
+        return self.params[0].prediction is not None
+
+    def usage(self) -> UsageInfo:
+        return usage(self.prompts, self.choices, self.predicted)
 
     @property
     def unfinished(self) -> list[ChoiceState]:
@@ -176,9 +184,10 @@ def request_params(body: SamplingRequest, max_tokens: int | None, logprobs: int 
         raise bad_request("tool_choice: a required or named tool choice sets the output's "
                           "format; leave response_format and structured_outputs out",
                           "tool_choice")
+    prediction = None if body.prediction is None else body.prediction.text
     return build_params(rename, max_tokens=max_tokens, logprobs=logprobs, logit_bias=bias,
                         prompt_logprobs=prompt_logprobs, structured_outputs=own or constraint,
-                        **shared)
+                        prediction=prediction, **shared)
 
 
 def structured(body: SamplingRequest) -> tuple[str, StructuredOutputsParams] | None:
@@ -255,10 +264,13 @@ def kept_prompt_tokens(ctx: ServerContext, truncate_prompt_tokens: int | None) -
 
 async def prepared(ctx: ServerContext, params: SamplingParams) -> SamplingParams:
     """`params` with what is costly to derive from them done here, in a worker thread, not
-    on the engine's: bad_words as token ids."""
-    if not params.bad_words:
-        return params
-    return await asyncio.to_thread(with_bad_words, params, ctx.tokenizer)
+    on the engine's: bad_words and the prediction as token ids."""
+    if params.bad_words:
+        params = await asyncio.to_thread(with_bad_words, params, ctx.tokenizer)
+    if params.prediction:
+        params = await asyncio.to_thread(with_prediction, params, ctx.tokenizer,
+                                         ctx.max_model_len)
+    return params
 
 
 def make_job(prefix: str, prompts: list[list[int]], params: SamplingParams, n: int,
@@ -440,7 +452,8 @@ def sse_chunk(chunk: BaseModel, body: SamplingRequest, job: Job) -> str:
         indexes = {c.index for c in chunk.choices}  # type: ignore[attr-defined]
         mine = [c for c in job.choices if c.index in indexes] or job.choices
         chunk.usage = usage(  # type: ignore[attr-defined]
-            [job.prompts[i] for i in sorted({c.prompt_index for c in mine})], mine)
+            [job.prompts[i] for i in sorted({c.prompt_index for c in mine})], mine,
+            job.predicted)
     return sse(chunk)
 
 

@@ -31,7 +31,6 @@ from braid.server.responses import (
     braid_info,
     chat_logprobs,
     prompt_logprobs,
-    usage,
 )
 from braid.server.serving import (
     Job,
@@ -238,7 +237,7 @@ def _response(ctx: ServerContext, job: Job, body: ChatCompletionRequest, model: 
             logprobs=_logprobs(ctx, body, Delta(c.text, c.token_ids, c.logprobs)),
             finish_reason=reason, stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=job.id, model=model, choices=choices,
-                                  usage=usage(job.prompts, job.choices), braid=braid_info(finals),
+                                  usage=job.usage(), braid=braid_info(finals),
                                   prompt_logprobs=prompt_logprobs(ctx.tokenizer, finals[0]))
 
 
@@ -279,7 +278,7 @@ def _stream(ctx: ServerContext, job: Job, body: ChatCompletionRequest, model: st
             return []
         finals = [c.final for c in job.choices if c.final is not None]
         return [sse(ChatCompletionStreamResponse(id=job.id, model=model, choices=[],
-                                                 usage=usage(job.prompts, job.choices),
+                                                 usage=job.usage(),
                                                  braid=braid_info(finals)))]
 
     role = response_role(ctx, body)

@@ -25,7 +25,6 @@ from braid.server.responses import (
     completion_logprobs,
     prompt_logprobs,
     prompt_logprobs_json,
-    usage,
 )
 from braid.server.serving import (
     Job,
@@ -171,7 +170,7 @@ def _response(ctx: ServerContext, job: Job, body: CompletionRequest, model: str,
         # in pieces (Job.with_logprobs)
         choices[-1].prompt_logprobs = scored.get(choice.prompt_index)
     return CompletionResponse(id=job.id, model=model, choices=choices,
-                              usage=usage(job.prompts, job.choices), braid=braid_info(finals))
+                              usage=job.usage(), braid=braid_info(finals))
 
 
 def _joined(head: Delta, tail: Delta) -> Delta:
@@ -213,7 +212,7 @@ def _stream(ctx: ServerContext, job: Job, body: CompletionRequest, model: str): 
             return []
         finals = [c.final for c in job.choices if c.final is not None]
         return [sse(CompletionStreamResponse(id=job.id, model=model, choices=[],
-                                             usage=usage(job.prompts, job.choices),
+                                             usage=job.usage(),
                                              braid=braid_info(finals)))]
 
     return event_stream(ctx, job, [], render, tail)

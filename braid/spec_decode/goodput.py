@@ -60,7 +60,10 @@ class Window:
 
     req: Request
     cap: int  # the most drafts worth proposing (0 while it prefills)
-    lookup: list[int] = field(default_factory=list)  # a full-length prompt lookup, or []
+    # drafts from a source that costs no forward (a full-length prompt lookup, or the
+    # client's predicted output), or []; `source` names it ("lookup", "prediction")
+    lookup: list[int] = field(default_factory=list)
+    source: str = ""
     k: int = 0  # the drafts chosen
     drafts: list[int] = field(default_factory=list)  # what it drafts (the lookup's or the model's)
     started: bool = False  # the draft model catches up on a backlog to draft for it
@@ -69,6 +72,11 @@ class Window:
     def model_k(self) -> int:
         """The drafts the proposer makes for it (none where a lookup drafts)."""
         return 0 if self.lookup else self.k
+
+
+def _caps(windows: Sequence[Window]) -> list[int]:
+    """The most drafts each window can verify: its cap, or as many as its free source has."""
+    return [min(w.cap, len(w.lookup)) if w.lookup else w.cap for w in windows]
 
 
 def usual_lag(config: SpecConfig) -> int:
@@ -122,10 +130,12 @@ class GoodputPolicy(FixedPolicy):
     """k per request from expected tokens per second (module docstring)."""
 
     def __init__(self, config: SpecConfig, proposer: Proposer, max_model_len: int,
-                 acceptance: AcceptanceEstimator, lookup_acceptance: AcceptanceEstimator,
+                 acceptance: AcceptanceEstimator,
+                 free_acceptance: dict[str, AcceptanceEstimator],
                  target_itl: float | None = None) -> None:
         self.config, self.proposer, self.max_model_len = config, proposer, max_model_len
-        self.acceptance, self.lookup_acceptance = acceptance, lookup_acceptance
+        # the proposer's drafts' acceptance, and each free source's (by Window.source)
+        self.acceptance, self.free_acceptance = acceptance, free_acceptance
         self.target_itl = target_itl  # seconds; each step's prefill cap follows from it
         self.cost = StepCostModel()
         self.persistence = StartPersistence(prior=CATCH_UP_HORIZON)
@@ -141,13 +151,13 @@ class GoodputPolicy(FixedPolicy):
         if not any(w.cap for w in windows):
             return
         plan, alphas = self._plan(windows, nxt)
-        ks = choose_ks(alphas, [w.cap for w in windows], plan, self.cost)
+        ks = choose_ks(alphas, _caps(windows), plan, self.cost)
         if any(w.lookup and not k for w, k in zip(windows, ks, strict=True)):
             for w, k in zip(windows, ks, strict=True):
                 if not k:
                     w.lookup = []
             plan, alphas = self._plan(windows, nxt)
-            ks = choose_ks(alphas, [w.cap for w in windows], plan, self.cost)
+            ks = choose_ks(alphas, _caps(windows), plan, self.cost)
         for w, k in zip(windows, ks, strict=True):
             w.k = k
         self.predicted_step_time = step_seconds(alphas, ks, plan, self.cost)
@@ -168,7 +178,7 @@ class GoodputPolicy(FixedPolicy):
         free = [bool(w.lookup) for w in windows]
         lags = [0 if f else self.proposer.lag(w.req) for w, f in zip(windows, free, strict=True)]
         starting = [lag > self.usual_lag for lag in lags]
-        alphas = [self.lookup_acceptance.alpha(w.req.request_id) if f
+        alphas = [self.free_acceptance[w.source].alpha(w.req.request_id) if f
                   else self.acceptance.alpha(w.req.request_id, optimistic=not start)
                   for w, f, start in zip(windows, free, starting, strict=True)]
         demand = nxt.num_prefill_tokens

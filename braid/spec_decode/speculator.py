@@ -19,6 +19,7 @@ from braid.core.scheduler import RequestUpdate, Scheduler
 from braid.spec_decode.goodput import FixedPolicy, GoodputPolicy, Window, usual_lag
 from braid.spec_decode.ngram import NgramProposer
 from braid.spec_decode.policy import AcceptanceEstimator
+from braid.spec_decode.prediction import PredictedOutputs
 from braid.spec_decode.proposer import Proposer
 from braid.worker.runner import ModelRunner
 
@@ -29,6 +30,12 @@ PRIOR_ALPHA = {"draft_model": 0.7, "ngram": 0.3, "suffix": 0.3}
 # Prior of lookups beside a draft model: about what n-grams of 2-5 accept on the target's
 # own outputs, code and chat alike (docs/benchmarks.md, What the policy's rules rest on).
 LOOKUP_PRIOR_ALPHA = 0.5
+# Prior of a client's predicted output: it is what the client expects the reply to be
+# (an edited file is mostly its original), so most of it is taken where it is followed.
+PREDICTION_PRIOR_ALPHA = 0.8
+# Prior of the tokens a request's grammar forces: the mask allows nothing else there (a
+# model may still write the same text in other tokens, which rejects the draft).
+FORCED_PRIOR_ALPHA = 0.95
 LOG_EVERY = 100  # steps between cost-model log lines
 
 @dataclass(slots=True)
@@ -114,14 +121,20 @@ class Speculator(Speculation):
         # acceptance is learned apart from the model's (lookups accept markedly less).
         self.lookup = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
                        if spec.method == "draft_model" and spec.draft_prompt_lookup else None)
-        self.lookup_acceptance = AcceptanceEstimator(prior=LOOKUP_PRIOR_ALPHA)
+        self.predicted = PredictedOutputs()  # drafts from a request's `prediction`
+        # the free sources' acceptance, learned apart from the proposer's, by Window.source
+        self.free_acceptance = {"lookup": AcceptanceEstimator(prior=LOOKUP_PRIOR_ALPHA),
+                                "prediction": AcceptanceEstimator(prior=PREDICTION_PRIOR_ALPHA),
+                                "grammar": AcceptanceEstimator(prior=FORCED_PRIOR_ALPHA)}
         self.policy: FixedPolicy = (
             FixedPolicy() if spec.policy == "fixed" else
             GoodputPolicy(spec, proposer, max_model_len, self.acceptance,
-                          self.lookup_acceptance, target_itl))
-        self._looked_up: set[str] = set()  # requests whose pending drafts came from a lookup
+                          self.free_acceptance, target_itl))
+        # requests whose pending drafts came from a free source, and which
+        self._looked_up: dict[str, str] = {}
         self.lookup_windows = 0  # verified windows whose drafts came from a lookup
         self.chosen_k: Counter[int] = Counter()  # how often each k was chosen for a request
+        self.windows_by_source: Counter[str] = Counter()  # verified windows by draft source
         self._steps = 0
 
     # ---- per step -----------------------------------------------------------------------
@@ -132,7 +145,7 @@ class Speculator(Speculation):
         [k, V] of those the proposer sampled (for rejection sampling)."""
         windows = [Window(r, 0 if r.is_prefilling else self._cap(r))
                    for r in scheduler.running]
-        found = self._lookups(windows)
+        found = self._free_drafts(windows)
         self.policy.choose(windows, scheduler.next_step())
         if self.proposer.needs_kv_slots:
             for w in windows:
@@ -152,7 +165,7 @@ class Speculator(Speculation):
         if any(w.cap and not w.lookup for w in windows) and not any(proposal.drafts):
             self.acceptance.age()
             self.policy.on_idle()
-        if found and not any(w.drafts for w in windows if w.lookup):
+        if found and not any(w.drafts for w in windows if w.source == "lookup"):
             self.lookup_acceptance.age()  # lookups found, none verified: explore again in time
         drafts = {w.req.request_id: w.drafts for w in windows}
         probs = {} if proposal.probs is None else {
@@ -164,7 +177,7 @@ class Speculator(Speculation):
         """What a decoding request's window tells the estimators and the policy."""
         rid = w.req.request_id
         self.chosen_k[len(w.drafts)] += 1
-        self._looked_up.discard(rid)
+        self._looked_up.pop(rid, None)
         if w.lookup:
             # neither starts nor stops the draft model's drafting; the tokens this window
             # emits are lag the draft catches up on when the model drafts for the request
@@ -172,7 +185,7 @@ class Speculator(Speculation):
             # them as usual lag measured no better: docs/benchmarks.md, What the policy's
             # rules rest on)
             if w.drafts:
-                self._looked_up.add(rid)
+                self._looked_up[rid] = w.source
             self.acceptance.rest(rid)  # no model drafts: its evidence ages
         elif w.drafts:
             self.policy.on_started(w)
@@ -188,24 +201,39 @@ class Speculator(Speculation):
             k = min(k, max_tokens - req.num_output_tokens - 1)
         return max(k, 0)
 
-    def _lookups(self, windows: Sequence[Window]) -> bool:
-        """Each window's prompt lookup: `cap` tokens, or [] (none found, a shorter one that
-        the draft model would out-draft, or no draft_prompt_lookup). Whether any was found."""
-        if self.lookup is None:
-            return False
-        found = self.lookup.propose([w.req for w in windows], [w.cap for w in windows]).drafts
+    def _free_drafts(self, windows: Sequence[Window]) -> bool:
+        """Each window's drafts from a source that costs no forward, if any, in this order:
+        the tokens its grammar forces (at least two, or its cap: SGLang's jump-forward as
+        drafts), its predicted output's (where the output follows it), its prompt lookup
+        (draft_prompt_lookup: `cap` tokens; a shorter one the draft model would out-draft).
+        Whether any prompt lookup was found."""
+        found = (self.lookup.propose([w.req for w in windows], [w.cap for w in windows]).drafts
+                 if self.lookup is not None else [[] for _ in windows])
         for w, look in zip(windows, found, strict=True):
-            w.lookup = look if len(look) == w.cap else []
-        return any(w.lookup for w in windows)
+            grammar = w.req.grammar if w.cap else None
+            forced = grammar.forced_tokens(w.cap) if grammar is not None else []
+            if forced and len(forced) >= min(2, w.cap):
+                w.lookup, w.source = forced, "grammar"
+            elif predicted := self.predicted.drafts(w.req, w.cap):
+                w.lookup, w.source = predicted, "prediction"
+            elif look and len(look) == w.cap:
+                w.lookup, w.source = look, "lookup"
+        return any(w.source == "lookup" for w in windows)
 
     def prefill_cap(self, scheduler: Scheduler) -> int | None:
         return self.policy.prefill_cap(list(scheduler.running), scheduler.next_step())
 
+    @property
+    def lookup_acceptance(self) -> AcceptanceEstimator:
+        return self.free_acceptance["lookup"]
+
     def on_verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
-        looked_up = req.request_id in self._looked_up
-        self._looked_up.discard(req.request_id)
-        self.lookup_windows += looked_up
-        estimator = self.lookup_acceptance if looked_up else self.acceptance
+        source = self._looked_up.pop(req.request_id, "")
+        self.windows_by_source[source or self.config.method] += 1
+        self.lookup_windows += source == "lookup"
+        if source == "prediction":
+            req.spec_stats.record_prediction(num_drafted, num_accepted)
+        estimator = self.free_acceptance[source] if source else self.acceptance
         estimator.update(req.request_id, num_drafted, num_accepted)
 
     def observe_step(self, tokens: int, attention: int, rows: int, seconds: float) -> None:
@@ -232,10 +260,12 @@ class Speculator(Speculation):
     def _forget_state(self, request_id: str) -> None:
         """Everything but the proposer's state of the request."""
         self.acceptance.forget(request_id)
-        self.lookup_acceptance.forget(request_id)
+        for estimator in self.free_acceptance.values():
+            estimator.forget(request_id)
         if self.lookup is not None:
             self.lookup.forget(request_id)
-        self._looked_up.discard(request_id)
+        self.predicted.forget(request_id)
+        self._looked_up.pop(request_id, None)
         self.policy.forget(request_id)
 
     def request_figures(self, req: Request) -> dict[str, float | str]:

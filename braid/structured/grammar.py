@@ -294,6 +294,17 @@ class GrammarState:
         self._stats.mask_time += seconds
         self._check()
 
+    def forced_tokens(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces from here, the only continuation it
+        allows (llguidance's fast-forward tokens: the forced bytes, tokenized as the
+        tokenizer would, less a last token a longer one could replace); none in error."""
+        if limit <= 0 or self._matcher.is_error():
+            return []
+        start = time.perf_counter()
+        tokens = self._matcher.compute_ff_tokens()[:limit]
+        self._unbilled += time.perf_counter() - start
+        return tokens
+
     def take_mask_time(self) -> float:
         """Seconds spent on this request's masks since the last call."""
         seconds, self._unbilled = self._unbilled, 0.0

@@ -111,6 +111,8 @@ CONFIGS = {
                                         max_num_batched_tokens=64),
     "goodput": lambda: spec_engine("draft_model", 4, policy="goodput", tokenizer=TOKENIZER,
                                    max_num_batched_tokens=32),
+    "suffix k4": lambda: spec_engine("suffix", 4, tokenizer=TOKENIZER,
+                                     max_num_batched_tokens=32),
 }
 
 
@@ -128,6 +130,8 @@ def test_greedy_structured_output_is_the_same_with_and_without_speculation(
         assert engine.stats.num_preemptions > 0
     if "k" in config.split()[-1]:
         assert engine.stats.spec_stats.num_accepted_tokens > 0
+    if engine.config.spec_config is not None:  # a JSON schema's keys are forced: drafted
+        assert engine.speculator.windows_by_source["grammar"] > 0  # type: ignore[attr-defined]
     assert engine.stats.grammar.num_masks > 0
 
 
@@ -140,19 +144,36 @@ def test_unconstrained_requests_beside_constrained_ones_are_unchanged(reference)
 
 
 def test_ngram_drafts_the_grammar_refuses_are_cut_and_count_as_rejected() -> None:
-    """The regex forces 30 distinct letters, and in the prompt each is followed by "!": every
-    n-gram draft starts with a token the grammar refuses. All are cut before verification
-    (and counted), and the acceptance the policy learns from counts them as rejected."""
+    """The regex allows one of two letters at each of 15 positions (so it forces none), no
+    letter twice, and in the prompt each is followed by "!": every n-gram draft starts with
+    a token the grammar refuses. All are cut before verification (and counted), and the
+    acceptance the policy learns from counts them as rejected."""
     letters = "abcdefghijklmnopqrstuvwxyzABCD"
+    regex = "".join(f"[{letters[i:i + 2]}]" for i in range(0, len(letters), 2))
     engine = spec_engine("ngram", 4, tokenizer=TOKENIZER)
     engine.add_request("r", list("".join(c + "!" for c in letters).encode()), SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=regex)))
+    (out,) = [o for o in engine.run_until_done() if o.finished]
+    assert re.fullmatch(regex, out.outputs[0].text)
+    assert engine.stats.spec_stats.num_draft_tokens == 0  # nothing left to verify
+    assert engine.stats.grammar.num_rejected_drafts >= 4 * (len(letters) // 2 - 2)
+    figures = engine.speculation_figures()
+    assert figures is not None and figures.acceptance_estimate < 0.2
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
+def test_the_tokens_a_grammar_forces_are_drafted(method: str) -> None:
+    """A regex that allows one text only: after the first token (the prefill's), the grammar
+    forces the rest, which every method drafts in full windows, all accepted."""
+    letters = "abcdefghijklmnopqrstuvwxyzABCD"
+    engine = spec_engine(method, 4, tokenizer=TOKENIZER)
+    engine.add_request("r", PROMPTS[0], SamplingParams(
         temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=letters)))
     (out,) = [o for o in engine.run_until_done() if o.finished]
     assert out.outputs[0].text == letters
-    assert engine.stats.spec_stats.num_draft_tokens == 0  # nothing left to verify
-    assert engine.stats.grammar.num_rejected_drafts >= 4 * (len(letters) - 2)
-    figures = engine.speculation_figures()
-    assert figures is not None and figures.acceptance_estimate < 0.2
+    spec = engine.stats.spec_stats
+    assert spec.num_accepted_tokens == spec.num_draft_tokens >= 4 * (len(letters) - 1) // 5
+    assert engine.speculator.windows_by_source["grammar"] == spec.num_drafts  # type: ignore
 
 
 def test_seeded_structured_output_is_unchanged_by_speculation() -> None:

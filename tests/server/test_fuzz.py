@@ -102,6 +102,9 @@ SAMPLING = {
     "truncate_prompt_tokens": counts(-1, 1, 4, 0),
     "priority": counts(0, 1),
     "user": st.one_of(TEXT, WRONG),
+    "prediction": st.one_of(st.fixed_dictionaries({"type": st.just("content"), "content": st.one_of(
+        TEXT, st.just("ab" * 300_000), st.lists(st.fixed_dictionaries(
+            {"type": st.just("text"), "text": TEXT}), max_size=3), WRONG)}), WRONG),
 }
 PROMPTS = st.one_of(TEXT, st.lists(TEXT, min_size=1, max_size=3), TOKEN_IDS,
                     st.lists(TOKEN_IDS, max_size=2), st.just(["ab"] * 5000), st.just(""),
@@ -166,6 +169,8 @@ VALID = {
     "echo": st.booleans(), "stream": st.booleans(),
     "structured_outputs": STRUCTURED, "request_id": st.sampled_from(["r1", "x" * 256]),
     "truncate_prompt_tokens": st.sampled_from([1, 4, 100]),
+    "prediction": st.sampled_from([{"type": "content", "content": "hello world"},
+                                   {"type": "content", "content": "ab" * 5000}]),
 }
 VALID_CHAT = {**{k: v for k, v in VALID.items() if k not in ("logprobs", "echo")},
               "logprobs": st.booleans(), "top_logprobs": st.sampled_from([0, 5, 20]),

@@ -132,3 +132,43 @@ def test_seeded_requests_are_reproducible_with_goodput_speculation(
     assert len(set(plain)) > 1  # choices have seeds 1234 .. 1237
     assert all(r == plain for r in results)
     assert values["braid:spec_decode_num_drafts_total"] > 0
+
+
+def test_a_prediction_drafts_through_the_server(tiny_model_dir: Path,
+                                                tmp_path_factory: pytest.TempPathFactory) -> None:
+    """OpenAI's `prediction`: the same text with it or without, its drafts counted in the
+    usage; a malformed one is a 400 naming the field."""
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "policy": "fixed"})
+    server = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("predict"), *ENGINE_FLAGS,
+                           "--speculative-config", spec)
+    url = f"{server.url}/v1/completions"
+    body = {"model": server.model, "prompt": "the quick brown fox", "max_tokens": 32,
+            "ignore_eos": True, "temperature": 0}
+    try:
+        # text the byte tokenizer gives back as the same tokens: letters only
+        letters = httpx.post(f"{server.url}/tokenize", json={
+            "model": server.model, "prompt": "abcdefghijklmnopqrstuvwxyz",
+            "add_special_tokens": False}, timeout=60).json()["tokens"]
+        body["allowed_token_ids"] = letters
+        plain = httpx.post(url, json=body, timeout=60).json()
+        text = plain["choices"][0]["text"]
+        predicted = [httpx.post(url, json={**body, "prediction": p}, timeout=60).json()
+                     for p in ({"type": "content", "content": text},
+                               {"type": "content", "content": [
+                                   {"type": "text", "text": text[:10]},
+                                   {"type": "text", "text": text[10:]}]})]
+        bad = [httpx.post(url, json={**body, "prediction": p}, timeout=60)
+               for p in ({"type": "text", "content": text}, {"content": text}, text,
+                         {"type": "content", "content": 5})]
+    finally:
+        assert server.stop() == 0, server.log()
+    assert "completion_tokens_details" not in plain["usage"] or \
+        plain["usage"]["completion_tokens_details"] is None
+    for res in predicted:
+        assert res["choices"][0]["text"] == text
+        details = res["usage"]["completion_tokens_details"]
+        assert details["accepted_prediction_tokens"] > 16, (res["usage"], res["braid"])
+        assert details["rejected_prediction_tokens"] == 0
+    for res in bad:
+        assert res.status_code == 400, res.text
+        assert res.json()["error"]["param"].startswith("prediction"), res.text

@@ -82,14 +82,14 @@ def test_a_lookup_not_worth_verifying_leaves_the_request_to_the_draft(reference)
         engine = spec_engine("draft_model", 3, policy="goodput", max_num_batched_tokens=32,
                              draft_prompt_lookup=lookup)
         engine.speculator.policy.cost = LinearCost(0.1, 0.05, 0.001)
-        engine.speculator.lookup_acceptance = AcceptanceEstimator(prior=0.01)
+        engine.speculator.free_acceptance["lookup"] = AcceptanceEstimator(prior=0.01)
         seen[lookup] = windows_by_source(engine)
-        def counting(windows, lookups=engine.speculator._lookups):
+        def counting(windows, lookups=engine.speculator._free_drafts):
             out = lookups(windows)
             found.extend(w.lookup for w in windows if w.lookup)
             return out
 
-        engine.speculator._lookups = counting
+        engine.speculator._free_drafts = counting
         assert run(engine, STAGGERED, GREEDY) == reference
     assert found and not seen[True]["lookup"]
     assert seen[False]["model"]
