@@ -4,6 +4,12 @@
         --concurrency 1 --modes none,ngram4,draft1,draft2,draft3,draft4,draft5,goodput
     python benchmarks/bench_spec.py --temperature 0.7 \
         --modes none,draft3/greedy,draft3/coupled,draft3/rejection,goodput/coupled
+    python benchmarks/bench_spec.py --workload agentic --num-prompts 12 --concurrency 1,8 \
+        --modes none,suffix8,goodput_suffix,goodput
+
+The agentic workload (braid/bench/agentic.py) runs multi-turn tool-calling sessions: a
+"prompt" there is a session, whose turns follow each other as the model's tool calls are
+answered.
 
 A draft model's mode may end in `:N`, the draft's vocabulary limit (`draft_vocab_size`,
 e.g. `goodput:32768`). A mode's suffix sets how a draft model's drafts are sampled and
@@ -36,6 +42,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from braid.bench import agentic
 from braid.bench.datasets import BenchPrompt, edit_prompts, humaneval, sharegpt
 from braid.config import (
     DEFAULT_DRAFT,
@@ -91,20 +98,25 @@ def spec_config(mode: str) -> dict[str, Any] | None:
 def _method_config(mode: str) -> dict[str, Any] | None:
     if mode == "none":
         return None
-    for prefix, method in (("ngram", "ngram"), ("draft", "draft_model")):
+    for prefix, method in (("ngram", "ngram"), ("draft", "draft_model"), ("suffix", "suffix")):
         if mode.startswith(prefix) and mode[len(prefix):].isdigit():
             return {"method": method, "num_speculative_tokens": int(mode[len(prefix):]),
                     "policy": "fixed"}
-    if mode in ("goodput", "goodput_ngram", "goodput-ngram"):
-        method = "ngram" if mode.endswith("ngram") else "draft_model"
-        return {"method": method, "num_speculative_tokens": 5, "policy": "goodput"}
-    raise ValueError(f"unknown mode {mode!r} (known: none, ngramK, draftK, goodput, "
-                     "goodput_ngram)")
+    goodput = {"goodput": ("draft_model", 5), "goodput_ngram": ("ngram", 5),
+               "goodput_suffix": ("suffix", 8)}
+    if mode.replace("-", "_") in goodput:
+        method, k = goodput[mode.replace("-", "_")]
+        return {"method": method, "num_speculative_tokens": k, "policy": "goodput"}
+    raise ValueError(f"unknown mode {mode!r} (known: none, ngramK, draftK, suffixK, goodput, "
+                     "goodput_ngram, goodput_suffix)")
 
 
 def prompts_for(workload: str, num: int, tokenizer: Any, max_prompt_len: int = 1024
                 ) -> list[list[int]]:
+    """The workload's prompts (agentic: each session's first one)."""
     items: list[BenchPrompt]
+    if workload == "agentic":
+        return [session_prompt(s, tokenizer) for s in agentic.sessions(num)]
     if workload == "humaneval":
         items = humaneval(num)
         return [tokenizer.encode(p.prompt, add_special_tokens=False) for p in items]
@@ -113,6 +125,51 @@ def prompts_for(workload: str, num: int, tokenizer: Any, max_prompt_len: int = 1
     return [tokenizer.encode(tokenizer.apply_chat_template(
         [{"role": r, "content": c} for r, c in p.messages]), add_special_tokens=False)
         for p in items]
+
+
+def session_prompt(session: agentic.Session, tokenizer: Any) -> list[int]:
+    text = tokenizer.apply_chat_template(session.messages, tools=agentic.TOOLS)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def run_sessions(engine: LLMEngine, sessions: list[agentic.Session], concurrency: int,
+                 max_tokens: int, temperature: float = 0.0) -> dict[str, Any]:
+    """Closed loop over agentic sessions: `concurrency` sessions in flight, each one's next
+    turn added as soon as its reply (and its tool results) are in."""
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
+    pending, active, generated = list(enumerate(sessions)), {}, 0
+
+    def submit(i: int, s: agentic.Session) -> None:
+        rid = f"{i}-{len(s.replies)}"
+        engine.add_request(rid, session_prompt(s, engine.tokenizer), params)
+        active[rid] = (i, s)
+
+    start = time.perf_counter()
+    with tqdm(total=len(sessions), desc=f"  c={concurrency}", leave=False) as bar:
+        while pending or active:
+            while pending and len(active) < concurrency:
+                submit(*pending.pop(0))
+            for out in engine.step():
+                if out.finished:
+                    i, s = active.pop(out.request_id)
+                    generated += len(out.outputs[0].token_ids)
+                    if s.add_reply(out.outputs[0].text):
+                        submit(i, s)
+                    else:
+                        bar.update(1)
+    seconds = time.perf_counter() - start
+    return {"tokens": generated, "seconds": seconds, "tok_per_s": generated / seconds,
+            "turns": sum(len(s.replies) for s in sessions),
+            "tool_calls": sum(s.num_calls for s in sessions),
+            **engine.stats.spec_stats.as_dict(), **_figures(engine)}
+
+
+def _figures(engine: LLMEngine) -> dict[str, Any]:
+    figures = engine.speculation_figures()
+    if figures is None or not figures.chosen_k:
+        return {}
+    return {"chosen_k": dict(sorted(figures.chosen_k.items())),
+            "cost_model_error": round(figures.cost_model_error, 3)}
 
 
 def run_mode(engine: LLMEngine, prompts: list[list[int]], concurrency: int,
@@ -133,18 +190,13 @@ def run_mode(engine: LLMEngine, prompts: list[list[int]], concurrency: int,
                     bar.update(1)
     seconds = time.perf_counter() - start
     spec = engine.stats.spec_stats
-    result: dict[str, Any] = {"tokens": generated, "seconds": seconds,
-                              "tok_per_s": generated / seconds, **spec.as_dict()}
-    figures = engine.speculation_figures()
-    if figures is not None and figures.chosen_k:
-        result["chosen_k"] = dict(sorted(figures.chosen_k.items()))
-        result["cost_model_error"] = round(figures.cost_model_error, 3)
-    return result
+    return {"tokens": generated, "seconds": seconds, "tok_per_s": generated / seconds,
+            **spec.as_dict(), **_figures(engine)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", choices=["humaneval", "edit", "sharegpt"],
+    parser.add_argument("--workload", choices=["humaneval", "edit", "sharegpt", "agentic"],
                         default="humaneval")
     parser.add_argument("--num-prompts", type=positive_int, default=16,
                         help="at least this many")
@@ -197,7 +249,7 @@ def main() -> None:
     torch.manual_seed(0)
     target = load_model(DEFAULT_TARGET, quantization=args.quantization)
     draft_dtype = resolve_draft_dtype(args.draft_dtype, torch.float32)
-    uses_draft = any("draft" in m or m.startswith("goodput") for m in modes)
+    uses_draft = any((spec_config(m) or {}).get("method") == "draft_model" for m in modes)
     draft = (load_model(DEFAULT_DRAFT, draft_dtype,
                         quantization=args.draft_quantization or args.quantization)[0]
              if uses_draft else None)
@@ -304,8 +356,11 @@ def measure(engine: LLMEngine, mode: str, c: int, count: int, prompts: list[list
     engine.stats.spec_stats = SpecStats()
     if isinstance(engine.speculator, Speculator):
         engine.speculator.chosen_k.clear()
+    run = (run_sessions(engine, agentic.sessions(count), c, args.max_tokens, temperature)
+           if args.workload == "agentic" else
+           run_mode(engine, prompts[:count], c, args.max_tokens, temperature))
     return {"mode": mode, "concurrency": c, "temperature": temperature, "prompts": count,
-            **run_mode(engine, prompts[:count], c, args.max_tokens, temperature)}
+            **run}
 
 
 def record(results: list[dict[str, Any]], run: dict[str, Any]) -> None:
