@@ -59,6 +59,8 @@ MODES = {
     "draft3": {"method": "draft_model", "num_speculative_tokens": 3, "policy": "fixed"},
     "goodput": {"method": "draft_model", "num_speculative_tokens": 3, "policy": "goodput"},
     "ngram3": {"method": "ngram", "num_speculative_tokens": 3, "policy": "fixed"},
+    "suffix4": {"method": "suffix", "num_speculative_tokens": 4, "policy": "fixed"},
+    "goodput_suffix": {"method": "suffix", "num_speculative_tokens": 8, "policy": "goodput"},
 }
 
 

@@ -74,10 +74,16 @@ class SpecConfig:
     # verifying, leaves the request to the model. Code repeats names and lines. Lossless
     # either way (the target verifies every draft). Method ngram drafts only by lookup.
     draft_prompt_lookup: bool = True
-    # Method suffix (vLLM's names): the matched context is at most max_tree_depth tokens;
-    # the outputs of the last max_cached_requests finished requests stay in the shared
-    # corpus; a match of m tokens drafts at most max_spec_factor * m tokens, while the
-    # draft's estimated probability stays >= min_token_prob (braid/spec_decode/suffix.py).
+    # Suffix decoding beside the draft model: a request whose context recurs in its own text
+    # or in other requests' outputs (method suffix's corpora and settings) takes the
+    # continuation as that step's drafts, with no draft forward, where no prompt lookup
+    # did; priced and learned as a source of its own, like prompt lookups.
+    draft_suffix_decoding: bool = False
+    # Method suffix and draft_suffix_decoding (vLLM's names): the matched context is at
+    # most max_tree_depth tokens; the outputs of the last max_cached_requests finished
+    # requests stay in the shared corpus; a match of m tokens drafts at most
+    # max_spec_factor * m tokens, while the draft's estimated probability stays >=
+    # min_token_prob (braid/spec_decode/suffix.py).
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
@@ -87,7 +93,8 @@ class SpecConfig:
     METHODS = ("ngram", "draft_model", "suffix")
     # keys that configure the draft model: an ngram config naming one is a mistake
     DRAFT_MODEL_KEYS = frozenset({"model", "draft_dtype", "quantization", "draft_vocab_size",
-                                  "draft_coarse_head", "draft_prompt_lookup"})
+                                  "draft_coarse_head", "draft_prompt_lookup",
+                                  "draft_suffix_decoding"})
     POLICIES = ("fixed", "goodput")
     DRAFT_SAMPLING = ("auto", "greedy", "coupled", "independent")
     VERIFICATION = ("coupled", "rejection")
@@ -120,10 +127,10 @@ class SpecConfig:
                 draft_only := sorted(set(d) & cls.DRAFT_MODEL_KEYS)):
             raise ConfigError(f"--speculative-config: {draft_only[0]!r} is only for method "
                               "draft_model")  # accepted and ignored before
-        if d["method"] != "suffix" and (
+        if not (d["method"] == "suffix" or d.get("draft_suffix_decoding")) and (
                 suffix_only := sorted(k for k in d if k.startswith("suffix_decoding_"))):
             raise ConfigError(f"--speculative-config: {suffix_only[0]!r} is only for method "
-                              "suffix")
+                              "suffix or draft_suffix_decoding")
         spec = cls(**d)
         spec.validate()
         return spec
@@ -166,9 +173,10 @@ class SpecConfig:
         if not isinstance(self.draft_coarse_head, bool):
             raise ConfigError(f"{where}: draft_coarse_head must be true or false, got "
                               f"{self.draft_coarse_head!r}")
-        if not isinstance(self.draft_prompt_lookup, bool):
-            raise ConfigError(f"{where}: draft_prompt_lookup must be true or false, got "
-                              f"{self.draft_prompt_lookup!r}")
+        for name in ("draft_prompt_lookup", "draft_suffix_decoding"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{where}: {name} must be true or false, got "
+                                  f"{getattr(self, name)!r}")
         if self.method == "draft_model" and self.model is None:
             self.model = DEFAULT_DRAFT
         if self.method != "draft_model" and self.model is not None:

@@ -42,9 +42,7 @@ def make_speculator(cfg: EngineConfig, target: ModelRunner, scheduler: Scheduler
     if spec.method == "ngram":
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     elif spec.method == "suffix":
-        proposer = SuffixProposer(SuffixSettings(
-            spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
-            spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob))
+        proposer = SuffixProposer(SuffixSettings.of(spec))
     else:
         draft = draft or _load_draft(cfg, tokenizer)
         check_draft(cfg, target.model.config, draft.config)

@@ -21,6 +21,7 @@ from braid.spec_decode.ngram import NgramProposer
 from braid.spec_decode.policy import AcceptanceEstimator
 from braid.spec_decode.prediction import PredictedOutputs
 from braid.spec_decode.proposer import Proposer
+from braid.spec_decode.suffix import SuffixProposer, SuffixSettings
 from braid.worker.runner import ModelRunner
 
 logger = logging.getLogger("braid")
@@ -33,6 +34,9 @@ LOOKUP_PRIOR_ALPHA = 0.5
 # Prior of a client's predicted output: it is what the client expects the reply to be
 # (an edited file is mostly its original), so most of it is taken where it is followed.
 PREDICTION_PRIOR_ALPHA = 0.8
+# Prior of suffix-decoding drafts beside a draft model: they are cut where their estimated
+# probability falls below suffix_decoding_min_token_prob, so what is drafted is likely.
+SUFFIX_PRIOR_ALPHA = 0.6
 # Prior of the tokens a request's grammar forces: the mask allows nothing else there (a
 # model may still write the same text in other tokens, which rejects the draft).
 FORCED_PRIOR_ALPHA = 0.95
@@ -121,11 +125,15 @@ class Speculator(Speculation):
         # acceptance is learned apart from the model's (lookups accept markedly less).
         self.lookup = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
                        if spec.method == "draft_model" and spec.draft_prompt_lookup else None)
+        # Suffix decoding beside a draft model (SpecConfig.draft_suffix_decoding)
+        self.suffix = (SuffixProposer(SuffixSettings.of(spec))
+                       if spec.method == "draft_model" and spec.draft_suffix_decoding else None)
         self.predicted = PredictedOutputs()  # drafts from a request's `prediction`
         # the free sources' acceptance, learned apart from the proposer's, by Window.source
         self.free_acceptance = {"lookup": AcceptanceEstimator(prior=LOOKUP_PRIOR_ALPHA),
                                 "prediction": AcceptanceEstimator(prior=PREDICTION_PRIOR_ALPHA),
-                                "grammar": AcceptanceEstimator(prior=FORCED_PRIOR_ALPHA)}
+                                "grammar": AcceptanceEstimator(prior=FORCED_PRIOR_ALPHA),
+                                "suffix": AcceptanceEstimator(prior=SUFFIX_PRIOR_ALPHA)}
         self.policy: FixedPolicy = (
             FixedPolicy() if spec.policy == "fixed" else
             GoodputPolicy(spec, proposer, max_model_len, self.acceptance,
@@ -205,8 +213,9 @@ class Speculator(Speculation):
         """Each window's drafts from a source that costs no forward, if any, in this order:
         the tokens its grammar forces (at least two, or its cap: SGLang's jump-forward as
         drafts), its predicted output's (where the output follows it), its prompt lookup
-        (draft_prompt_lookup: `cap` tokens; a shorter one the draft model would out-draft).
-        Whether any prompt lookup was found."""
+        (draft_prompt_lookup: `cap` tokens; a shorter one the draft model would out-draft),
+        its suffix decoding's (draft_suffix_decoding: at least two, or its cap). Whether
+        any prompt lookup was found."""
         found = (self.lookup.propose([w.req for w in windows], [w.cap for w in windows]).drafts
                  if self.lookup is not None else [[] for _ in windows])
         for w, look in zip(windows, found, strict=True):
@@ -218,6 +227,9 @@ class Speculator(Speculation):
                 w.lookup, w.source = predicted, "prediction"
             elif look and len(look) == w.cap:
                 w.lookup, w.source = look, "lookup"
+            elif self.suffix is not None and w.cap and len(
+                    suffix := self.suffix.draft(w.req, w.cap)) >= min(2, w.cap):
+                w.lookup, w.source = suffix, "suffix"
         return any(w.source == "lookup" for w in windows)
 
     def prefill_cap(self, scheduler: Scheduler) -> int | None:
@@ -251,10 +263,14 @@ class Speculator(Speculation):
 
     def finish(self, req: Request) -> None:
         self.proposer.finish(req)
+        if self.suffix is not None:
+            self.suffix.finish(req)
         self._forget_state(req.request_id)
 
     def forget(self, request_id: str) -> None:
         self.proposer.forget(request_id)
+        if self.suffix is not None:
+            self.suffix.forget(request_id)
         self._forget_state(request_id)
 
     def _forget_state(self, request_id: str) -> None:

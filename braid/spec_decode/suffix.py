@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from braid.config import SpecConfig
 from braid.core.request import Request
 from braid.spec_decode.ngram import TokenHistory
 from braid.spec_decode.proposer import Proposal, Proposer
@@ -207,6 +208,11 @@ class SuffixSettings:
     max_cached_requests: int = 10000
     max_spec_factor: float = 1.0
     min_token_prob: float = 0.1
+
+    @classmethod
+    def of(cls, spec: SpecConfig) -> SuffixSettings:
+        return cls(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
+                   spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob)
 
 
 class SuffixProposer(Proposer):

@@ -91,6 +91,8 @@ CONFIGS = {
                                            max_num_batched_tokens=32, draft_prompt_lookup=True),
     "draft_k3_lookups_preempted": lambda: draft(3, num_kv_blocks=64, max_num_batched_tokens=32,
                                                 draft_prompt_lookup=True),
+    "draft_suffix_preempted": lambda: draft(3, num_kv_blocks=64, max_num_batched_tokens=32,
+                                            draft_suffix_decoding=True),
     "greedy_drafts": lambda: spec_engine("draft_model", 3, max_num_batched_tokens=32,
                                          draft_sampling="greedy"),
     "independent_drafts_rejection": lambda: spec_engine(

@@ -60,7 +60,7 @@ def spec_engine(method: str, k: int, draft_weights=WEIGHTS, draft_cfg=CFG, polic
     if method == "draft_model":
         spec["draft_prompt_lookup"] = lookups
     for key in ("draft_sampling", "verification", "draft_vocab_size",
-                "prompt_lookup_min"):  # speculative_config
+                "prompt_lookup_min", "draft_suffix_decoding"):  # speculative_config
         if key in options:
             spec[key] = options.pop(key)
     if method == "draft_model":

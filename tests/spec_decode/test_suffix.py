@@ -108,6 +108,29 @@ def test_a_repeated_task_drafts_from_the_earlier_outputs(policy: str) -> None:
     assert accepted >= 0.75 * 3 * 40 and accepted >= 0.9 * drafted
 
 
+@pytest.mark.parametrize("policy", ["fixed", "goodput"])
+def test_suffix_decoding_beside_a_draft_model_takes_the_recurring_windows(policy: str) -> None:
+    """draft_suffix_decoding: the repeated task's windows come from the suffix corpora, no
+    draft forward, losslessly; without it the draft model drafts them."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    reference = run(make_engine(max_num_batched_tokens=256), {0: [0, 1, 2]}, params)
+    for beside in (True, False):
+        engine = spec_engine("draft_model", 4, policy=policy, max_num_batched_tokens=64,
+                             draft_suffix_decoding=beside)
+        assert run(engine, {0: [0, 1, 2]}, params) == reference
+        ps = prompts()
+        for i in (0, 1, 2):
+            engine.add_request(f"again{i}", ps[i], params)
+        again = {o.request_id[5:]: o.outputs[0].token_ids for o in engine.run_until_done()
+                 if o.finished}
+        assert again == reference
+        windows = engine.speculator.windows_by_source
+        if beside:
+            assert windows["suffix"] > windows["draft_model"]
+        else:
+            assert windows["suffix"] == 0 and windows["draft_model"] > 0
+
+
 def test_cached_outputs_are_bounded_by_max_cached_requests() -> None:
     engine = spec_engine("suffix", 3, max_num_batched_tokens=64)
     engine.speculator.proposer.settings.max_cached_requests = 2
@@ -129,7 +152,13 @@ def test_bad_suffix_settings_are_config_errors(key: str, value: object, message:
         EngineConfig(model="tiny", speculative_config=spec)
 
 
-def test_suffix_settings_belong_to_method_suffix() -> None:
+def test_suffix_settings_belong_to_suffix_decoding() -> None:
     spec = {"method": "ngram", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 8}
-    with pytest.raises(ConfigError, match="only for method suffix"):
+    with pytest.raises(ConfigError, match="only for method suffix or draft_suffix_decoding"):
         EngineConfig(model="tiny", speculative_config=spec)
+    with pytest.raises(ConfigError, match="'draft_suffix_decoding' is only for method draft"):
+        EngineConfig(model="tiny", speculative_config={
+            "method": "suffix", "num_speculative_tokens": 4, "draft_suffix_decoding": True})
+    EngineConfig(model="tiny", speculative_config={
+        "method": "draft_model", "num_speculative_tokens": 4, "draft_suffix_decoding": True,
+        "suffix_decoding_min_token_prob": 0.3})
