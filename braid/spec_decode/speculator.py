@@ -18,7 +18,7 @@ from braid.core.request import Request
 from braid.core.scheduler import RequestUpdate, Scheduler
 from braid.spec_decode.goodput import FixedPolicy, GoodputPolicy, Window, usual_lag
 from braid.spec_decode.ngram import NgramProposer
-from braid.spec_decode.policy import AcceptanceEstimator
+from braid.spec_decode.policy import AcceptanceEstimator, expected_tokens
 from braid.spec_decode.prediction import PredictedOutputs
 from braid.spec_decode.proposer import Proposer
 from braid.spec_decode.suffix import SuffixProposer, SuffixSettings
@@ -210,27 +210,37 @@ class Speculator(Speculation):
         return max(k, 0)
 
     def _free_drafts(self, windows: Sequence[Window]) -> bool:
-        """Each window's drafts from a source that costs no forward, if any, in this order:
-        the tokens its grammar forces (at least two, or its cap: SGLang's jump-forward as
-        drafts), its predicted output's (where the output follows it), its prompt lookup
-        (draft_prompt_lookup: `cap` tokens; a shorter one the draft model would out-draft),
-        its suffix decoding's (draft_suffix_decoding: at least two, or its cap). Whether
+        """Each window's drafts from a source that costs no forward, if any: of the tokens
+        its grammar forces (at least two, or its cap: SGLang's jump-forward as drafts), its
+        predicted output's (where the output follows it), its prompt lookup
+        (draft_prompt_lookup: `cap` tokens; a shorter one the draft model would out-draft)
+        and its suffix decoding's (draft_suffix_decoding: at least two, or its cap), the
+        one expected to emit the most tokens at its source's acceptance estimate. Whether
         any prompt lookup was found."""
         found = (self.lookup.propose([w.req for w in windows], [w.cap for w in windows]).drafts
                  if self.lookup is not None else [[] for _ in windows])
         for w, look in zip(windows, found, strict=True):
-            grammar = w.req.grammar if w.cap else None
-            forced = grammar.forced_tokens(w.cap) if grammar is not None else []
-            if forced and len(forced) >= min(2, w.cap):
-                w.lookup, w.source = forced, "grammar"
-            elif predicted := self.predicted.drafts(w.req, w.cap):
-                w.lookup, w.source = predicted, "prediction"
-            elif look and len(look) == w.cap:
-                w.lookup, w.source = look, "lookup"
-            elif self.suffix is not None and w.cap and len(
-                    suffix := self.suffix.draft(w.req, w.cap)) >= min(2, w.cap):
-                w.lookup, w.source = suffix, "suffix"
+            if not w.cap:
+                continue
+            candidates = [(source, drafts) for source, drafts in self._candidates(w, look)
+                          if drafts]
+            if candidates:
+                rid = w.req.request_id
+                w.source, w.lookup = max(candidates, key=lambda c: expected_tokens(
+                    self.free_acceptance[c[0]].alpha(rid), len(c[1])))
         return any(w.source == "lookup" for w in windows)
+
+    def _candidates(self, w: Window, look: list[int]) -> list[tuple[str, list[int]]]:
+        """Each free source's drafts for window `w` ([] where it has none worth verifying);
+        `look` is its prompt lookup."""
+        grammar = w.req.grammar
+        forced = grammar.forced_tokens(w.cap) if grammar is not None else []
+        suffix = self.suffix.draft(w.req, w.cap) if self.suffix is not None else []
+        least = min(2, w.cap)
+        return [("grammar", forced if len(forced) >= least else []),
+                ("prediction", self.predicted.drafts(w.req, w.cap)),
+                ("lookup", look if len(look) == w.cap else []),
+                ("suffix", suffix if len(suffix) >= least else [])]
 
     def prefill_cap(self, scheduler: Scheduler) -> int | None:
         return self.policy.prefill_cap(list(scheduler.running), scheduler.next_step())

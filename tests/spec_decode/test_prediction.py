@@ -75,3 +75,25 @@ def test_a_wrong_prediction_costs_nothing_but_rejected_drafts() -> None:
                         replace(GREEDY, prediction_token_ids=[7] * 40), prompt)
     assert out == alone
     assert spec["accepted_prediction_tokens"] <= alone.count(7) + 3
+
+
+@pytest.mark.parametrize("trust", [0.01, 0.99])
+def test_the_free_source_expected_to_emit_most_is_taken(trust: float) -> None:
+    """A request with a prediction and prompt lookups beside a draft model: whichever source
+    is expected to emit more tokens (its acceptance estimate, held fixed here) drafts, the
+    output unchanged."""
+    from braid.spec_decode.policy import AcceptanceEstimator
+
+    prompt = [5, 6, 7, 8] * 10
+    alone, _ = run_one(make_engine(), GREEDY, prompt)
+    engine = spec_engine("draft_model", 2, draft_prompt_lookup=True)  # lookups of 2 recur
+    for source, prior in (("prediction", trust), ("lookup", 0.5)):
+        estimator = engine.speculator.free_acceptance[source] = AcceptanceEstimator(prior=prior)
+        estimator.update = lambda *args: None  # type: ignore[method-assign]
+    out, _ = run_one(engine, replace(GREEDY, prediction_token_ids=alone), prompt)
+    assert out == alone
+    windows = engine.speculator.windows_by_source
+    if trust > 0.5:
+        assert windows["prediction"] > 0 and windows["lookup"] == 0
+    else:  # the prediction drafts only where no lookup is found
+        assert windows["lookup"] > windows["prediction"]
