@@ -5,8 +5,10 @@ The tools go to the model through its chat template; a call comes back as
 `tool_calls` (streamed as vLLM's hermes parser does: a call's id and name once its head is
 in, then its arguments text as it grows; text before and between calls streams as content).
 An output that is nothing but such a call without the tags (or a ```json block of one, or
-Llama 3's form: `<|python_tag|>` then {"name", "parameters"} objects, vLLM's llama3_json, or
-Mistral's: `[TOOL_CALLS]` then a list of calls) is a call too (`bare_calls`). `tool_choice`:
+Llama 3's form: `<|python_tag|>` then {"name", "parameters"} objects, vLLM's llama3_json;
+Mistral's: `[TOOL_CALLS]` then a list of calls; or a Python list of calls with literal
+keyword arguments, `[get_weather(city="Paris"), ...]`, as Llama 3.2 and 4 write them, vLLM's
+pythonic) is a call too (`bare_calls`). `tool_choice`:
 - "none": the model sees the tools, its text stays text.
 - "auto": the model decides; calls are parsed out of its text.
 - "required": the grammar forces a JSON array of one or more calls of the given functions,
@@ -17,6 +19,7 @@ Mistral's: `[TOOL_CALLS]` then a list of calls) is a call too (`bare_calls`). `t
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import re
@@ -254,7 +257,7 @@ def _arguments_text(block: str, arguments: Any) -> str:
         try:
             if json.loads(text) == arguments:
                 return text
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # RecursionError: deep nesting
             pass
     return json.dumps(arguments, ensure_ascii=False)
 
@@ -277,7 +280,7 @@ def bare_calls(text: str, names: set[str], limit: int | None) -> list[ToolCall]:
     body = text.strip().removeprefix(PYTHON_TAG).removeprefix(MISTRAL_TAG).strip()
     if body.startswith("```"):
         body = body.removeprefix("```json").removeprefix("```").removesuffix("```").strip()
-    items = _json_values(body, separators=";")
+    items = _json_values(body, separators=";") or _pythonic_calls(body)
     if len(items) == 1 and isinstance(items[0], list):
         items = items[0]
     if not items or not all(isinstance(c, dict) and c.get("name") in names
@@ -286,6 +289,27 @@ def bare_calls(text: str, names: set[str], limit: int | None) -> list[ToolCall]:
     calls = [new_call(c["name"], json.dumps(_call_arguments(c), ensure_ascii=False))
              for c in items]
     return calls[:limit]
+
+
+MAX_PYTHONIC_CHARS = 65_536  # a longer output is not parsed as Python (ast's time and depth)
+
+
+def _pythonic_calls(text: str) -> list[dict[str, Any]]:
+    """`[f(a=1, b="x"), g()]` (vLLM's pythonic form) as [{"name", "arguments"}], read with
+    `ast` (nothing is evaluated: arguments must be literals); [] for anything else."""
+    if not (text.startswith("[") and text.endswith("]")) or len(text) > MAX_PYTHONIC_CHARS:
+        return []
+    try:
+        tree = ast.parse(text, mode="eval").body
+        if not isinstance(tree, ast.List) or not all(
+                isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and not c.args
+                and all(k.arg is not None for k in c.keywords) for c in tree.elts):
+            return []
+        return [{"name": c.func.id,  # type: ignore[attr-defined]
+                 "arguments": {k.arg: ast.literal_eval(k.value) for k in c.keywords}}
+                for c in tree.elts]
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return []
 
 
 def _call_arguments(call: dict[str, Any]) -> Any:
@@ -300,7 +324,7 @@ def _json_values(text: str, separators: str = "") -> list[Any]:
     while i < len(text):
         try:
             value, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # RecursionError: deep nesting
             return []
         values.append(value)
         while i < len(text) and text[i].isspace():
@@ -343,7 +367,7 @@ def required_progress(text: str) -> list[tuple[str, str]]:
     while head := _REQUIRED_HEAD.match(text, pos):
         try:
             name, pos = decoder.raw_decode(text, head.end())
-        except json.JSONDecodeError:  # not whole yet
+        except (json.JSONDecodeError, RecursionError):  # not whole yet (or too deep)
             break
         params = _PARAMETERS_HEAD.match(text, pos)
         if params is None:  # the name goes out first
@@ -351,7 +375,7 @@ def required_progress(text: str) -> list[tuple[str, str]]:
             break
         try:
             _, pos = decoder.raw_decode(text, params.end())
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # RecursionError: deep nesting
             calls.append((name, text[params.end():]))
             break
         calls.append((name, text[params.end():pos]))
@@ -366,7 +390,7 @@ def _json_value(text: str) -> Any:
     """The JSON value `text` is, or None where it is not whole JSON (cut short)."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: deep nesting
         return None
 
 

@@ -228,6 +228,11 @@ BARE = '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris", "
     ('[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "CET"}}, {"name": '
      '"get_weather", "arguments": {"city": "Oslo", "days": 2}}]', True),
     ("[TOOL_CALLS] not json", False),
+    # Llama 3.2's pythonic form (vLLM's pythonic parser): literal keyword arguments only
+    ('[get_time(zone="CET"), get_weather(city="Oslo", days=2)]', True),
+    ("[get_time()]", True), ('[get_weather(city="Paris", days=[1, 2][0])]', False),
+    ('[get_time(zone=open("/etc/passwd").read())]', False), ("[get_time(1)]", False),
+    ('[unknown(zone="CET")]', False), ("[1, 2]", False), ("[" * 5000 + "]" * 5000, False),
     ('{"name": "get_time", "arguments": {}} and then', False),
     ('{"name": "unknown_tool", "arguments": {}}', False),
     ('{"city": "Paris"}', False), ("Sure: " + BARE, False), ("It is sunny.", False),
