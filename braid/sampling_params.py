@@ -41,7 +41,10 @@ class StructuredOutputsParams:
     grammar (Lark, or GBNF as llama.cpp writes it) or any JSON object (`json_object`).
     JSON may have whitespace between its tokens as llama.cpp's JSON grammars allow it (one
     space, or a newline and up to 20 spaces or tabs), so a model cannot run on in whitespace;
-    `whitespace_pattern` (a regex) replaces that rule, `disable_any_whitespace` allows none."""
+    `whitespace_pattern` (a regex) replaces that rule, `disable_any_whitespace` allows none.
+    `reasoning` ("qwen3" or "deepseek_r1", as the server's --reasoning-parser sets it): the
+    grammar applies after the model's `<think>` block, which is free text
+    (braid/structured/reasoning.py)."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
@@ -50,8 +53,11 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
+        if self.reasoning not in (None, "qwen3", "deepseek_r1"):
+            raise ValueError(f"reasoning must be qwen3 or deepseek_r1, got {self.reasoning!r}")
         kinds = self.kinds
         if len(kinds) != 1:
             raise ValueError("structured_outputs must set exactly one of "

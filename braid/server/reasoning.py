@@ -11,16 +11,15 @@ between two deltas is held back until it is whole.
 
 A reply that opens its reasoning and never closes it (max_tokens reached while thinking) is
 all reasoning, whole or streamed alike (vLLM's whole-reply qwen3 parser returns it as content
-instead, tags and all). A grammar (response_format, a required or named tool) constrains the
-whole reply, reasoning included: a constrained reasoning model answers without thinking.
+instead, tags and all). A grammar (response_format, a required or named tool) applies after
+the reasoning, as vLLM's does (braid/structured/reasoning.py), where the tags are single
+tokens (else it constrains the whole reply, reasoning included).
 """
 
 from __future__ import annotations
 
 from braid.server.tools import partial_tag
-
-OPEN, CLOSE = "<think>", "</think>"
-PARSERS = ("qwen3", "deepseek_r1")
+from braid.structured.reasoning import CLOSE, OPEN, PARSERS
 
 
 class ReasoningSplitter:

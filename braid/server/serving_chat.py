@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import jinja2
@@ -96,6 +97,9 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
         body, asked, (body.top_logprobs or 0) if body.logprobs else None,
         {"max_tokens": asked_field} if use_new_name else None, constraint=constraint,
         defaults=ctx.default_sampling)
+    if ctx.reasoning_parser and params.structured_outputs is not None:  # after the thinking
+        params = replace(params, structured_outputs=replace(
+            params.structured_outputs, reasoning=ctx.reasoning_parser))
     await check_structured(ctx, body)
     await _check_tool_grammar(ctx, body, constraint)
     keep = kept_prompt_tokens(ctx, body.truncate_prompt_tokens)

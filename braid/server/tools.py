@@ -301,13 +301,15 @@ def _pythonic_calls(text: str) -> list[dict[str, Any]]:
         return []
     try:
         tree = ast.parse(text, mode="eval").body
-        if not isinstance(tree, ast.List) or not all(
-                isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and not c.args
-                and all(k.arg is not None for k in c.keywords) for c in tree.elts):
+        if not isinstance(tree, ast.List):
+            return []
+        calls = [c for c in tree.elts if isinstance(c, ast.Call) and isinstance(
+            c.func, ast.Name) and not c.args and all(k.arg is not None for k in c.keywords)]
+        if len(calls) != len(tree.elts):
             return []
         return [{"name": c.func.id,  # type: ignore[attr-defined]
                  "arguments": {k.arg: ast.literal_eval(k.value) for k in c.keywords}}
-                for c in tree.elts]
+                for c in calls]
     except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
         return []
 

@@ -287,7 +287,7 @@ class GrammarState:
             if self._matcher.is_accepting():  # any of the model's EOS tokens may end it
                 for t in self._eos_token_ids:
                     if t < out.numel() * 32:
-                        out[t // 32] |= _bit(t % 32)
+                        out[t // 32] |= bit(t % 32)
         seconds = time.perf_counter() - start
         self._unbilled += seconds
         self._stats.num_masks += 1
@@ -316,7 +316,7 @@ class GrammarState:
             raise GrammarError(f"the grammar failed: {first_line(self._matcher.get_error())}")
 
 
-def _bit(i: int) -> int:
+def bit(i: int) -> int:
     """Bit i of an int32 word, as a signed value."""
     return -(1 << 31) if i == 31 else 1 << i
 

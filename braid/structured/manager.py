@@ -12,6 +12,7 @@ once, on the first structured request or by `warm_up` (~1.6 s: the server does i
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Collection
@@ -33,8 +34,11 @@ from braid.structured.grammar import (
     grammar_for,
     spec_key,
 )
+from braid.structured.reasoning import CLOSE, OPEN, AfterReasoning
 from braid.structured.worker import GrammarWorker
 from braid.tokenizer import Tokenizer
+
+logger = logging.getLogger("braid")
 
 _MAX_CACHED = 128  # compiled grammars kept, least recently used dropped first
 _MAX_CACHED_BYTES = 64 * 2**20  # and at most this much grammar text among them
@@ -122,8 +126,23 @@ class StructuredOutputManager:
     def _state(self, params: StructuredOutputsParams, eos: Collection[int]) -> Grammar:
         key = spec_key(params)
         matcher = self._template(params)
-        return GrammarState(matcher.deep_copy(), eos, self.stats,
-                            on_error=lambda: self._forget(key))
+        state: Grammar = GrammarState(matcher.deep_copy(), eos, self.stats,
+                                      on_error=lambda: self._forget(key))
+        tags = self._reasoning_tags
+        if params.reasoning is not None and tags is not None:
+            state = AfterReasoning(state, params.reasoning, *tags)
+        return state
+
+    @cached_property
+    def _reasoning_tags(self) -> tuple[int, int] | None:
+        """The ids of <think> and </think>, where both are single tokens (else a grammar
+        constrains the whole reply, reasoning included)."""
+        ids = [self._tokenizer.backend.token_to_id(tag) for tag in (OPEN, CLOSE)]
+        if ids[0] is None or ids[1] is None:
+            logger.warning("%s and %s are not single tokens of this tokenizer: a grammar "
+                           "constrains the whole reply, reasoning included", OPEN, CLOSE)
+            return None
+        return ids[0], ids[1]
 
     def _forget(self, key: SpecKey) -> None:
         with self._lock:
