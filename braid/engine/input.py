@@ -108,6 +108,8 @@ class InputProcessor:
         for name in ("allowed_token_ids", "stop_token_ids"):  # a stop id never sampled: a slip
             if any(token >= vocab for token in getattr(params, name) or []):
                 raise RequestError(f"{name} must be token ids in [0, {vocab})")
+        if not all(is_int(t) and 0 <= t < vocab for t in params.prediction_token_ids or []):
+            raise RequestError(f"prediction_token_ids must be token ids in [0, {vocab})")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(params, name) or 0
             if n > self.max_logprobs():

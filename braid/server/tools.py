@@ -147,7 +147,8 @@ def template_messages(body: ChatCompletionRequest | TokenizeChatRequest) -> list
         for call in m.get("tool_calls") or []:
             fn = call.get("function", {})
             if isinstance(fn.get("arguments"), str):
-                with contextlib.suppress(json.JSONDecodeError):  # else written as it came
+                # else written as it came (too deep for the parser, too)
+                with contextlib.suppress(json.JSONDecodeError, RecursionError):
                     fn["arguments"] = json.loads(fn["arguments"])
     return messages
 
@@ -307,9 +308,11 @@ def _pythonic_calls(text: str) -> list[dict[str, Any]]:
             c.func, ast.Name) and not c.args and all(k.arg is not None for k in c.keywords)]
         if len(calls) != len(tree.elts):
             return []
-        return [{"name": c.func.id,  # type: ignore[attr-defined]
-                 "arguments": {k.arg: ast.literal_eval(k.value) for k in c.keywords}}
-                for c in calls]
+        found = [{"name": c.func.id,  # type: ignore[attr-defined]
+                  "arguments": {k.arg: ast.literal_eval(k.value) for k in c.keywords}}
+                 for c in calls]
+        json.dumps(found, allow_nan=False)  # sets, bytes, complex, inf: not JSON, not a call
+        return found
     except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
         return []
 

@@ -155,7 +155,7 @@ class GoodputPolicy(FixedPolicy):
         if any(w.lookup and not k for w, k in zip(windows, ks, strict=True)):
             for w, k in zip(windows, ks, strict=True):
                 if not k:
-                    w.lookup = []
+                    w.lookup, w.source = [], ""
             plan, alphas = self._plan(windows, nxt)
             ks = choose_ks(alphas, _caps(windows), plan, self.cost)
         for w, k in zip(windows, ks, strict=True):

@@ -67,11 +67,22 @@ class PredictedOutputs:
 def rejoin(prediction: np.ndarray, output: list[int], after: int = 0) -> int | None:
     """The prediction's position after an occurrence of the output's longest tail
     (REJOIN_MAX down to REJOIN_MIN tokens): the first one ending at or after `after`, else
-    the first one; None where the tail occurs nowhere."""
-    for n in range(min(REJOIN_MAX, len(output), len(prediction)), REJOIN_MIN - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(prediction, n)  # [P - n + 1, n]
-        hits = np.flatnonzero((windows == np.asarray(output[-n:])).all(axis=1))
-        if hits.size:
-            later = hits[hits + n >= after]
-            return int(later[0] if later.size else hits[0]) + n
-    return None
+    the first one; None where the tail occurs nowhere. One pass over the prediction for the
+    tail's last token, then a narrowing set of candidates."""
+    longest = min(REJOIN_MAX, len(output), len(prediction))
+    if longest < REJOIN_MIN:
+        return None
+    tail = np.asarray(output[-longest:])
+    ends = np.flatnonzero(prediction == tail[-1])  # where the tail's last token occurs
+    matched = 1
+    while matched < longest and ends.size:
+        ends_left = ends[ends >= matched]
+        longer = ends_left[prediction[ends_left - matched] == tail[-1 - matched]]
+        if not longer.size:
+            break
+        ends, matched = longer, matched + 1
+    if matched < REJOIN_MIN or not ends.size:
+        return None
+    positions = ends + 1
+    later = positions[positions >= after]
+    return int(later[0] if later.size else positions[0])

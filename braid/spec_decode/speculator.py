@@ -173,8 +173,10 @@ class Speculator(Speculation):
         if any(w.cap and not w.lookup for w in windows) and not any(proposal.drafts):
             self.acceptance.age()
             self.policy.on_idle()
-        if found and not any(w.drafts for w in windows if w.source == "lookup"):
-            self.lookup_acceptance.age()  # lookups found, none verified: explore again in time
+        for source in found - {w.source for w in windows if w.drafts}:
+            # found, not worth verifying by the estimate: it ages, so the source is tried
+            # again in time
+            self.free_acceptance[source].age()
         drafts = {w.req.request_id: w.drafts for w in windows}
         probs = {} if proposal.probs is None else {
             w.req.request_id: q for w, q in zip(windows, proposal.probs, strict=True)
@@ -209,14 +211,14 @@ class Speculator(Speculation):
             k = min(k, max_tokens - req.num_output_tokens - 1)
         return max(k, 0)
 
-    def _free_drafts(self, windows: Sequence[Window]) -> bool:
+    def _free_drafts(self, windows: Sequence[Window]) -> set[str]:
         """Each window's drafts from a source that costs no forward, if any: of the tokens
         its grammar forces (at least two, or its cap: SGLang's jump-forward as drafts), its
         predicted output's (where the output follows it), its prompt lookup
         (draft_prompt_lookup: `cap` tokens; a shorter one the draft model would out-draft)
         and its suffix decoding's (draft_suffix_decoding: at least two, or its cap), the
-        one expected to emit the most tokens at its source's acceptance estimate. Whether
-        any prompt lookup was found."""
+        one expected to emit the most tokens at its source's acceptance estimate. The
+        sources chosen for some window."""
         found = (self.lookup.propose([w.req for w in windows], [w.cap for w in windows]).drafts
                  if self.lookup is not None else [[] for _ in windows])
         for w, look in zip(windows, found, strict=True):
@@ -228,7 +230,7 @@ class Speculator(Speculation):
                 rid = w.req.request_id
                 w.source, w.lookup = max(candidates, key=lambda c: expected_tokens(
                     self.free_acceptance[c[0]].alpha(rid), len(c[1])))
-        return any(w.source == "lookup" for w in windows)
+        return {w.source for w in windows if w.lookup}
 
     def _candidates(self, w: Window, look: list[int]) -> list[tuple[str, list[int]]]:
         """Each free source's drafts for window `w` ([] where it has none worth verifying);
@@ -237,8 +239,9 @@ class Speculator(Speculation):
         forced = grammar.forced_tokens(w.cap) if grammar is not None else []
         suffix = self.suffix.draft(w.req, w.cap) if self.suffix is not None else []
         least = min(2, w.cap)
+        predicted = self.predicted.drafts(w.req, w.cap)
         return [("grammar", forced if len(forced) >= least else []),
-                ("prediction", self.predicted.drafts(w.req, w.cap)),
+                ("prediction", predicted if len(predicted) >= least else []),
                 ("lookup", look if len(look) == w.cap else []),
                 ("suffix", suffix if len(suffix) >= least else [])]
 

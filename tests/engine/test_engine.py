@@ -459,8 +459,8 @@ def test_serve_names_a_bad_cors_flag_root_path_or_tool_parser(capsys) -> None:
             main(["serve", flag, " "])
         assert f"{flag}: must not be blank" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["serve", "--tool-call-parser", "pythonic"])
-    assert "argument --tool-call-parser: invalid choice: 'pythonic'" in capsys.readouterr().err
+        main(["serve", "--tool-call-parser", "granite"])
+    assert "argument --tool-call-parser: invalid choice: 'granite'" in capsys.readouterr().err
     args = build_parser().parse_args(["serve", "--enable-auto-tool-choice",
                                       "--tool-call-parser", "hermes", "--trust-remote-code",
                                       "--enforce-eager", "--disable-log-requests"])

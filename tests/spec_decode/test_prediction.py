@@ -97,3 +97,13 @@ def test_the_free_source_expected_to_emit_most_is_taken(trust: float) -> None:
         assert windows["prediction"] > 0 and windows["lookup"] == 0
     else:  # the prediction drafts only where no lookup is found
         assert windows["lookup"] > windows["prediction"]
+
+
+@pytest.mark.parametrize("bad", [[-1], [10**6], [True], ["3"]])
+def test_prediction_ids_outside_the_vocabulary_are_refused(bad: list) -> None:
+    from braid.engine.input import RequestError
+
+    engine = spec_engine("ngram", 3)
+    with pytest.raises(RequestError, match="prediction_token_ids must be token ids"):
+        engine.add_request("r", prompts()[0], replace(GREEDY, prediction_token_ids=bad))
+    assert not engine.has_unfinished_requests()
