@@ -55,6 +55,9 @@ class SuffixCorpus:
         self._spans: dict[str, Span] = {}
         self._tokens = np.full(1024, GAP, dtype=np.int64)
         self._end = 1  # arena position 0 stays GAP: a match never runs past the start
+        # pair key -> positions: those indexed at the last compaction (sorted keys, each
+        # key's positions a slice of one array), and those added since
+        self._base = PairIndex.build(np.full(1, GAP, dtype=np.int64))
         self._index: dict[int, array] = {}
         self._live = 0  # tokens in live sequences
 
@@ -119,10 +122,16 @@ class SuffixCorpus:
         if context.shape[0] < 2:
             return np.empty(0, dtype=np.int64)
         a, b = int(context[-2]), int(context[-1])
-        entries = self._index.get(_pair(a, b))
-        if entries is None:
-            return np.empty(0, dtype=np.int64)
-        positions = np.frombuffer(entries, dtype=np.int64)[-MAX_CANDIDATES:]
+        key = _pair(a, b)
+        entries = self._index.get(key)
+        recent = (np.empty(0, dtype=np.int64) if entries is None
+                  else np.frombuffer(entries, dtype=np.int64)[-MAX_CANDIDATES:])
+        positions = recent
+        if recent.shape[0] < MAX_CANDIDATES:
+            older = self._base.positions(key)[-(MAX_CANDIDATES - recent.shape[0]):]
+            positions = np.concatenate([older, recent]) if older.size else recent
+        if not positions.size:
+            return positions
         t = self._tokens
         positions = positions[(t[positions] == b) & (t[positions - 1] == a)]  # moved: stale
         span = self._spans.get(own) if own is not None else None
@@ -172,13 +181,46 @@ class SuffixCorpus:
             entries.append(begin + i)
 
     def _compact(self) -> None:
-        """Rebuild the arena and the index from the live sequences."""
+        """Rebuild the arena and the index from the live sequences (the index with numpy
+        ops and a Python step per distinct pair, not per token)."""
         live = [(sid, self._tokens[s.start:s.start + s.length].copy())
                 for sid, s in self._spans.items()]
-        self._spans, self._index, self._live, self._end = {}, {}, 0, 1
+        self._spans, self._live, self._end = {}, 0, 1
         self._tokens = np.full(1024, GAP, dtype=np.int64)
         for sid, tokens in live:
-            self.extend(sid, tokens)
+            span = self._place(sid, tokens.shape[0], tokens.shape[0])
+            self._tokens[span.start:span.start + span.length] = tokens
+            self._live += span.length
+        self._base, self._index = PairIndex.build(self._tokens[:self._end]), {}
+
+
+@dataclass(slots=True)
+class PairIndex:
+    """The positions p of every pair (t[p-1], t[p]) of an arena (GAP in neither), grouped
+    by pair key in three arrays: built with numpy ops alone, so compacting a large corpus
+    costs no Python step per token or per pair."""
+
+    keys: np.ndarray  # [K] sorted distinct pair keys
+    starts: np.ndarray  # [K + 1] where each key's positions begin in `at`
+    at: np.ndarray  # [N] positions, ascending within each key
+
+    @classmethod
+    def build(cls, tokens: np.ndarray) -> PairIndex:
+        left, right = tokens[:-1], tokens[1:]
+        real = (left >= 0) & (right >= 0)
+        keys = ((left << 32) | right)[real]
+        positions = np.arange(1, tokens.shape[0], dtype=np.int64)[real]
+        order = np.argsort(keys, kind="stable")
+        keys, positions = keys[order], positions[order]
+        first = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]])) \
+            if keys.size else np.empty(0, dtype=np.int64)
+        return cls(keys[first], np.append(first, keys.shape[0]), positions)
+
+    def positions(self, key: int) -> np.ndarray:
+        i = int(np.searchsorted(self.keys, key))
+        if i == self.keys.shape[0] or self.keys[i] != key:
+            return self.at[:0]
+        return self.at[self.starts[i]:self.starts[i + 1]]
 
 
 def _walk(rows: list[list[int]], max_tokens: int, min_prob: float) -> tuple[list[int], float]:

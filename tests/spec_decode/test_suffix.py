@@ -162,3 +162,34 @@ def test_suffix_settings_belong_to_suffix_decoding() -> None:
     EngineConfig(model="tiny", speculative_config={
         "method": "draft_model", "num_speculative_tokens": 4, "draft_suffix_decoding": True,
         "suffix_decoding_min_token_prob": 0.3})
+
+
+def test_compaction_rebuilds_the_same_index() -> None:
+    """The index compaction builds with numpy holds what indexing token by token did, and
+    drafts come from it and from what is added after it alike."""
+    rng = np.random.default_rng(1)
+    corpus = SuffixCorpus(max_depth=24)
+    text = {str(i): rng.integers(0, 20, 200).tolist() for i in range(30)}
+    for sid, tokens in text.items():
+        corpus.extend(sid, tokens)
+    for i in range(0, 30, 2):
+        corpus.remove(str(i))
+    corpus._compact()
+    again = SuffixCorpus(max_depth=24)
+    again._tokens, again._end = corpus._tokens.copy(), corpus._end
+    for span in corpus._spans.values():  # in arena order
+        again._add_pairs(span.start, span.start + span.length)
+    base = corpus._base
+    rebuilt = {int(k): base.at[base.starts[i]:base.starts[i + 1]].tolist()
+               for i, k in enumerate(base.keys)}
+    assert rebuilt == {key: list(v) for key, v in again._index.items()}
+    assert not corpus._index
+    corpus.extend("new", [7, 7, 3, 4, 5])
+    assert speculate(corpus, [3, 4], k=1, min_prob=0.0)[0]  # from both parts
+    tokens = text["1"]
+    assert speculate(corpus, tokens[:60], k=3, min_prob=0.0)[0] == tokens[60:63]
+    empty = SuffixCorpus(max_depth=24)
+    empty.extend("a", [1, 2, 3])
+    empty.remove("a")
+    empty._compact()
+    assert not empty._base.keys.size and speculate(empty, [1, 2]) == ([], 0.0)
