@@ -128,7 +128,7 @@ def prompts_for(workload: str, num: int, tokenizer: Any, max_prompt_len: int = 1
 
 
 def session_prompt(session: agentic.Session, tokenizer: Any) -> list[int]:
-    text = tokenizer.apply_chat_template(session.messages, tools=agentic.TOOLS)
+    text = tokenizer.apply_chat_template(session.template_messages(), tools=agentic.TOOLS)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

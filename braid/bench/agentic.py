@@ -72,13 +72,29 @@ class Session:
         if not calls:
             self.messages.append({"role": "assistant", "content": text})
             return False
-        self.messages.append({"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": c} for c in calls]})
-        for c in calls:
-            self.messages.append({"role": "tool", "name": c["name"],
+        ids = [f"call_{self.num_calls + i}" for i in range(len(calls))]
+        self.messages.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": i, "type": "function", "function": {
+                "name": c["name"], "arguments": json.dumps(c["arguments"])}}
+            for i, c in zip(ids, calls, strict=True)]})
+        for i, c in zip(ids, calls, strict=True):
+            self.messages.append({"role": "tool", "tool_call_id": i,
                                   "content": tool_result(c["name"], c["arguments"])})
         self.num_calls += len(calls)
         return self.turns_left > 0
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as a chat template takes them (a call's arguments as an object; the
+        messages themselves are OpenAI's, arguments as JSON text, as a server takes them)."""
+        out = []
+        for m in self.messages:
+            if m.get("tool_calls"):
+                m = {**m, "content": "", "tool_calls": [
+                    {**c, "function": {**c["function"],
+                                       "arguments": json.loads(c["function"]["arguments"])}}
+                    for c in m["tool_calls"]]}
+            out.append(m)
+        return out
 
 
 def sessions(num: int, max_turns: int = 4, seed: int = 0) -> list[Session]:

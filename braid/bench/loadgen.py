@@ -1,5 +1,6 @@
 """Open-loop load generator for an OpenAI-compatible server: one asyncio task per request,
-sent at seeded Poisson (or gamma) arrival times whatever the server's progress, streaming."""
+sent at seeded Poisson (or gamma) arrival times whatever the server's progress, streaming;
+and a closed loop over multi-turn agentic sessions (`run_sessions`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from braid.bench import agentic
 from braid.bench.datasets import BenchPrompt
 from braid.bench.metrics import RequestRecord, failed_record, record_from_chunks
 
@@ -166,6 +168,46 @@ async def run_load(cfg: LoadConfig, prompts: list[BenchPrompt],
         duration = clock() - t0
     bar.close()
     return list(records), duration
+
+
+def session_body(cfg: LoadConfig, session: agentic.Session) -> dict[str, Any]:
+    """A session's next turn: its conversation and the tools; tool_choice "none" leaves the
+    reply as text, from which the session reads its calls (the forms small models write)."""
+    return {"model": cfg.model, "messages": session.messages, "tools": agentic.TOOLS,
+            "tool_choice": "none", "max_tokens": cfg.max_output_len or 128,
+            "temperature": cfg.temperature, "stream": True,
+            "stream_options": {"include_usage": True}, **cfg.extra_body}
+
+
+async def run_sessions(cfg: LoadConfig, sessions: list[agentic.Session],
+                       clock: Clock = time.perf_counter
+                       ) -> tuple[list[RequestRecord], float]:
+    """Closed loop over agentic sessions (chat endpoint): at most `max_concurrency` sessions
+    at once (all, unset); each turn is one streamed request, sent as soon as the turn before
+    it was answered and its tool results added. One record per turn, in finishing order;
+    a failed turn ends its session."""
+    limit = asyncio.Semaphore(cfg.max_concurrency or len(sessions) or 1)
+    bar = tqdm(total=len(sessions), disable=not cfg.progress, desc="sessions", unit="session")
+    records: list[RequestRecord] = []
+    timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
+    async with cfg.client(timeout) as client:
+        t0 = clock()
+
+        async def one(session: agentic.Session) -> None:
+            async with limit:
+                going = True
+                while going:
+                    text: list[str] = []
+                    record = await send_one(client, cfg, session_body(cfg, session), clock, t0,
+                                            text)
+                    records.append(record)
+                    going = record.success and session.add_reply("".join(text))
+            bar.update(1)
+
+        await asyncio.gather(*(one(s) for s in sessions))
+        duration = clock() - t0
+    bar.close()
+    return records, duration
 
 
 async def warm_up(cfg: LoadConfig, prompt: BenchPrompt) -> RequestRecord:

@@ -4,7 +4,9 @@ Result JSON (schema "braid.bench.serve/1"): `schema`, `date`, `config` (the run'
 the figures of `metrics.summarize` (duration_s, num_requests, completed, failed,
 failure_reasons, token totals, request/output/total-token throughput, goodput, and
 ttft_ms / tpot_ms / itl_ms / e2el_ms each with mean, median, p90, p99), `spec` (the server's
-speculation figures for the run, or null) and `requests` (one record per prompt).
+speculation figures for the run, or null) and `requests` (one record per prompt; with
+`--dataset agentic`, per turn of the multi-turn tool-calling sessions, run closed-loop at
+`--max-concurrency` sessions, the config then counting turns and tool calls).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from braid.bench import agentic
 from braid.bench.datasets import BenchPrompt, load_prompts, tokenizer_for
-from braid.bench.loadgen import LoadConfig, run_load, warm_up
+from braid.bench.loadgen import LoadConfig, run_load, run_sessions, warm_up
 from braid.bench.metrics import parse_goodput, summarize
 from braid.bench.report import print_table
 from braid.bench.server_metrics import scrape, spec_figures
@@ -36,18 +39,25 @@ class WarmUpFailed(ValueError):
 
 
 def benchmark(cfg: LoadConfig, prompts: list[BenchPrompt], slos: dict[str, float] | None = None,
-              warmup: bool = True, info: dict[str, Any] | None = None) -> dict[str, Any]:
+              warmup: bool = True, info: dict[str, Any] | None = None,
+              sessions: list[agentic.Session] | None = None) -> dict[str, Any]:
     """Warm up, scrape /metrics, run the load, scrape again; the result as a JSON-able dict.
-    WarmUpFailed where the warm-up request fails (as vLLM's benchmark stops on its first)."""
+    With `sessions` (agentic), the load is those sessions run closed-loop, one record per
+    turn. WarmUpFailed where the warm-up request fails (as vLLM's benchmark stops on its
+    first)."""
     if warmup and prompts:
         first = asyncio.run(warm_up(cfg, prompts[0]))
         if not first.success:
             raise WarmUpFailed(f"the warm-up request to {cfg.base_url} (model {cfg.model!r}) "
                                f"failed: {first.error}")
     before = scrape(cfg.base_url)
-    records, duration = asyncio.run(run_load(cfg, prompts))
+    records, duration = asyncio.run(run_sessions(cfg, sessions) if sessions is not None
+                                    else run_load(cfg, prompts))
     after = scrape(cfg.base_url)
     config = {**asdict(cfg), **(info or {}), "num_prompts": len(prompts), "goodput_slos_ms": slos}
+    if sessions is not None:
+        config.update(turns=sum(len(s.replies) for s in sessions),
+                      tool_calls=sum(s.num_calls for s in sessions))
     del config["api_key"]
     config["request_rate"] = _rate(cfg.request_rate)
     return {
@@ -98,10 +108,16 @@ def dataset_info(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
+    if args.dataset == "agentic" and args.endpoint != "chat":
+        args.command_parser.error("--dataset agentic: its sessions call tools, on --endpoint "
+                                  "chat")
     cfg = load_config(args)
     slos = parse_goodput(args.goodput)
     prompts = dataset_prompts(args, args.model)
-    result = benchmark(cfg, prompts, slos, warmup=not args.no_warmup, info=dataset_info(args))
+    sessions = (agentic.sessions(args.num_prompts, seed=args.seed)
+                if args.dataset == "agentic" else None)
+    result = benchmark(cfg, prompts, slos, warmup=not args.no_warmup, info=dataset_info(args),
+                       sessions=sessions)
     print_table(result)
     if args.result_json:
         save_json(result, args.result_json)

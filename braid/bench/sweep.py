@@ -182,6 +182,9 @@ def _settings(args: argparse.Namespace, rates: list[float], modes: list[str]) ->
 
 
 def cmd_bench_sweep(args: argparse.Namespace) -> int:
+    if args.dataset == "agentic":
+        args.command_parser.error("--dataset agentic: its sessions run closed-loop, not at "
+                                  "request rates; use braid bench serve --max-concurrency")
     start = time.monotonic()
     sweep = run_sweep(args)
     failed = [m for m, e in sweep["modes"].items() if e["error"]]

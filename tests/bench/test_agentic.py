@@ -19,6 +19,11 @@ def test_a_session_feeds_tool_results_back_until_the_answer() -> None:
     assert [m["role"] for m in s.messages] == ["system", "user", "assistant", "tool"]
     assert s.messages[-1]["content"] == tool_result("get_weather",
                                                     {"city": "Oslo", "date": "2026-07-01"})
+    made = s.messages[-2]["tool_calls"][0]  # OpenAI's shape, as a server takes it
+    assert s.messages[-1]["tool_call_id"] == made["id"]
+    assert json.loads(made["function"]["arguments"]) == {"city": "Oslo", "date": "2026-07-01"}
+    templated = s.template_messages()[-2]["tool_calls"][0]["function"]["arguments"]
+    assert templated == {"city": "Oslo", "date": "2026-07-01"}
     assert not s.add_reply("It will be sunny.")  # an answer ends it
     assert s.num_calls == 1 and len(s.replies) == 2
 

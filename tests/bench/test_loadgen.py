@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -204,3 +205,56 @@ def test_send_one_collects_the_streamed_text_and_cached_tokens(server: ServerPro
     assert "".join(text) == plain["choices"][0]["text"]
     assert records[1].cached_tokens > 0
     assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] == records[1].cached_tokens
+
+
+@pytest.fixture(scope="module")
+def long_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A tiny model with room for the agentic sessions' growing conversations (bytes as
+    tokens)."""
+    from tests.tiny import save_tiny_model
+
+    folder = save_tiny_model(tmp_path_factory.mktemp("long-model"), max_position_embeddings=8192)
+    proc = ServerProcess(folder, tmp_path_factory.mktemp("long-log"), "--max-model-len", "8192",
+                         "--num-kv-blocks", "2048", "--block-size", "16")
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+def test_agentic_sessions_run_closed_loop_turn_after_turn(long_server: ServerProcess,
+                                                          tmp_path: Path) -> None:
+    """`--dataset agentic`: each session's turns follow each other with the tools and their
+    results in the conversation. A grammar makes the tiny model call a tool every turn, so
+    every session runs its turns out and each turn's prompt is longer than the last."""
+    from braid.bench.agentic import sessions
+    from braid.bench.loadgen import run_sessions
+
+    server = long_server
+    call = r'\{"name": "get_weather", "arguments": \{"city": "Oslo", "date": "2026-07-0[1-9]"\}\}'
+    cfg = LoadConfig(base_url=server.url, model=server.model, max_concurrency=2,
+                     max_output_len=128, progress=False,
+                     extra_body={"structured_outputs": {"regex": call}})
+    made = sessions(3, max_turns=3)
+    records, duration = asyncio.run(run_sessions(cfg, made))
+    assert len(records) == 9 and all(r.success for r in records) and duration > 0
+    assert all(len(s.replies) == 3 and s.num_calls == 3 for s in made)
+    assert [m["role"] for m in made[0].messages][-2:] == ["assistant", "tool"]
+    prompts = sorted(r.prompt_tokens for r in records)
+    assert prompts[-1] > prompts[0]
+    out = tmp_path / "agentic.json"
+    from braid.cli import main
+
+    code = main(["bench", "serve", "--base-url", server.url, "--model", server.model,
+                 "--dataset", "agentic", "--num-prompts", "2", "--max-concurrency", "1",
+                 "--max-output-len", "8", "--no-progress", "--result-json", str(out)])
+    result = json.loads(out.read_text())
+    assert code == 0 and result["config"]["dataset"] == "agentic"
+    assert result["completed"] == result["config"]["turns"] >= 2
+
+
+def test_agentic_needs_the_chat_endpoint_and_is_not_swept(capsys) -> None:
+    from braid.cli import main
+
+    for argv in (["serve", "--endpoint", "completions"], ["sweep"]):
+        with pytest.raises(SystemExit):
+            main(["bench", *argv, "--model", "m", "--dataset", "agentic"])
+        assert "--dataset agentic:" in capsys.readouterr().err
