@@ -36,6 +36,7 @@ import json
 import platform
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,15 @@ def prompts_for(workload: str, num: int, tokenizer: Any, max_prompt_len: int = 1
         for p in items]
 
 
+def predictions_for(workload: str, num: int, tokenizer: Any) -> list[list[int]]:
+    """Edit: each request's predicted output (OpenAI's `prediction`), the code it was given
+    back in a block, as a client sending the file it asked to have edited would."""
+    if workload != "edit":
+        raise ValueError("--predict: only the edit workload has predicted outputs")
+    return [tokenizer.encode("```python\n" + p.prompt + "```", add_special_tokens=False)
+            for p in humaneval(num)]
+
+
 def session_prompt(session: agentic.Session, tokenizer: Any) -> list[int]:
     text = tokenizer.apply_chat_template(session.template_messages(), tools=agentic.TOOLS)
     return tokenizer.encode(text, add_special_tokens=False)
@@ -173,7 +183,9 @@ def _figures(engine: LLMEngine) -> dict[str, Any]:
 
 
 def run_mode(engine: LLMEngine, prompts: list[list[int]], concurrency: int,
-             max_tokens: int, temperature: float = 0.0) -> dict[str, Any]:
+             max_tokens: int, temperature: float = 0.0,
+             predictions: list[list[int]] | None = None) -> dict[str, Any]:
+    """Closed loop over `prompts`; `predictions`: each one's predicted output (token ids)."""
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
     pending, in_flight, generated = list(enumerate(prompts)), 0, 0
     start = time.perf_counter()
@@ -181,7 +193,8 @@ def run_mode(engine: LLMEngine, prompts: list[list[int]], concurrency: int,
         while pending or engine.has_unfinished_requests():
             while pending and in_flight < concurrency:
                 i, p = pending.pop(0)
-                engine.add_request(str(i), p, params)
+                engine.add_request(str(i), p, params if predictions is None else replace(
+                    params, prediction_token_ids=predictions[i]))
                 in_flight += 1
             for out in engine.step():
                 if out.finished:
@@ -226,6 +239,9 @@ def main() -> None:
     parser.add_argument("--warm-engines", action="store_true",
                         help="one engine per mode and load, kept for all its repeats (what a "
                         "running server has learned), instead of a fresh engine per run")
+    parser.add_argument("--predict", action="store_true",
+                        help="edit workload: every request sends the code it was given as its "
+                        "predicted output (OpenAI's `prediction`)")
     parser.add_argument("--ceiling", action="store_true",
                         help="print the most draft-model speculation could gain at "
                         "concurrency 1 on these prompts (see `ceiling`) and exit")
@@ -241,6 +257,8 @@ def main() -> None:
             spec_config(mode)
     except ValueError as e:
         parser.error(f"--modes: {e}")
+    if args.predict and args.workload != "edit":
+        parser.error("--predict: only the edit workload has predicted outputs")
     if args.prompts_per_slot < 0:
         parser.error(f"--prompts-per-slot: must be >= 0, got {args.prompts_per_slot}")
     if not all(0 <= t < float("inf") for t in args.temperature):
@@ -256,6 +274,8 @@ def main() -> None:
     levels = args.concurrency
     counts = {c: max(args.num_prompts, args.prompts_per_slot * c) for c in levels}
     prompts = prompts_for(args.workload, max(counts.values()), target[1], args.max_prompt_len)
+    args.predictions = (predictions_for(args.workload, max(counts.values()), target[1])
+                        if args.predict else None)
     print(f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads;"
           f" draft in {str(draft_dtype).removeprefix('torch.')};"
           f" {args.workload}: {counts} prompts per concurrency, {args.max_tokens} new tokens,"
@@ -358,7 +378,8 @@ def measure(engine: LLMEngine, mode: str, c: int, count: int, prompts: list[list
         engine.speculator.chosen_k.clear()
     run = (run_sessions(engine, agentic.sessions(count), c, args.max_tokens, temperature)
            if args.workload == "agentic" else
-           run_mode(engine, prompts[:count], c, args.max_tokens, temperature))
+           run_mode(engine, prompts[:count], c, args.max_tokens, temperature,
+                    None if args.predictions is None else args.predictions[:count]))
     return {"mode": mode, "concurrency": c, "temperature": temperature, "prompts": count,
             **run}
 

@@ -44,6 +44,7 @@ def run_script(name: str, *argv: str, monkeypatch: pytest.MonkeyPatch) -> int:
     ("bench_spec.py", ["--modes", "draft3/foo"], "--modes: draft3/foo: a draft model's mode "
                                                  "takes /greedy"),
     ("bench_spec.py", ["--modes", ","], "--modes: name at least one mode"),
+    ("bench_spec.py", ["--predict"], "--predict: only the edit workload has predicted outputs"),
     ("bench_spec.py", ["--concurrency", "1,0"], "argument --concurrency: 0: must be >= 1"),
     ("bench_spec.py", ["--temperature", "0,-1"], "--temperature: must be >= 0"),
     ("bench_spec.py", ["--prompts-per-slot", "-1"], "--prompts-per-slot: must be >= 0"),
