@@ -134,6 +134,12 @@ class Speculator(Speculation):
                                 "prediction": AcceptanceEstimator(prior=PREDICTION_PRIOR_ALPHA),
                                 "grammar": AcceptanceEstimator(prior=FORCED_PRIOR_ALPHA),
                                 "suffix": AcceptanceEstimator(prior=SUFFIX_PRIOR_ALPHA)}
+        # A proposer without a model (ngram, suffix) drafts before the policy chooses, as the
+        # free sources do, so the policy plans the drafts there are (a request with none
+        # plans as a decode); its acceptance is the speculator's own.
+        self.free_main = proposer.runner is None
+        if self.free_main:
+            self.free_acceptance[spec.method] = self.acceptance
         self.policy: FixedPolicy = (
             FixedPolicy() if spec.policy == "fixed" else
             GoodputPolicy(spec, proposer, max_model_len, self.acceptance,
@@ -173,7 +179,7 @@ class Speculator(Speculation):
         if any(w.cap and not w.lookup for w in windows) and not any(proposal.drafts):
             self.acceptance.age()
             self.policy.on_idle()
-        for source in found - {w.source for w in windows if w.drafts}:
+        for source in found - {w.source for w in windows if w.drafts} - {self.config.method}:
             # found, not worth verifying by the estimate: it ages, so the source is tried
             # again in time
             self.free_acceptance[source].age()
@@ -196,7 +202,8 @@ class Speculator(Speculation):
             # rules rest on)
             if w.drafts:
                 self._looked_up[rid] = w.source
-            self.acceptance.rest(rid)  # no model drafts: its evidence ages
+            if w.source != self.config.method:
+                self.acceptance.rest(rid)  # no model drafts: its evidence ages
         elif w.drafts:
             self.policy.on_started(w)
         elif w.cap:
@@ -215,21 +222,26 @@ class Speculator(Speculation):
         """Each window's drafts from a source that costs no forward, if any: of the tokens
         its grammar forces (at least two, or its cap: SGLang's jump-forward as drafts), its
         predicted output's (where the output follows it), its prompt lookup
-        (draft_prompt_lookup: `cap` tokens; a shorter one the draft model would out-draft)
-        and its suffix decoding's (draft_suffix_decoding: at least two, or its cap), the
-        one expected to emit the most tokens at its source's acceptance estimate. The
-        sources chosen for some window."""
-        found = (self.lookup.propose([w.req for w in windows], [w.cap for w in windows]).drafts
-                 if self.lookup is not None else [[] for _ in windows])
-        for w, look in zip(windows, found, strict=True):
+        (draft_prompt_lookup: `cap` tokens; a shorter one the draft model would out-draft),
+        its suffix decoding's (draft_suffix_decoding: at least two, or its cap) and a
+        model-free proposer's (ngram, suffix), the one expected to emit the most tokens at
+        its source's acceptance estimate. The sources chosen for some window."""
+        requests, caps = [w.req for w in windows], [w.cap for w in windows]
+        found = (self.lookup.propose(requests, caps).drafts if self.lookup is not None
+                 else [[] for _ in windows])
+        main = (self.proposer.propose(requests, caps).drafts if self.free_main
+                else [[] for _ in windows])
+        for w, look, own in zip(windows, found, main, strict=True):
             if not w.cap:
                 continue
-            candidates = [(source, drafts) for source, drafts in self._candidates(w, look)
-                          if drafts]
+            candidates = [(source, drafts) for source, drafts in
+                          [*self._candidates(w, look), (self.config.method, own)] if drafts]
             if candidates:
                 rid = w.req.request_id
                 w.source, w.lookup = max(candidates, key=lambda c: expected_tokens(
                     self.free_acceptance[c[0]].alpha(rid), len(c[1])))
+            elif self.free_main:
+                w.cap = 0  # nothing to draft
         return {w.source for w in windows if w.lookup}
 
     def _candidates(self, w: Window, look: list[int]) -> list[tuple[str, list[int]]]:
