@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from braid.core.request import Grammar
-from braid.structured.grammar import bit
 
 OPEN, CLOSE = "<think>", "</think>"
 PARSERS = ("qwen3", "deepseek_r1")
@@ -62,6 +61,10 @@ class AfterReasoning:
             return
         self.inner.fill_mask(drafts[reasoning:], out)
         if state == "start":  # or it opens its thinking
+            # imported here: grammar.py needs torch, and the CLI reads this module's tags
+            # starting without it
+            from braid.structured.grammar import bit
+
             out[self.open_id // 32] |= bit(self.open_id % 32)
 
     def forced_tokens(self, limit: int) -> list[int]:
