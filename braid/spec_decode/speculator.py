@@ -27,7 +27,7 @@ from braid.worker.runner import ModelRunner
 logger = logging.getLogger("braid")
 
 # Prior acceptance before any verification (roughly what each method gets on code).
-PRIOR_ALPHA = {"draft_model": 0.7, "ngram": 0.3, "suffix": 0.3}
+PRIOR_ALPHA = {"draft_model": 0.7, "ngram": 0.3, "suffix": 0.6}
 # Prior of lookups beside a draft model: about what n-grams of 2-5 accept on the target's
 # own outputs, code and chat alike (docs/benchmarks.md, What the policy's rules rest on).
 LOOKUP_PRIOR_ALPHA = 0.5
