@@ -186,7 +186,6 @@ class SpecConfig:
             raise ConfigError(f"{where}: 'model' must be a model name or path, got "
                               f"{self.model!r}")
 
-
     def _validate_suffix(self, where: str) -> None:
         for name in ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests"):
             value = getattr(self, name)

@@ -11,6 +11,7 @@ from braid.bench import agentic
 
 MISSING = "the benchmark datasets are not installed: pip install -e '.[bench]'"
 
+
 @dataclass(frozen=True)
 class BenchPrompt:
     prompt: str

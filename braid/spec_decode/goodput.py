@@ -60,8 +60,8 @@ class Window:
 
     req: Request
     cap: int  # the most drafts worth proposing (0 while it prefills)
-    # drafts from a source that costs no forward (a full-length prompt lookup, or the
-    # client's predicted output), or []; `source` names it ("lookup", "prediction")
+    # drafts from a source that costs no forward, or []; `source` names it: "grammar"
+    # (forced tokens), "prediction", "lookup", "suffix", or a model-free method's own
     lookup: list[int] = field(default_factory=list)
     source: str = ""
     k: int = 0  # the drafts chosen

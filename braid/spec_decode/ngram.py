@@ -91,16 +91,25 @@ class NgramMatcher:
         """Ascending end positions p < L - 1 of the earlier occurrences of the longest suffix
         of length n in [min, max], i.e. tokens[p - n + 1 : p + 1] == tokens[L - n :]; None
         when even the shortest allowed suffix has no earlier occurrence."""
-        last = tokens.shape[0] - 1
-        ends = np.flatnonzero(tokens[:last] == tokens[last])  # [C] suffix of length 1 matches
-        matched = 1
-        while matched < self.prompt_lookup_max and ends.size:
-            # extend each candidate one token to the left; candidates at p < matched cannot
-            ends_left = ends[ends >= matched]
-            longer = ends_left[tokens[ends_left - matched] == tokens[last - matched]]
-            if not longer.size:
-                break
-            ends, matched = longer, matched + 1
+        ends, matched = longest_match_ends(tokens[:-1], tokens, self.prompt_lookup_max)
         if not ends.size or matched < self.prompt_lookup_min:
             return None
         return ends
+
+
+def longest_match_ends(haystack: np.ndarray, pattern: np.ndarray, longest: int
+                       ) -> tuple[np.ndarray, int]:
+    """Where the longest suffix of `pattern` (at most `longest` tokens, fewer than pattern
+    has) occurs in `haystack`: its ascending end positions p, haystack[p - n + 1 : p + 1] ==
+    pattern[-n:], and its length n (no positions where not even pattern's last token
+    occurs). One O(len(haystack)) comparison, then a shrinking set of candidates."""
+    ends = np.flatnonzero(haystack == pattern[-1])  # [C] suffix of length 1 matches
+    matched = 1
+    while matched < longest and ends.size:
+        # extend each candidate one token to the left; candidates at p < matched cannot
+        ends_left = ends[ends >= matched]
+        longer = ends_left[haystack[ends_left - matched] == pattern[-1 - matched]]
+        if not longer.size:
+            break
+        ends, matched = longer, matched + 1
+    return ends, matched

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from braid.core.request import Request
+from braid.spec_decode.ngram import longest_match_ends
 
 # Output tokens that must match the prediction to pick it up again after a departure: the
 # longest match first, at least REJOIN_MIN (one token recurs too often to mean much).
@@ -67,21 +68,12 @@ class PredictedOutputs:
 def rejoin(prediction: np.ndarray, output: list[int], after: int = 0) -> int | None:
     """The prediction's position after an occurrence of the output's longest tail
     (REJOIN_MAX down to REJOIN_MIN tokens): the first one ending at or after `after`, else
-    the first one; None where the tail occurs nowhere. One pass over the prediction for the
-    tail's last token, then a narrowing set of candidates."""
+    the first one; None where the tail occurs nowhere."""
     longest = min(REJOIN_MAX, len(output), len(prediction))
     if longest < REJOIN_MIN:
         return None
-    tail = np.asarray(output[-longest:])
-    ends = np.flatnonzero(prediction == tail[-1])  # where the tail's last token occurs
-    matched = 1
-    while matched < longest and ends.size:
-        ends_left = ends[ends >= matched]
-        longer = ends_left[prediction[ends_left - matched] == tail[-1 - matched]]
-        if not longer.size:
-            break
-        ends, matched = longer, matched + 1
-    if matched < REJOIN_MIN or not ends.size:
+    ends, matched = longest_match_ends(prediction, np.asarray(output[-longest:]), longest)
+    if not ends.size or matched < REJOIN_MIN:
         return None
     positions = ends + 1
     later = positions[positions >= after]

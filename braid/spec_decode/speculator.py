@@ -26,17 +26,18 @@ from braid.worker.runner import ModelRunner
 
 logger = logging.getLogger("braid")
 
+# Prior of suffix-decoding drafts (method suffix, or beside a draft model): they are cut
+# where their estimated probability falls below suffix_decoding_min_token_prob, so what is
+# drafted is likely (docs/benchmarks.md, Agentic sessions and suffix decoding).
+SUFFIX_PRIOR_ALPHA = 0.6
 # Prior acceptance before any verification (roughly what each method gets on code).
-PRIOR_ALPHA = {"draft_model": 0.7, "ngram": 0.3, "suffix": 0.6}
+PRIOR_ALPHA = {"draft_model": 0.7, "ngram": 0.3, "suffix": SUFFIX_PRIOR_ALPHA}
 # Prior of lookups beside a draft model: about what n-grams of 2-5 accept on the target's
 # own outputs, code and chat alike (docs/benchmarks.md, What the policy's rules rest on).
 LOOKUP_PRIOR_ALPHA = 0.5
 # Prior of a client's predicted output: it is what the client expects the reply to be
 # (an edited file is mostly its original), so most of it is taken where it is followed.
 PREDICTION_PRIOR_ALPHA = 0.8
-# Prior of suffix-decoding drafts beside a draft model: they are cut where their estimated
-# probability falls below suffix_decoding_min_token_prob, so what is drafted is likely.
-SUFFIX_PRIOR_ALPHA = 0.6
 # Prior of the tokens a request's grammar forces: the mask allows nothing else there (a
 # model may still write the same text in other tokens, which rejects the draft).
 FORCED_PRIOR_ALPHA = 0.95

@@ -17,6 +17,7 @@ from __future__ import annotations
 from array import array
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +30,8 @@ GAP = -1  # fills the arena between and after sequences: never a token, so match
 MAX_CANDIDATES = 256  # most recent occurrences of a token pair a draft is taken from
 
 
-def _pair(a: int, b: int) -> int:
+def _pair(a: Any, b: Any) -> Any:
+    """The index key of token pair (a, b): ints, or numpy arrays of them."""
     return (a << 32) | b
 
 
@@ -208,7 +210,7 @@ class PairIndex:
     def build(cls, tokens: np.ndarray) -> PairIndex:
         left, right = tokens[:-1], tokens[1:]
         real = (left >= 0) & (right >= 0)
-        keys = ((left << 32) | right)[real]
+        keys = _pair(left, right)[real]
         positions = np.arange(1, tokens.shape[0], dtype=np.int64)[real]
         order = np.argsort(keys, kind="stable")
         keys, positions = keys[order], positions[order]
