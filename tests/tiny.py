@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from braid.models.config import ModelConfig
+from braid.models.build import FAMILIES
+from braid.models.config import ModelConfig, gemma3_layer_types
 from braid.models.qwen2 import Qwen2ForCausalLM
 
 # 256 byte-level tokens + 3 specials, rounded up (embedding rows past the tokenizer are unused).
@@ -24,7 +25,12 @@ def tiny_config(arch: str = "qwen2", **overrides: object) -> ModelConfig:
         tie_word_embeddings=arch == "qwen2", attention_bias=arch == "qwen2",
         bos_token_id=256, eos_token_id=256,
     )
+    if arch == "gemma3":  # a window shorter than the tests' prompts; a scale not head_dim's
+        values |= dict(tie_word_embeddings=True, sliding_window=8, rope_local_theta=10000.0,
+                       query_pre_attn_scalar=24, layer_types=gemma3_layer_types(2, 2))
     values.update(overrides)
+    if "num_hidden_layers" in overrides and arch == "gemma3" and "layer_types" not in overrides:
+        values["layer_types"] = gemma3_layer_types(int(values["num_hidden_layers"]), 2)
     return ModelConfig(**values)
 
 
@@ -49,7 +55,7 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
 def braid_model(
     cfg: ModelConfig, weights: dict[str, torch.Tensor], packed: bool = False
 ) -> Qwen2ForCausalLM:
-    model = Qwen2ForCausalLM(cfg)
+    model = FAMILIES[cfg.architecture](cfg)
     model.load_weights(weights.items())
     if packed:
         model.pack_linear_weights()

@@ -14,7 +14,7 @@ the attention work by the number of requests, and the token budget keeps long sp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,7 @@ class AttentionGroup:
     mask: torch.Tensor | None  # [G, 1, q_max, kv_max] True = attend; None = attend to all
     out_rows: torch.Tensor  # [num_valid] flat rows this group writes
     out_select: torch.Tensor  # [num_valid] index into the group's flattened [G * q_max]
+    q_pos: torch.Tensor  # [G, q_max] each query's position (padding rows: their request's last)
 
 
 @dataclass(slots=True)
@@ -44,6 +45,21 @@ class AttentionMetadata:
     kv_slots: torch.Tensor | None = None
     row_seq: torch.Tensor | None = None
     row_len: torch.Tensor | None = None
+    # The same step seen by sliding-window layers, by window (see `windowed`)
+    windows: dict[int, AttentionMetadata] = field(default_factory=dict)
+
+    def windowed(self, window: int | None) -> AttentionMetadata:
+        """This step for a layer whose queries attend only to the last `window` positions
+        (their own included: key position > query position - window, as transformers'
+        sliding-window mask and llama.cpp's SWA). The same slots are written; the row-by-row
+        kernel gets a table per query row that starts at its window, and each SDPA group a mask
+        cut to it. Built once per step and window, shared by every layer with that window."""
+        if window is None:
+            return self
+        view = self.windows.get(window)
+        if view is None:
+            view = self.windows[window] = _windowed(self, window)
+        return view
 
 
 def build_attention_metadata(
@@ -118,7 +134,32 @@ def _group(
         mask=None if full else mask[:, None],
         out_rows=query_index[valid_q],
         out_select=torch.nonzero(valid_q.flatten()).squeeze(1),
+        q_pos=torch.where(valid_q, c[:, None] + q_off[None, :], (c + n - 1)[:, None]),
     )
+
+
+def _windowed(meta: AttentionMetadata, window: int) -> AttentionMetadata:
+    """`meta` with every query cut to the keys of its window (AttentionMetadata.windowed)."""
+    groups = []
+    for g in meta.groups:
+        key_pos = torch.arange(g.kv_slots.shape[1], device=g.kv_slots.device)
+        inside = ((key_pos[None, None, :] <= g.q_pos[:, :, None])
+                  & (key_pos[None, None, :] > g.q_pos[:, :, None] - window))
+        groups.append(AttentionGroup(g.query_index, g.kv_slots, inside[:, None], g.out_rows,
+                                     g.out_select, g.q_pos))
+    kv_slots, row_seq, row_len = meta.kv_slots, meta.row_seq, meta.row_len
+    if kv_slots is not None and row_seq is not None and row_len is not None:
+        # one table row per query: its keys from the window's first position on
+        width = max(1, min(window, kv_slots.shape[1]))
+        first = (row_len - window).clamp(min=0)
+        row_len = row_len - first
+        offsets = torch.arange(width, device=kv_slots.device)
+        columns = (first[:, None] + offsets[None, :]).clamp(max=kv_slots.shape[1] - 1)
+        kv_slots = torch.where(offsets[None, :] < row_len[:, None],
+                               kv_slots[row_seq[:, None], columns], 0)
+        row_seq = torch.arange(row_seq.numel(), device=row_seq.device)
+    return AttentionMetadata(meta.slot_mapping, groups, meta.num_tokens, kv_slots, row_seq,
+                             row_len)
 
 
 def _to_device(g: AttentionGroup, device: torch.device | str) -> AttentionGroup:
@@ -128,6 +169,7 @@ def _to_device(g: AttentionGroup, device: torch.device | str) -> AttentionGroup:
         mask=None if g.mask is None else g.mask.to(device),
         out_rows=g.out_rows.to(device),
         out_select=g.out_select.to(device),
+        q_pos=g.q_pos.to(device),
     )
 
 
@@ -138,6 +180,7 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D], caches [num_slots, KVH, D] -> output [T, H, D].
 
@@ -145,13 +188,15 @@ def paged_attention(
     over the cache only."""
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-    return attend_cached(q, k_cache, v_cache, meta)
+    return attend_cached(q, k_cache, v_cache, meta, scale)
 
 
 def attend_cached(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D] over caches that already hold this step's keys and values -> [T, H, D].
+    """q [T, H, D] over caches that already hold this step's keys and values -> [T, H, D]
+    (scores scaled by `scale`, by default 1 / sqrt(D)).
 
     On the CPU with float32 queries the compiled row-by-row kernel computes each row the
     same way whatever the batch (see attention.cpp), over float32, float16 or bfloat16
@@ -159,13 +204,14 @@ def attend_cached(
     ops = quant_ops() if q.device.type == "cpu" and q.dtype == torch.float32 else None
     if ops is not None and meta.kv_slots is not None:
         return ops.paged_attention_rows(q, k_cache, v_cache, meta.kv_slots, meta.row_seq,
-                                        meta.row_len, q.shape[-1] ** -0.5, kernel_isa())
+                                        meta.row_len, scale or q.shape[-1] ** -0.5, kernel_isa())
     out = torch.empty_like(q)
     for g in meta.groups:
         qg = q[g.query_index].transpose(1, 2)  # [G, H, q_max, D]
         kg = k_cache[g.kv_slots].to(q.dtype).transpose(1, 2)  # [G, KVH, kv_max, D]
         vg = v_cache[g.kv_slots].to(q.dtype).transpose(1, 2)
-        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, enable_gqa=True)
+        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, enable_gqa=True,
+                                            scale=scale)
         og = og.transpose(1, 2).flatten(0, 1)  # [G * q_max, H, D]
         out[g.out_rows] = og[g.out_select]
     return out

@@ -17,14 +17,16 @@ from braid.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from braid.models.gguf_loader import iter_gguf_weights, quantized_types
 from braid.models.loader import folder_of, iter_weights, load_config, resolve_model_path
 from braid.models.quant import QuantWeight, float_quant_type
-from braid.models.qwen2 import Qwen2ForCausalLM, can_pack
+from braid.models.gemma3 import Gemma3ForCausalLM
+from braid.models.qwen2 import Qwen2ForCausalLM, RotaryEmbedding, can_pack
 from braid.tokenizer import Tokenizer
 
 logger = logging.getLogger("braid")
 
 Weights = Iterator[tuple[str, torch.Tensor | QuantWeight]]
 # config.json's architecture -> the model class that runs it (models/config.py reads it)
-FAMILIES = {name: Qwen2ForCausalLM for name in SUPPORTED_ARCHITECTURES}
+FAMILIES: dict[str, type[Qwen2ForCausalLM]] = {
+    name: Qwen2ForCausalLM for name in SUPPORTED_ARCHITECTURES} | {"gemma3": Gemma3ForCausalLM}
 
 
 def load_model(
@@ -54,7 +56,9 @@ def load_model(
     with torch.device("meta"):
         model = FAMILIES[cfg.architecture](cfg, quant_type).to(dtype)
     model.to_empty(device=device)
-    model.rotary.reset()
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset()
     model.load_weights(weights)
     if quant_type is None and can_pack(device, dtype):
         model.pack_linear_weights()

@@ -7,18 +7,25 @@ import numbers
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3")
+SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3")
 HF_CLASSES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
               "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
-              "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
-# Architectures whose config.json `sliding_window` applies to every layer when set (Qwen2's
-# needs use_sliding_window as well, and is refused then).
-SLIDING_WINDOW_ARCHITECTURES = ("mistral", "phi3")
+              "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+              "gemma3": "Gemma3ForCausalLM"}
+HF_MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the name
+# Architectures whose config.json `sliding_window` applies (to every layer, or to the layers
+# `layer_types` names; Qwen2's needs use_sliding_window as well, and is refused then).
+SLIDING_WINDOW_ARCHITECTURES = ("mistral", "phi3", "gemma3")
+LAYER_TYPES = ("sliding_attention", "full_attention")
+# Gemma 3: every sixth layer attends globally, the others in the window (transformers'
+# sliding_window_pattern and llama.cpp's, for files that do not list the layers)
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Qwen2 / Llama / Qwen3 decoder, named as in Hugging Face
+    """Hyper-parameters of a decoder of one of SUPPORTED_ARCHITECTURES, named as in Hugging Face
     config.json."""
 
     architecture: str  # one of SUPPORTED_ARCHITECTURES
@@ -38,12 +45,18 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     # RoPE scaling as config.json spells it: None (plain RoPE), linear or llama3
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
-    # Mistral / Phi-3: each position attends to the last `sliding_window` positions. braid
-    # attends to all of them, which is the same while a sequence fits the window: the
-    # context is capped there (`max_context`; vLLM's --disable-sliding-window).
+    # Mistral / Phi-3 / Gemma 3: a windowed layer's query attends to the last
+    # `sliding_window` positions, its own included (`layer_window`)
     sliding_window: int | None = None
     # SmolLM3: per layer, 1 where it applies RoPE and 0 where it does not (NoPE); None: all do
     no_rope_layers: list[int] | None = field(default=None, hash=False)
+    # Gemma 3: each layer "sliding_attention" (in the window, RoPE base rope_local_theta) or
+    # "full_attention" (every position, rope_theta and rope_scaling); None: every layer in
+    # the window where there is one
+    layer_types: list[str] | None = field(default=None, hash=False)
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None  # scores scaled by its 1/sqrt (else head_dim's)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -75,6 +88,7 @@ class ModelConfig:
                                           for v in layers)):
             raise ValueError(f"no_rope_layers must be a 0 / 1 per layer "
                              f"({self.num_hidden_layers}), got {layers!r}")
+        self._check_gemma_fields()
         if not _is_token_id(self.max_position_embeddings) or self.max_position_embeddings < 1:
             raise ValueError(f"max_position_embeddings must be an integer >= 1, got "
                              f"{self.max_position_embeddings!r}")
@@ -94,6 +108,20 @@ class ModelConfig:
                 or (isinstance(eos, list) and all(_is_token_id(t) for t in eos))):
             raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}")
 
+    def _check_gemma_fields(self) -> None:
+        types = self.layer_types
+        if types is not None and (not isinstance(types, list)
+                                  or len(types) != self.num_hidden_layers
+                                  or any(t not in LAYER_TYPES for t in types)):
+            raise ValueError(f"layer_types must name one of {', '.join(LAYER_TYPES)} per layer "
+                             f"({self.num_hidden_layers}), got {types!r}")
+        for name in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, numbers.Real)
+                                      or isinstance(value, bool)
+                                      or not 0 < float(value) < math.inf):
+                raise ValueError(f"{name} must be a number > 0 or null, got {value!r}")
+
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face config.json dict (model_type qwen2, llama or qwen3).
@@ -101,8 +129,10 @@ class ModelConfig:
         scaling, a sliding window, another activation) are refused: ignoring them gave other
         logits."""
         _refuse_unimplemented(d)
-        arch = d.get("model_type", "")
+        arch = {hf: name for name, hf in HF_MODEL_TYPES.items()}.get(d.get("model_type", ""),
+                                                                     d.get("model_type", ""))
         heads = d["num_attention_heads"]
+        gemma = arch == "gemma3"
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -115,32 +145,49 @@ class ModelConfig:
             head_dim=d.get("head_dim") or (
                 d["hidden_size"] // heads if isinstance(heads, int) and heads > 0 else 0),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 1e4)),
+            rope_theta=_rope_theta(d, "full_attention" if gemma else None,
+                                   1e6 if gemma else 1e4),
             max_position_embeddings=d.get("max_position_embeddings", 32768),
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            tie_word_embeddings=d.get("tie_word_embeddings", gemma),
             attention_bias=d.get("attention_bias", arch == "qwen2"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
-            rope_scaling=_rope_scaling(d),
+            rope_scaling=_rope_scaling(d, "full_attention" if gemma else None),
             sliding_window=(d.get("sliding_window") if arch in SLIDING_WINDOW_ARCHITECTURES
                             else None),
             no_rope_layers=_no_rope_layers(d) if arch == "smollm3" else None,
+            **(_gemma3_fields(d) if gemma else {}),
         )
 
     @property
     def max_context(self) -> int:
-        """The longest sequence braid runs exactly: the model's positions, within its
-        sliding window where it has one."""
-        return min(self.max_position_embeddings,
-                   self.sliding_window or self.max_position_embeddings)
+        """The longest sequence braid runs: the model's positions."""
+        return self.max_position_embeddings
 
     @property
     def context_limit(self) -> str:
         """What bounds `max_context`, in words (for errors)."""
-        if self.max_context < self.max_position_embeddings:
-            return ("its sliding_window: braid attends to every earlier position, the same "
-                    "as the window only within it")
         return "its max_position_embeddings"
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window decoder layer `layer` attends in (None: every earlier
+        position)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma 3's layer: norms after attention and after the MLP as well as before, GELU
+        (tanh) gating, embeddings scaled by sqrt(hidden_size), per-layer RoPE bases."""
+        return self.architecture == "gemma3"
+
+    @property
+    def plain_layers(self) -> bool:
+        """Layers the compiled one-call layer runs: llama-shaped, no per-head norms."""
+        return not self.qk_norm and not self.gemma
 
     @property
     def fused_weights(self) -> bool:
@@ -154,16 +201,31 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         """Each query and key head is RMS-normalised (its own weights) before RoPE: Qwen3."""
-        return self.architecture == "qwen3"
+        return self.architecture in ("qwen3", "gemma3")
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json dict that `from_hf_dict` (and transformers) reads back."""
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "architecture"}
-        d["model_type"] = self.architecture
+        d["model_type"] = HF_MODEL_TYPES.get(self.architecture, self.architecture)
         d["architectures"] = [HF_CLASSES[self.architecture]]
         d["hidden_act"] = "silu"
         d["pad_token_id"] = None  # (Phi-3's default, 32000, lies outside small vocabularies)
         d["torch_dtype"] = "float32"
+        if self.gemma:  # transformers 5 reads each layer type's RoPE from rope_parameters
+            d["hidden_activation"] = d["hidden_act"] = "gelu_pytorch_tanh"
+            full = {"rope_type": "default", **(self.rope_scaling or {}),
+                    "rope_theta": self.rope_theta}
+            d["rope_parameters"] = {
+                "full_attention": full,
+                "sliding_attention": {"rope_type": "default",
+                                      "rope_theta": self.rope_local_theta
+                                      or GEMMA3_LOCAL_ROPE_THETA}}
+            for key in ("rope_theta", "rope_scaling", "rope_local_theta"):
+                d.pop(key)
+        else:  # (transformers warns of a Mistral config with layer_types, even null)
+            for key in ("layer_types", "rope_local_theta", "query_pre_attn_scalar",
+                        "final_logit_softcapping"):
+                d.pop(key)
         return d
 
     def num_parameters(self) -> int:
@@ -172,7 +234,7 @@ class ModelConfig:
         q = self.num_attention_heads * self.head_dim
         attn = (h * (q + 2 * kv) + q * h + (q + 2 * kv) * self.attention_bias
                 + 2 * self.head_dim * self.qk_norm)
-        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        layer = attn + 3 * h * self.intermediate_size + (4 if self.gemma else 2) * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_hidden_layers * layer + h + head
 
@@ -212,15 +274,53 @@ def rope_scaling_kind(scaling: object) -> str | None:
     return str(kind)
 
 
-def _rope_scaling(d: dict[str, Any]) -> dict[str, Any] | None:
+def _rope_parameters(d: dict[str, Any], layer_type: str | None) -> dict[str, Any]:
+    """transformers 5's rope_parameters (for Gemma 3: those of one layer type)."""
+    parameters = d.get("rope_parameters")
+    if layer_type is not None and isinstance(parameters, dict):
+        parameters = parameters.get(layer_type)
+    return parameters if isinstance(parameters, dict) else {}
+
+
+def _rope_theta(d: dict[str, Any], layer_type: str | None, default: float) -> Any:
+    return d.get("rope_theta", _rope_parameters(d, layer_type).get("rope_theta", default))
+
+
+def _rope_scaling(d: dict[str, Any], layer_type: str | None = None) -> dict[str, Any] | None:
     """config.json's rope_scaling, or transformers 5's rope_parameters (which also holds
     rope_theta) where it scales."""
     if d.get("rope_scaling") is not None:
         return d["rope_scaling"]
-    parameters = d.get("rope_parameters")
-    if isinstance(parameters, dict) and parameters.get("rope_type", "default") != "default":
+    parameters = _rope_parameters(d, layer_type)
+    if parameters.get("rope_type", "default") != "default":
         return parameters
     return None
+
+
+def _gemma3_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's own config.json keys (transformers' Gemma3TextConfig, older and newer)."""
+    layers = d.get("num_hidden_layers")
+    types = d.get("layer_types")
+    if types is None and isinstance(layers, int):
+        every = d.get("sliding_window_pattern", GEMMA3_GLOBAL_EVERY)
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"sliding_window_pattern must be an integer >= 1, got {every!r}")
+        types = gemma3_layer_types(layers, every)
+    local = _rope_parameters(d, "sliding_attention")
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_parameters.sliding_attention of type {local['rope_type']!r} is "
+                         "not supported (Gemma 3's local layers run plain RoPE)")
+    return {"layer_types": types,
+            "rope_local_theta": d.get("rope_local_base_freq",
+                                      local.get("rope_theta", GEMMA3_LOCAL_ROPE_THETA)),
+            "query_pre_attn_scalar": d.get("query_pre_attn_scalar", 256),
+            "final_logit_softcapping": d.get("final_logit_softcapping")}
+
+
+def gemma3_layer_types(layers: int, global_every: int = GEMMA3_GLOBAL_EVERY) -> list[str]:
+    """Every `global_every`-th layer global, the others in the window."""
+    return ["full_attention" if (i + 1) % global_every == 0 else "sliding_attention"
+            for i in range(layers)]
 
 
 def _no_rope_layers(d: dict[str, Any]) -> Any:
@@ -245,8 +345,18 @@ def _refuse_unimplemented(d: dict[str, Any]) -> None:
     if partial != 1.0:
         raise ValueError(f"partial_rotary_factor {partial} is not supported (braid rotates "
                          "every dimension of a head)")
-    if (d.get("hidden_act") or "silu") not in ("silu", "swish"):
-        raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (SiLU only)")
+    gemma = d.get("model_type") == HF_MODEL_TYPES["gemma3"]
+    act_key = "hidden_activation" if gemma else "hidden_act"
+    act = d.get(act_key) or ("gelu_pytorch_tanh" if gemma else "silu")
+    if act not in (("gelu_pytorch_tanh", "gelu_tanh") if gemma else ("silu", "swish")):
+        raise ValueError(f"{act_key} {act!r} is not supported (SiLU; GELU (tanh) for Gemma 3)")
+    if d.get("model_type") == "gemma3" or d.get("text_config") is not None:
+        raise ValueError("a multimodal Gemma 3 config (model_type gemma3, with text_config) is "
+                         "not supported: braid runs the text model (model_type gemma3_text; "
+                         "its GGUF files are text-only)")
+    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if d.get(key):
+            raise ValueError(f"{key} {d[key]!r} is not supported")
 
 
 def _is_token_id(value: object) -> bool:

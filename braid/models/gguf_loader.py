@@ -29,9 +29,11 @@ from tqdm import tqdm
 
 from braid.files import ModelLoadError, cache_root
 from braid.models.config import (
+    GEMMA3_LOCAL_ROPE_THETA,
     SLIDING_WINDOW_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
+    gemma3_layer_types,
 )
 from braid.models.gguf_index import GGUFTensor, read_tensors
 from braid.models.quant import QuantWeight, runnable
@@ -54,7 +56,11 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "post_attention_norm": "post_attention_layernorm",  # Gemma 3: after attention
+    "post_ffw_norm": "post_feedforward_layernorm",  # and after the MLP
 }
+# Gemma 3's ffn_norm is the norm before its MLP (Llama's is after attention, the same place)
+_GEMMA3_LAYER_NAMES = _LAYER_NAMES | {"ffn_norm": "pre_feedforward_layernorm"}
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -159,8 +165,9 @@ def hf_name(gguf_name: str, architecture: str = "") -> str:
         layer, part, kind = m.groups()
         if part == "ffn_up" and architecture == "phi3":  # gate and up in one tensor
             return f"model.layers.{layer}.mlp.gate_up_proj.{kind}"
-        if part in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        names = _GEMMA3_LAYER_NAMES if architecture == "gemma3" else _LAYER_NAMES
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{kind}"
     elif (m := _GLOBAL_RE.fullmatch(gguf_name)) and m.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
     raise ModelLoadError(
@@ -246,11 +253,31 @@ def config_from_metadata(
             rope_scaling=rope_scaling,
             sliding_window=(meta.get(f"{arch}.attention.sliding_window")
                             if arch in SLIDING_WINDOW_ARCHITECTURES else None),
+            **(_gemma3_fields(meta, hidden, heads) if arch == "gemma3" else {}),
         )
     except ModelLoadError:  # a missing key, named already
         raise
     except ValueError as e:  # an impossible size: ModelConfig's check names the key
         raise ModelLoadError(f"GGUF {source}: {e}") from None
+
+
+def _gemma3_fields(meta: dict[str, Any], hidden: int, heads: int) -> dict[str, Any]:
+    """What llama.cpp fixes for Gemma 3 rather than storing: every sixth layer global (unless
+    the file lists the windowed layers), RoPE base 10,000 in the window, scores scaled by
+    1 / sqrt(head size), except the 27B model's 1 / sqrt(hidden / heads)."""
+    layers = int(meta["gemma3.block_count"])
+    pattern = meta.get("gemma3.attention.sliding_window_pattern")
+    if isinstance(pattern, list) and len(pattern) == layers:
+        types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        types = gemma3_layer_types(layers)
+    head_dim = int(meta.get("gemma3.attention.key_length", hidden // max(heads, 1)))
+    cap = meta.get("gemma3.final_logit_softcapping")
+    return {"layer_types": types,
+            "rope_local_theta": _f32_to_float(meta.get("gemma3.rope.freq_base_swa",
+                                                       GEMMA3_LOCAL_ROPE_THETA)),
+            "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+            "final_logit_softcapping": None if cap is None else _f32_to_float(cap)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,10 +313,12 @@ def _gguf_dequantize(tensor: Tensor, data: np.ndarray) -> np.ndarray:
 
 
 def convert_tensor(tensor: Tensor, config: ModelConfig) -> np.ndarray:
-    """Float32 in the HF layout."""
+    """Float32 in the HF layout (and values: a Gemma norm's weight - 1, see gemma3.py)."""
     array = dequantize_tensor(tensor)
     if (heads := _rope_rows(tensor, config)) is not None:
         array = unpermute_rope(array, heads)
+    if config.gemma and tensor.name.endswith("norm.weight"):
+        array = array - 1.0
     return np.array(array, dtype=np.float32, order="C")  # a writable copy, not the file map
 
 

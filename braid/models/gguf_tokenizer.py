@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
 from braid.files import ModelLoadError
@@ -32,7 +32,8 @@ PRE_TOKENIZER_SPLITS = {
     "llama-v3": LLAMA3_SPLIT,
     "smaug-bpe": LLAMA3_SPLIT,
 }
-TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
+TOKEN_TYPE_NORMAL, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 1, 3, 4
+SPM_SPACE = "\u2581"  # SentencePiece's spelling of a space
 SPECIAL_ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id",
                     "pad": "padding_token_id"}
 
@@ -50,9 +51,75 @@ class NoUsableTokenizer(ModelLoadError):
 
 def gguf_backend(meta: dict[str, Any]) -> tokenizers.Tokenizer:
     model = meta.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise NoUsableTokenizer(f"unsupported GGUF tokenizer model {model!r}: only byte-level "
-                                "BPE ('gpt2') is supported")
+    if model == "llama":
+        backend = _sentencepiece_backend(meta)
+    elif model != "gpt2":
+        raise NoUsableTokenizer(f"unsupported GGUF tokenizer model {model!r}: byte-level BPE "
+                                "('gpt2') and SentencePiece BPE ('llama') are supported")
+    else:
+        backend = _byte_level_backend(meta)
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
+        bos = tokens[bos_id]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+    return backend
+
+
+def _sentencepiece_backend(meta: dict[str, Any]) -> tokenizers.Tokenizer:
+    """SentencePiece BPE (llama.cpp's "llama" vocabularies: Gemma, Llama 2, Mistral v0.1) as a
+    tokenizers BPE with byte fallback. The file has no merges: they are rebuilt from the
+    vocabulary as transformers' GGUF loader does, every split of a token into two tokens,
+    the better token's first (by score; Gemma's scores do not follow its merge order, its
+    file order does). Spaces are spelled U+2581; CONTROL tokens are special, USER_DEFINED
+    ones (Gemma's runs of spaces and of newlines) are matched whole, as SentencePiece and
+    llama.cpp do."""
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or []
+    vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # a repeated token: its first id
+    by_position = str(meta.get("general.architecture", "")).startswith("gemma")
+    scores = meta.get("tokenizer.ggml.scores") or []
+    if by_position or len(scores) != len(tokens):
+        rank = {t: i for t, i in vocab.items()}
+    else:
+        rank = {t: -float(scores[i]) for t, i in vocab.items()}
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    backend = tokenizers.Tokenizer(BPE(
+        vocab=vocab, merges=_merges_from_vocabulary(vocab, rank, types), dropout=None,
+        unk_token=None if unk is None else tokens[unk], fuse_unk=True, byte_fallback=True))
+    steps = [decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if meta.get("tokenizer.ggml.add_space_prefix", True):  # llama.cpp's default for SPM
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPM_SPACE,
+                                                         prepend_scheme="first", split=False)
+        steps.append(decoders.Strip(" ", 1, 0))
+    else:
+        backend.normalizer = normalizers.Replace(" ", SPM_SPACE)
+    backend.decoder = decoders.Sequence(steps)
+    _add_gguf_special_tokens(backend, tokens, types, vocab, byte_level=False)
+    return backend
+
+
+def _merges_from_vocabulary(vocab: dict[str, int], rank: dict[str, float], types: list[int]
+                            ) -> list[tuple[str, str]]:
+    """Every pair of normal tokens whose concatenation is a token, ordered by that token's
+    rank (then the shorter left side first, as transformers' generate_merges)."""
+    def normal(i: int) -> bool:
+        return i >= len(types) or types[i] == TOKEN_TYPE_NORMAL
+
+    merges = []
+    for token, i in vocab.items():
+        if len(token) < 2 or not normal(i):
+            continue
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab and normal(vocab[left]) and normal(vocab[right]):
+                merges.append((rank[token], cut, left, right))
+    merges.sort()
+    return [(left, right) for _, _, left, right in merges]
+
+
+def _byte_level_backend(meta: dict[str, Any]) -> tokenizers.Tokenizer:
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     alphabet = set(bytes_to_unicode().values())
     vocab = {_spell(t, alphabet): i for i, t in enumerate(tokens)}
@@ -63,11 +130,6 @@ def gguf_backend(meta: dict[str, Any]) -> tokenizers.Tokenizer:
     backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
     backend.decoder = decoders.ByteLevel()
     _add_gguf_special_tokens(backend, tokens, meta.get("tokenizer.ggml.token_type") or [], vocab)
-    bos_id = meta.get("tokenizer.ggml.bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
-        bos = tokens[bos_id]
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
     return backend
 
 
@@ -82,16 +144,18 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
 
 
 def _add_gguf_special_tokens(
-    backend: tokenizers.Tokenizer, tokens: list[str], types: list[int], vocab: dict[str, int]
+    backend: tokenizers.Tokenizer, tokens: list[str], types: list[int], vocab: dict[str, int],
+    byte_level: bool = True,
 ) -> None:
     """CONTROL tokens become special added tokens, USER_DEFINED ones plain added tokens, so both
     are matched whole in text instead of being cut into bytes."""
     alphabet = set(bytes_to_unicode().values())
-    # A CONTROL token outside the byte alphabet is a llama.cpp mislabel; adding it would grow
-    # the vocabulary past the model's embedding (transformers skips them too).
+    # In a byte-level vocabulary, a CONTROL token outside the byte alphabet is a llama.cpp
+    # mislabel; adding it would grow the vocabulary past the model's embedding (transformers
+    # skips them too).
     control = [AddedToken(t, normalized=False, special=True)
                for t, ty in zip(tokens, types, strict=False)
-               if ty == TOKEN_TYPE_CONTROL and set(t) <= alphabet]
+               if ty == TOKEN_TYPE_CONTROL and (not byte_level or set(t) <= alphabet)]
     user = [AddedToken(t, normalized=False, special=False)
             for t, ty in zip(tokens, types, strict=False)
             if ty == TOKEN_TYPE_USER_DEFINED and t in vocab]

@@ -186,8 +186,11 @@ LinearFactory = type[Linear] | type[QuantLinear]
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, linear: LinearFactory = Linear) -> None:
+    def __init__(self, cfg: ModelConfig, linear: LinearFactory = Linear, layer: int = 0) -> None:
         super().__init__()
+        self.window = cfg.layer_window(layer)  # None: attends to every earlier position
+        self.scale = (None if cfg.query_pre_attn_scalar is None  # None: 1 / sqrt(head_dim)
+                      else float(cfg.query_pre_attn_scalar) ** -0.5)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -207,19 +210,21 @@ class Attention(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = self._norm_heads(self.qkv_proj(x))
+        meta = meta.windowed(self.window)
         ops = quant_ops() if qkv.device.type == "cpu" and qkv.dtype == rope[0].dtype \
             == torch.float32 and self.k_cache.dtype in KV_CACHE_DTYPES else None
         if ops is not None and meta.kv_slots is not None:
             # q and k rotated, k and v written to the cache, in one pass (same arithmetic)
             q = ops.rope_qkv_to_cache(qkv, *rope, self.k_cache, self.v_cache,
                                       meta.slot_mapping, self.num_heads)
-            return self.o_proj(attend_cached(q, self.k_cache, self.v_cache, meta).flatten(1))
+            return self.o_proj(attend_cached(q, self.k_cache, self.v_cache, meta, self.scale)
+                               .flatten(1))
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads rotated together: [T, H + KVH, D]
         qk = rotate(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta)
+        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.flatten(1))
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
@@ -237,9 +242,13 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.gemma  # GELU (tanh) gating; else SiLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if isinstance(self.down_proj, QuantLinear):  # the compiled layer's activation
             ops = quant_ops()
             assert ops is not None, "QuantLinear needs the compiled kernels"
@@ -251,10 +260,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, linear: LinearFactory = Linear) -> None:
+    def __init__(self, cfg: ModelConfig, linear: LinearFactory = Linear, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, linear)
+        self.self_attn = Attention(cfg, linear, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, linear)
 
@@ -289,6 +298,7 @@ class Qwen2ForCausalLM(nn.Module):
     `quant_type`, and a tied LM head shares the embedding's blocks."""
 
     embed_tokens: nn.Embedding | QuantEmbedding
+    layer_class: type[nn.Module] = DecoderLayer
 
     def __init__(self, cfg: ModelConfig, quant_type: GGMLQuantizationType | None = None
                  ) -> None:
@@ -298,11 +308,14 @@ class Qwen2ForCausalLM(nn.Module):
         linear: LinearFactory = Linear if quant_type is None else QuantLinear
         self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if quant_type is None
                              else QuantEmbedding(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, linear)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, linear, i)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
+        # Gemma 3's windowed layers rotate with their own base, unscaled
+        self.local_rotary = (None if cfg.rope_local_theta is None else RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta))
         self.lm_head = (
             None if cfg.tie_word_embeddings and quant_type is None
             else linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -325,13 +338,13 @@ class Qwen2ForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden] (before the final norm)."""
-        x = self.embed_tokens(input_ids)
-        ropes = self._layer_ropes(self.rotary.tables(positions))
+        x = self.embed(input_ids)
+        ropes = self._layer_ropes(positions)
         fused = self._fused_layers(x, attn_metadata)
         if fused is not None:
-            meta = attn_metadata
             for layer, f, rope in zip(self.layers, fused, ropes, strict=True):
                 attn = cast(DecoderLayer, layer).self_attn  # attribute: get_submodule is slow
+                meta = attn_metadata.windowed(attn.window)
                 x = f.forward(x, attn.k_cache, attn.v_cache, *rope,  # type: ignore[attr-defined]
                               meta.slot_mapping, meta.kv_slots, meta.row_seq, meta.row_len)
             return x
@@ -339,14 +352,23 @@ class Qwen2ForCausalLM(nn.Module):
             x = layer(x, rope, attn_metadata)
         return x
 
-    def _layer_ropes(self, rope: tuple[torch.Tensor, torch.Tensor]
-                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input tokens' embeddings [T, hidden]."""
+        return self.embed_tokens(input_ids)
+
+    def _layer_ropes(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's rotary tables: a NoPE layer (SmolLM3) gets cos 1 and sin 0, a rotation
-        that leaves q and k exactly as they are, so every layer runs the same kernels."""
-        if self.config.no_rope_layers is None:
+        that leaves q and k exactly as they are, so every layer runs the same kernels; a
+        windowed layer with its own base (Gemma 3) the local tables."""
+        rope = self.rotary.tables(positions)
+        cfg = self.config
+        if cfg.no_rope_layers is None and self.local_rotary is None:
             return [rope] * len(self.layers)
         identity = (torch.ones_like(rope[0]), torch.zeros_like(rope[1]))
-        return [rope if self.config.rotates(i) else identity for i in range(len(self.layers))]
+        local = None if self.local_rotary is None else self.local_rotary.tables(positions)
+        return [identity if not cfg.rotates(i)
+                else local if local is not None and cfg.layer_window(i) is not None
+                else rope for i in range(len(self.layers))]
 
     def _fused_layers(self, x: torch.Tensor, meta: AttentionMetadata) -> list[object] | None:
         """The layers as compiled calls, where every operation has its compiled form:
@@ -354,7 +376,7 @@ class Qwen2ForCausalLM(nn.Module):
         (float32, float16 or bfloat16) and the row-by-row attention's metadata; None
         elsewhere (the modules run)."""
         if (not self.fuse_layers or self.quant_type is None or meta.kv_slots is None
-                or self.config.qk_norm  # the compiled layer has no per-head norms
+                or not self.config.plain_layers  # the compiled layer has no per-head norms
                 or x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous()
                 or cast(DecoderLayer, self.layers[0]).self_attn.k_cache.dtype
                 not in KV_CACHE_DTYPES):
@@ -570,4 +592,7 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (cfg.head_dim,),
                        p + "self_attn.k_norm.weight": (cfg.head_dim,)}
+        if cfg.gemma:
+            shapes |= {p + "pre_feedforward_layernorm.weight": (h,),
+                       p + "post_feedforward_layernorm.weight": (h,)}
     return shapes

@@ -725,17 +725,32 @@ def test_degenerate_sampling_parameters_hurt_no_other_request(degenerate: dict,
     assert together["odd"][1] == "length"
 
 
-def test_a_sliding_window_model_s_context_stops_at_its_window(tmp_path) -> None:
-    """braid attends to every earlier position: the same as a sliding window only within it,
-    so a Mistral-style model runs contexts up to its window (by default) and a longer
-    --max-model-len is refused naming the window (vLLM's --disable-sliding-window)."""
-    folder = save_tiny_model(tmp_path / "m", arch="mistral", sliding_window=32)
-    engine = LLMEngine(EngineConfig(model=str(folder), log_stats_interval=0))
-    assert engine.config.max_model_len == 32
-    engine.add_request("a", list(range(3, 30)), SamplingParams(temperature=0, max_tokens=10,
-                                                               ignore_eos=True))
-    done = [o for o in engine.run_until_done() if o.finished]
-    assert len(done[0].outputs[0].token_ids) == 5  # to the end of the window
-    assert done[0].outputs[0].finish_reason == "length"
-    with pytest.raises(ConfigError, match="exceeds the model's 32 .its sliding_window"):
-        LLMEngine(EngineConfig(model=str(folder), max_model_len=64))
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_a_sliding_window_model_generates_past_its_window(tmp_path, arch: str) -> None:
+    """Windowed layers (all of Mistral's, Gemma 3's local ones) attend to their last 8
+    positions: greedy output of a 27-token prompt and 30 new tokens is transformers' own,
+    in prefill chunks of 5 with two requests at once, with prompt-lookup speculation on and
+    off, and again after the engine went idle."""
+    import transformers
+
+    folder = save_tiny_model(tmp_path / "m", arch=arch, sliding_window=8)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    prompts = [[3 + (i * 7 + j) % 40 for i in range(27)] for j in range(2)]
+    expected = []
+    for p in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p]), max_new_tokens=30, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        expected.append(out[0, len(p):].tolist())
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3,
+                        "prompt_lookup_min": 1}):
+        engine = LLMEngine(EngineConfig(model=str(folder), log_stats_interval=0,
+                                        max_num_batched_tokens=5, speculative_config=spec))
+        assert engine.config.max_model_len == 512
+        for _ in range(2):  # the second time after the engine went idle
+            for i, p in enumerate(prompts):
+                engine.add_request(str(i), p, params)
+            done = {o.request_id: o.outputs[0].token_ids
+                    for o in engine.run_until_done() if o.finished}
+            assert [done["0"], done["1"]] == expected

@@ -437,7 +437,7 @@ def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch
                       hparams(key_length=HEAD_DIM, value_length=HEAD_DIM, **extra))
     model, _ = load_model(str(path))
     assert model.config.architecture == arch and model.config.qk_norm == (arch == "qwen3")
-    assert model.config.max_context == (window or 512)
+    assert model.config.max_context == 512 and model.config.sliding_window == window
     assert (model.quant_type is not None) == quantized
     ids = [3, 200, 17, 17, 90, 41, 5, 260]
     with torch.no_grad():

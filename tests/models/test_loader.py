@@ -181,7 +181,10 @@ def test_broken_folder_files_are_load_errors_naming_them(tmp_path: Path) -> None
 
 @pytest.mark.parametrize("family, extra", [
     ("Qwen3", {"head_dim": 32}),  # q and k norms, head_dim apart from hidden / heads
-    ("Mistral", {"sliding_window": 64}),  # a window: the context stops there
+    ("Mistral", {"sliding_window": 4}),  # every layer in a window shorter than the prompt
+    ("Gemma3Text", {"sliding_window": 4, "head_dim": 16, "query_pre_attn_scalar": 24,
+                    "pad_token_id": None,  # windowed and global layers, GELU, four norms
+                    "layer_types": ["sliding_attention", "full_attention"]}),
     ("Phi3", {"pad_token_id": None}),  # q/k/v and gate/up stored fused
     ("SmolLM3", {"no_rope_layer_interval": 2, "pad_token_id": None}),  # layer 2: no RoPE
 ])
@@ -200,16 +203,17 @@ def test_a_folder_saved_by_transformers_gives_its_logits(tmp_path: Path, family:
         rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, bos_token_id=1,
         eos_token_id=2, **extra)
     torch.manual_seed(0)
-    hf = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    hf = getattr(transformers, f"{family.removesuffix('Text')}ForCausalLM")(config).eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0, 0.2)
     hf.save_pretrained(tmp_path)
     model, _ = load_model(str(tmp_path))
-    assert model.config.architecture == family.lower()
+    assert model.config.architecture == family.lower().removesuffix("text")
     assert not model.config.attention_bias
     assert model.config.head_dim == extra.get("head_dim", 16)
-    assert model.config.max_context == extra.get("sliding_window", 256)
+    assert model.config.max_context == 256
+    assert model.config.sliding_window == extra.get("sliding_window")
     assert [model.config.rotates(i) for i in range(2)] == (
         [True, False] if family == "SmolLM3" else [True, True])
     ids = [5, 250, 17, 17, 90, 41, 299, 0, 3]
