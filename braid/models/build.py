@@ -14,10 +14,10 @@ from gguf import GGMLQuantizationType
 
 from braid.kernels import quant_ops
 from braid.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from braid.models.gemma3 import Gemma3ForCausalLM
 from braid.models.gguf_loader import iter_gguf_weights, quantized_types
 from braid.models.loader import folder_of, iter_weights, load_config, resolve_model_path
 from braid.models.quant import QuantWeight, float_quant_type
-from braid.models.gemma3 import Gemma3ForCausalLM
 from braid.models.qwen2 import Qwen2ForCausalLM, RotaryEmbedding, can_pack
 from braid.tokenizer import Tokenizer
 

@@ -80,10 +80,9 @@ def _sentencepiece_backend(meta: dict[str, Any]) -> tokenizers.Tokenizer:
     vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # a repeated token: its first id
     by_position = str(meta.get("general.architecture", "")).startswith("gemma")
     scores = meta.get("tokenizer.ggml.scores") or []
-    if by_position or len(scores) != len(tokens):
-        rank = {t: i for t, i in vocab.items()}
-    else:
-        rank = {t: -float(scores[i]) for t, i in vocab.items()}
+    rank: dict[str, float] = (
+        {t: float(i) for t, i in vocab.items()} if by_position or len(scores) != len(tokens)
+        else {t: -float(scores[i]) for t, i in vocab.items()})
     unk = meta.get("tokenizer.ggml.unknown_token_id")
     backend = tokenizers.Tokenizer(BPE(
         vocab=vocab, merges=_merges_from_vocabulary(vocab, rank, types), dropout=None,
