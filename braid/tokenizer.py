@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from functools import cache, cached_property, lru_cache
@@ -17,6 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from braid.files import ModelLoadError, read_json_object
 
 SPECIAL_NAMES = ("bos", "eos", "unk", "pad")  # the special tokens a tokenizer config names
+_FALLBACK_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's token for one byte
 
 
 @cache
@@ -319,10 +321,14 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for. A byte-level token can be part of a UTF-8 character
         (its text alone is U+FFFD): these are its own bytes, as OpenAI's logprobs `bytes`
-        give them (and llguidance's view of the vocabulary, braid/structured). Added tokens and
-        other vocabularies: their text's UTF-8."""
+        give them (and llguidance's view of the vocabulary, braid/structured). A SentencePiece
+        byte-fallback token (<0xE2>) is its byte. Added tokens and other vocabularies: their
+        text's UTF-8."""
         token = self.backend.id_to_token(token_id)
         alphabet = self._byte_decoder
+        if (alphabet is None and token is not None and token_id not in self._added_ids
+                and (byte := _FALLBACK_BYTE.fullmatch(token))):
+            return bytes([int(byte.group(1), 16)])
         if (alphabet is None or token is None or token_id in self._added_ids
                 or not set(token) <= alphabet.keys()):
             return self.decode([token_id], skip_special_tokens=False).encode()

