@@ -266,9 +266,11 @@ def _gemma3_fields(meta: dict[str, Any], hidden: int, heads: int) -> dict[str, A
     the file lists the windowed layers), RoPE base 10,000 in the window, scores scaled by
     1 / sqrt(head size), except the 27B model's 1 / sqrt(hidden / heads)."""
     layers = int(meta["gemma3.block_count"])
-    pattern = meta.get("gemma3.attention.sliding_window_pattern")
+    pattern = meta.get("gemma3.attention.sliding_window_pattern")  # (llama.cpp's set_swa_pattern)
     if isinstance(pattern, list) and len(pattern) == layers:
         types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif isinstance(pattern, int) and pattern > 0:
+        types = gemma3_layer_types(layers, pattern)
     else:
         types = gemma3_layer_types(layers)
     head_dim = int(meta.get("gemma3.attention.key_length", hidden // max(heads, 1)))

@@ -386,14 +386,18 @@ def test_a_float_gguf_gets_a_hint_toward_int8(tmp_path: Path, caplog) -> None:
         assert any(isinstance(m, QuantLinear) for m in model.modules())
 
 
-def gguf_names(hf_weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Hugging Face names -> llama.cpp's (what its convert script writes for Qwen2, Qwen3 and
-    Phi-3: no rope permutation)."""
-    layer = {v: k for k, v in gguf_loader._LAYER_NAMES.items()}
+def gguf_names(hf_weights: dict[str, torch.Tensor], arch: str = "qwen2"
+               ) -> dict[str, torch.Tensor]:
+    """Hugging Face names -> llama.cpp's (what its convert script writes for Qwen2, Qwen3,
+    Phi-3 and Gemma 3: no rope permutation; Gemma's norms stored as 1 + weight)."""
+    names = gguf_loader._GEMMA3_LAYER_NAMES if arch == "gemma3" else gguf_loader._LAYER_NAMES
+    layer = {v: k for k, v in names.items()}
     layer["mlp.gate_up_proj"] = "ffn_up"  # Phi-3's gate and up, one tensor
     top = {v: k for k, v in gguf_loader._GLOBAL_NAMES.items()}
     out = {}
     for name, tensor in hf_weights.items():
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            tensor = tensor + 1.0
         base, kind = name.rsplit(".", 1)
         if base.startswith("model.layers."):
             i, rest = base.removeprefix("model.layers.").split(".", 1)
@@ -403,13 +407,15 @@ def gguf_names(hf_weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma3"])
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "q8_0"])
 def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch: str,
                                                               quantized: bool) -> None:
-    """Qwen3 (q and k heads RMS-normalised before RoPE: `attn_q_norm` / `attn_k_norm`) and
+    """Qwen3 (q and k heads RMS-normalised before RoPE: `attn_q_norm` / `attn_k_norm`),
     Phi-3 (q/k/v in one `attn_qkv`, gate and up in one `ffn_up`, a sliding window in
-    `phi3.attention.sliding_window`), written as llama.cpp writes them: logits equal to
+    `phi3.attention.sliding_window`) and Gemma 3 (a windowed and a global layer by
+    `gemma3.attention.sliding_window_pattern`, `post_attention_norm` / `post_ffw_norm`,
+    norms stored as 1 + weight), written as llama.cpp writes them: logits equal to
     transformers' on the same weights up to float32 rounding; with the projections stored as
     Q8_0 (run on the kernels), transformers' on those weights' values up to the int8
     activations' rounding."""
@@ -417,14 +423,16 @@ def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch
     from tests.models.test_qwen2 import PagedRun
     from tests.tiny import hf_model, tiny_config
 
-    window = 200 if arch == "phi3" else None
+    window = {"phi3": 200, "gemma3": 4}.get(arch)  # (Gemma's shorter than the prompt)
+    gemma = {"query_pre_attn_scalar": HEAD_DIM} if arch == "gemma3" else {}  # llama.cpp's
     cfg = tiny_config(arch, vocab_size=len(tiny_vocab()), hidden_size=HIDDEN,
                       intermediate_size=FFN, num_attention_heads=HEADS,
                       num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rope_theta=1e6,
-                      rms_norm_eps=1e-5, tie_word_embeddings=True, sliding_window=window)
+                      rms_norm_eps=1e-5, tie_word_embeddings=True, sliding_window=window,
+                      **gemma)
     hf = hf_model(cfg, seed=3)
     tensors = {}
-    for name, t in gguf_names(dict(hf.state_dict())).items():
+    for name, t in gguf_names(dict(hf.state_dict()), arch).items():
         array = t.numpy()
         if quantized and array.ndim == 2 and "token_embd" not in name:
             blocks = quantize(array, Q.Q8_0)
@@ -432,11 +440,13 @@ def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch
             t.copy_(torch.from_numpy(dequantize(blocks, Q.Q8_0)))  # the reference's weight
         else:
             tensors[name] = (array, None)
-    extra = {"sliding_window": window} if window else {}
+    extra: dict = {"sliding_window": window} if window else {}
+    if arch == "gemma3":
+        extra["sliding_window_pattern"] = [True, False]
     path = write_gguf(tmp_path / f"{arch}.gguf", arch, tensors,
                       hparams(key_length=HEAD_DIM, value_length=HEAD_DIM, **extra))
     model, _ = load_model(str(path))
-    assert model.config.architecture == arch and model.config.qk_norm == (arch == "qwen3")
+    assert model.config.architecture == arch and model.config.qk_norm == (arch != "phi3")
     assert model.config.max_context == 512 and model.config.sliding_window == window
     assert (model.quant_type is not None) == quantized
     ids = [3, 200, 17, 17, 90, 41, 5, 260]
@@ -447,3 +457,42 @@ def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch
         assert ((got - expected).norm() / expected.norm()).item() < 2e-2
     else:
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+def spm_metadata(arch: str, add_space_prefix: bool) -> dict:
+    """A small SentencePiece vocabulary as llama.cpp stores one ("llama"): control tokens,
+    the 256 byte-fallback tokens, user-defined runs of newlines and spaces, then pieces whose
+    file order (Gemma) and scores (the others) give opposite merge orders for "hello"."""
+    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "x", "ll", "he", "hell", "hello", "el",
+              "▁w", "▁wo", "▁wor", "▁world", "▁hello", "ld"]
+    scores = [0.0] * len(pieces)
+    scores[pieces.index("el")] = 5.0  # by score: "e"+"l" first, so "hello" is never formed
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "\n", "\n\n", "  ",
+              *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    types = [3, 3, 3, 2, 3, 4, 4, 4, *([6] * 256), *([1] * len(pieces))]
+    return {"general.architecture": arch, "tokenizer.ggml.model": "llama",
+            "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.scores": [-1000.0] * (8 + 256) + scores,
+            "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1,
+            "tokenizer.ggml.unknown_token_id": 3, "tokenizer.ggml.add_bos_token": True,
+            "tokenizer.ggml.add_space_prefix": add_space_prefix}
+
+
+def test_a_sentencepiece_gguf_tokenizer_merges_as_sentencepiece() -> None:
+    """A SentencePiece GGUF (Gemma's, Llama 2's) gets a tokenizer: pieces merged by file order
+    for Gemma and by score otherwise, spaces spelled U+2581 (with a leading one where the file
+    asks), characters outside the vocabulary as their bytes, user-defined runs of newlines and
+    spaces whole, control tokens special; decoding gives the text back. Such files loaded
+    without a tokenizer."""
+    from braid.models.gguf_tokenizer import gguf_backend
+
+    gemma = gguf_backend(spm_metadata("gemma3", add_space_prefix=False))
+    text = "hello world\n\nhé  x<start_of_turn>"
+    encoding = gemma.encode(text)
+    assert encoding.tokens == ["<bos>", "hello", "▁world", "\n\n", "h", "<0xC3>", "<0xA9>", "  ",
+                               "x", "<start_of_turn>"]
+    assert gemma.decode(encoding.ids, skip_special_tokens=True) == "hello world\n\nhé  x"
+    by_score = gguf_backend(spm_metadata("llama", add_space_prefix=True))
+    encoding = by_score.encode("hello world")
+    assert encoding.tokens == ["<bos>", "▁", "h", "el", "l", "o", "▁world"]
+    assert by_score.decode(encoding.ids, skip_special_tokens=True) == "hello world"
