@@ -4,6 +4,7 @@ times and peak memory, for the default target on this machine.
     python benchmarks/bench_model.py [--model NAME] [--quantization auto|none] [--cold]
         [--vs-llamacpp BIN_DIR [--pairs 4]]
         [--kv-cache-dtypes float32,float16,bfloat16 [--kv-requests 16] [--kv-context 700]]
+        [--perplexity [--ppl-context 1024] [--ppl-chunks 2]]
 
 Prints a table; `--cold` also times a load into an empty cache folder (tokenizer conversion).
 `--vs-llamacpp` (a llama.cpp build's bin folder, see the README's peers note) alternates
@@ -12,7 +13,11 @@ prints each pair's ratio: this machine's memory bandwidth drifts by 10-30% over 
 only side-by-side pairs compare. `--kv-cache-dtypes` times a batched decode step (16 requests
 of 700 distinct cached tokens by default) with each KV cache type in turn, over the same
 loaded model, for `--rounds` rounds, and prints each step time and each type's ratio to the
-first type's in the same round.
+first type's in the same round. `--perplexity` scores the held text (the source of
+`textwrap`) as llama-perplexity does: chunks of `--ppl-context` tokens, each starting with
+BOS, the second half of each scored; with `--vs-llamacpp` over llama.cpp's own tokens of the
+text (llama-tokenize, so both score the same ids; whether braid's tokenizer gives the same
+ids is printed too), beside llama-perplexity's figure on the same file.
 """
 
 from __future__ import annotations
@@ -135,6 +140,83 @@ def versus_llamacpp(engine: LLMEngine, bin_dir: str, pairs: int) -> None:
     print(f"braid / llama.cpp decode, median of {pairs} pairs: {statistics.median(ratios):.2f}x")
 
 
+def held_text() -> str:
+    import textwrap
+
+    return inspect.getsource(textwrap)
+
+
+def llamacpp_tokens(bin_dir: str, gguf: str, text_file: str, escape: bool) -> list[int]:
+    """llama.cpp's tokens of the file, with backslash escapes such as \\n processed as
+    llama-perplexity does by default, unless `escape` is False (llama-perplexity also drops
+    the file's final newline; the chunks it scores end long before it)."""
+    flags = [] if escape else ["--no-escape"]
+    out = subprocess.run([os.path.join(bin_dir, "llama-tokenize"), "-m", gguf, "-f", text_file,
+                          "--ids", "--log-disable", *flags], check=True, capture_output=True,
+                         text=True, env=dict(os.environ, LD_LIBRARY_PATH=bin_dir))
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def llamacpp_perplexity(bin_dir: str, gguf: str, text_file: str, context: int, chunks: int
+                        ) -> float:
+    out = subprocess.run([os.path.join(bin_dir, "llama-perplexity"), "-m", gguf, "-f", text_file,
+                          "-c", str(context), "--chunks", str(chunks), "-t", "2", "-b",
+                          str(context)], check=True, capture_output=True, text=True,
+                         env=dict(os.environ, LD_LIBRARY_PATH=bin_dir))
+    return float((out.stdout + out.stderr).split("Final estimate: PPL = ")[1].split()[0])
+
+
+def braid_perplexity(engine: LLMEngine, ids: list[int], context: int, chunks: int) -> float:
+    """llama-perplexity's estimate through the engine (prompt logprobs): chunk c is
+    ids[c * context : (c + 1) * context] with BOS in place of its first token; the tokens
+    after its first half are scored."""
+    bos = engine.tokenizer.bos_token_id if engine.tokenizer is not None else None
+    if len(ids) < context * chunks:
+        raise SystemExit(f"the held text has {len(ids)} tokens, fewer than {chunks} chunks of "
+                         f"{context}")
+    nll, scored = 0.0, 0
+    for c in range(chunks):
+        chunk = ids[c * context:(c + 1) * context]
+        if bos is not None:
+            chunk[0] = bos
+        engine.add_request(f"ppl{c}", chunk, SamplingParams(max_tokens=1, prompt_logprobs=0))
+        [out] = [o for o in engine.run_until_done() if o.finished]
+        assert out.prompt_logprobs is not None
+        for j in range(context // 2 + 1, context):
+            entry = out.prompt_logprobs[j]
+            assert entry is not None
+            nll -= entry[chunk[j]].logprob
+            scored += 1
+    return float(torch.tensor(nll / scored).exp())
+
+
+def perplexity_report(engine: LLMEngine, bin_dir: str | None, context: int, chunks: int
+                      ) -> None:
+    from braid.models.loader import resolve_model_path
+
+    assert engine.tokenizer is not None
+    text = held_text()
+    ours = engine.tokenizer.encode(text)
+    print(f"held text (textwrap's source): {len(ours)} braid tokens; {context}-token chunks: "
+          f"{chunks}, {chunks * (context // 2 - 1)} tokens scored", flush=True)
+    if bin_dir is None:
+        print(f"braid perplexity: {braid_perplexity(engine, ours, context, chunks):.4f}")
+        return
+    gguf = str(resolve_model_path(engine.config.model))
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        f.write(text)
+        f.flush()
+        theirs = llamacpp_tokens(bin_dir, gguf, f.name, escape=False)
+        scored = llamacpp_tokens(bin_dir, gguf, f.name, escape=True)  # llama-perplexity's
+        reference = llamacpp_perplexity(bin_dir, gguf, f.name, context, chunks)
+    same = sum(a == b for a, b in zip(ours, theirs, strict=False))
+    print(f"braid's tokens equal llama.cpp's: {ours == theirs} ({len(ours)} and {len(theirs)} "
+          f"tokens, {same} positions equal)")
+    mine = braid_perplexity(engine, scored, context, chunks)
+    print(f"perplexity on llama.cpp's tokens: braid {mine:.4f}, llama-perplexity "
+          f"{reference:.4f}, ratio {mine / reference:.4f}")
+
+
 def distinct_prompts(tokenizer, requests: int, tokens: int) -> list[list[int]]:
     """`requests` prompts of `tokens` tokens each, no two sharing a block: consecutive spans
     of standard-library sources (prefix caching cannot shorten them)."""
@@ -197,6 +279,11 @@ def main() -> None:
     parser.add_argument("--kv-requests", type=positive_int, default=16)
     parser.add_argument("--kv-context", type=positive_int, default=700)
     parser.add_argument("--rounds", type=positive_int, default=2, help="with --kv-cache-dtypes")
+    parser.add_argument("--perplexity", action="store_true",
+                        help="perplexity of the held text (against llama.cpp's with "
+                        "--vs-llamacpp)")
+    parser.add_argument("--ppl-context", type=positive_int, default=1024)
+    parser.add_argument("--ppl-chunks", type=positive_int, default=2)
     args = parser.parse_args()
     if args.kv_cache_dtypes is not None:
         args.kv_cache_dtypes = comma_choices(parser, "--kv-cache-dtypes", args.kv_cache_dtypes,
@@ -239,6 +326,8 @@ def main() -> None:
           f"{gguf_ratio(args.model, peak, kv_bytes)})")
     if args.vs_llamacpp:
         versus_llamacpp(engine, args.vs_llamacpp, args.pairs)
+    if args.perplexity:
+        perplexity_report(engine, args.vs_llamacpp, args.ppl_context, args.ppl_chunks)
     if args.kv_cache_dtypes:
         kv_cache_steps(engine, args.kv_cache_dtypes, args.kv_requests, args.kv_context,
                        args.rounds)

@@ -84,6 +84,22 @@ def test_the_float_path_gives_transformers_tokens_past_the_window(gemma_gguf: Pa
     gc.collect()
 
 
+def test_space_runs_tokenize_as_llama_cpp(gemma_gguf: Path) -> None:
+    """Runs of spaces (user-defined tokens of up to 31), newlines and a tab: the ids
+    `llama-tokenize --no-escape` gives for this text on the same file (braid's tokenizer also
+    equals llama.cpp's on all 5,070 tokens of the held text, docs/benchmarks.md)."""
+    from braid.models.gguf_loader import gguf_to_hf_folder
+    from braid.tokenizer import Tokenizer
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BRAID_CACHE_DIR", USER_CACHE)
+        tokenizer = Tokenizer.from_folder(gguf_to_hf_folder(gemma_gguf))
+    text = 'def f():\n' + " " * 33 + 'return  "a\\\\n"\n\n\n\tdone'
+    assert tokenizer.encode(text) == [2, 2063, 517, 6141, 107, 167, 138, 2060, 138, 236775,
+                                      236746, 4084, 236749, 236775, 109, 255968, 18450]
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
 def test_greedy_speculation_on_the_quantized_file_equals_none(gemma_gguf: Path) -> None:
     """Prompt lookup and suffix decoding on `braid serve gemma-3-270m`'s own file: the
     same greedy tokens as without speculation, a prompt past the window included."""
