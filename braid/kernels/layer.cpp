@@ -85,9 +85,65 @@ class FusedLayer {
   Isa isa_;  // the instruction sets its ops use
 };
 
+// Gemma 3's layer (gemma3.py's Gemma3DecoderLayer on the compiled path, the same operations
+// in the same order): q and k heads normalised before RoPE, scores scaled by `scale`, norms
+// after attention and around the GELU-gated MLP. The caller passes a windowed layer the
+// windowed attention metadata.
+class GemmaLayer {
+ public:
+  GemmaLayer(std::vector<torch::Tensor> norms, double eps, int64_t heads, int64_t kv_heads,
+             double scale, std::vector<Segment> qkv, int64_t qkv_out, std::vector<Segment> o,
+             std::vector<Segment> gate_up, int64_t gate_up_out, std::vector<Segment> down,
+             int64_t hidden, Isa isa)
+      : eps_(eps), heads_(heads), kv_heads_(kv_heads), scale_(scale),
+        qkv_(linear_of(std::move(qkv), qkv_out, std::nullopt)),
+        o_(linear_of(std::move(o), hidden, std::nullopt)),
+        gate_up_(linear_of(std::move(gate_up), gate_up_out, std::nullopt)),
+        down_(linear_of(std::move(down), hidden, std::nullopt)),
+        isa_(isa) {
+    // input, post-attention, pre-feedforward, post-feedforward, q heads, k heads
+    TORCH_CHECK(norms.size() == 6, "a Gemma layer has six norms");
+    input_norm_ = norms[0], post_attn_norm_ = norms[1], pre_ffw_norm_ = norms[2];
+    post_ffw_norm_ = norms[3], q_norm_ = norms[4], k_norm_ = norms[5];
+  }
+
+  torch::Tensor forward(torch::Tensor x, torch::Tensor k_cache, torch::Tensor v_cache,
+                        const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& slot_mapping, const torch::Tensor& kv_slots,
+                        const torch::Tensor& row_seq, const torch::Tensor& row_len) const {
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+                "x must be a contiguous float32 [T, hidden] tensor");
+    auto qkv = qkv_(rms_norm(x, input_norm_, eps_), isa_);
+    const int64_t t = qkv.size(0), d = q_norm_.size(0);
+    auto q = qkv.narrow(1, 0, heads_ * d), k = qkv.narrow(1, heads_ * d, kv_heads_ * d);
+    q.copy_(rms_norm(q.reshape({t * heads_, d}), q_norm_, eps_).view({t, heads_ * d}));
+    k.copy_(rms_norm(k.reshape({t * kv_heads_, d}), k_norm_, eps_).view({t, kv_heads_ * d}));
+    const auto rotated = rope_qkv_to_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads_);
+    const auto attn = paged_attention_rows(rotated, k_cache, v_cache, kv_slots, row_seq, row_len,
+                                           scale_, isa_);
+    const auto h = add_rms_norm_(x, rms_norm(o_(attn.flatten(1), isa_), post_attn_norm_, eps_),
+                                 pre_ffw_norm_, eps_);
+    return x.add_(rms_norm(down_(gelu_mul(gate_up_(h, isa_), isa_), isa_), post_ffw_norm_,
+                           eps_));
+  }
+
+ private:
+  torch::Tensor input_norm_, post_attn_norm_, pre_ffw_norm_, post_ffw_norm_, q_norm_, k_norm_;
+  double eps_;
+  int64_t heads_, kv_heads_;
+  double scale_;
+  Linear qkv_, o_, gate_up_, down_;
+  Isa isa_;
+};
+
 }  // namespace
 
 void register_layer(pybind11::module& m) {
+  pybind11::class_<GemmaLayer>(m, "GemmaLayer")
+      .def(pybind11::init<std::vector<torch::Tensor>, double, int64_t, int64_t, double,
+                          std::vector<Segment>, int64_t, std::vector<Segment>,
+                          std::vector<Segment>, int64_t, std::vector<Segment>, int64_t, Isa>())
+      .def("forward", &GemmaLayer::forward);
   pybind11::class_<FusedLayer>(m, "FusedLayer")
       .def(pybind11::init<torch::Tensor, torch::Tensor, double, int64_t, std::vector<Segment>,
                           std::optional<torch::Tensor>, int64_t, std::vector<Segment>,

@@ -42,61 +42,80 @@ void rms_norm_row(const float* x, const float* w, float eps, int64_t n, float* y
   for (int64_t j = 0; j < n; ++j) y[j] = x[j] * inv * w[j];
 }
 
-float silu_scalar(float g) {
-  const float e = std::exp(-std::fabs(g));
-  return g * (g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e));
+// The gate's activation g * sigmoid(a): SiLU with a = g; GELU's tanh form with
+// a = 2 sqrt(2 / pi) (g + 0.044715 g^3), as 0.5 (1 + tanh(z)) = sigmoid(2 z).
+constexpr float kGeluA = 1.5957691216057308f, kGeluB = 0.044715f;
+
+template <bool Gelu>
+float gate_scalar(float g) {
+  const float a = Gelu ? kGeluA * (g + kGeluB * g * g * g) : g;
+  const float e = std::exp(-std::fabs(a));
+  return g * (a >= 0.f ? 1.f / (1.f + e) : e / (1.f + e));
 }
 
-void silu_mul_scalar(const float* g, const float* u, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] = silu_scalar(g[i]) * u[i];
+template <bool Gelu>
+void gate_mul_scalar(const float* g, const float* u, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = gate_scalar<Gelu>(g[i]) * u[i];
 }
 
 #ifdef BRAID_X86
-__attribute__((target("avx2,fma"))) void silu_mul_avx2(const float* g, const float* u, float* y,
+template <bool Gelu>
+__attribute__((target("avx2,fma"))) void gate_mul_avx2(const float* g, const float* u, float* y,
                                                         int64_t n) {
   const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 x = _mm256_loadu_ps(g + i);
-    const __m256 e = vexp::exp_avx2(_mm256_or_ps(x, sign));  // exp(-|x|)
+    __m256 a = x;
+    if constexpr (Gelu) {
+      const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+      a = _mm256_mul_ps(_mm256_set1_ps(kGeluA),
+                        _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(kGeluB), cube)));
+    }
+    const __m256 e = vexp::exp_avx2(_mm256_or_ps(a, sign));  // exp(-|a|)
     const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
-    const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 neg = _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_LT_OQ);
     const __m256 sig = _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), neg);
     _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
   }
-  silu_mul_scalar(g + i, u + i, y + i, n - i);
+  gate_mul_scalar<Gelu>(g + i, u + i, y + i, n - i);
 }
 
-__attribute__((target("avx512f,fma"))) void silu_mul_avx512(const float* g, const float* u,
+template <bool Gelu>
+__attribute__((target("avx512f,fma"))) void gate_mul_avx512(const float* g, const float* u,
                                                               float* y, int64_t n) {
   const __m512 one = _mm512_set1_ps(1.f);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const __m512 x = _mm512_loadu_ps(g + i);
-    const __m512 e = vexp::exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+    __m512 a = x;
+    if constexpr (Gelu) {
+      const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+      a = _mm512_mul_ps(_mm512_set1_ps(kGeluA),
+                        _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(kGeluB), cube)));
+    }
+    const __m512 e = vexp::exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(a)));
     const __m512 inv = _mm512_div_ps(one, _mm512_add_ps(one, e));
-    const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __mmask16 neg = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_LT_OQ);
     const __m512 sig = _mm512_mask_mul_ps(inv, neg, e, inv);
     _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), _mm512_loadu_ps(u + i)));
   }
-  silu_mul_scalar(g + i, u + i, y + i, n - i);
+  gate_mul_scalar<Gelu>(g + i, u + i, y + i, n - i);
 }
 #endif
 
-}  // namespace
-
-// gate_up [T, 2I] float32 (gate in the first I columns, up in the rest) -> [T, I].
-torch::Tensor silu_mul(const torch::Tensor& gate_up_in, const Isa& isa) {
+template <bool Gelu>
+torch::Tensor gate_mul(const torch::Tensor& gate_up_in, const Isa& isa) {
   TORCH_CHECK(gate_up_in.dtype() == torch::kFloat32 && gate_up_in.dim() == 2 &&
                   gate_up_in.size(1) % 2 == 0,
-              "silu_mul wants a float32 [T, 2I] tensor");
+              "silu_mul / gelu_mul want a float32 [T, 2I] tensor");
   const auto gu = gate_up_in.contiguous();
   const int64_t t = gu.size(0), i = gu.size(1) / 2;
   auto out = torch::empty({t, i}, torch::kFloat32);
-  auto fn = silu_mul_scalar;
+  auto fn = gate_mul_scalar<Gelu>;
 #ifdef BRAID_X86
-  if (isa.avx512) fn = silu_mul_avx512;
-  else if (isa.avx2) fn = silu_mul_avx2;
+  if (isa.avx512) fn = gate_mul_avx512<Gelu>;
+  else if (isa.avx2) fn = gate_mul_avx2<Gelu>;
 #endif
   const float* gp = gu.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -104,6 +123,18 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up_in, const Isa& isa) {
     for (int64_t r = begin; r < end; ++r) fn(gp + r * 2 * i, gp + r * 2 * i + i, op + r * i, i);
   });
   return out;
+}
+
+}  // namespace
+
+// gate_up [T, 2I] float32 (gate in the first I columns, up in the rest) -> [T, I]:
+// silu(gate) * up, or (gelu_mul) gelu_tanh(gate) * up (Gemma's GeGLU).
+torch::Tensor silu_mul(const torch::Tensor& gate_up_in, const Isa& isa) {
+  return gate_mul<false>(gate_up_in, isa);
+}
+
+torch::Tensor gelu_mul(const torch::Tensor& gate_up_in, const Isa& isa) {
+  return gate_mul<true>(gate_up_in, isa);
 }
 
 // x [T, H] float32, w [H] float32 -> [T, H].
@@ -272,4 +303,5 @@ void register_norm(pybind11::module& m) {
   m.def("add_rms_norm_", &add_rms_norm_);
   m.def("rope_qkv_to_cache", &rope_qkv_to_cache);
   m.def("silu_mul", &silu_mul);
+  m.def("gelu_mul", &gelu_mul);
 }

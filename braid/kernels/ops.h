@@ -34,6 +34,7 @@ torch::Tensor rope_qkv_to_cache(const torch::Tensor& qkv_in, const torch::Tensor
                                 torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
                                 int64_t heads);
 torch::Tensor silu_mul(const torch::Tensor& gate_up_in, const Isa& isa);
+torch::Tensor gelu_mul(const torch::Tensor& gate_up_in, const Isa& isa);
 
 // attention.cpp
 torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tensor& k_cache,

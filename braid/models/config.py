@@ -185,9 +185,10 @@ class ModelConfig:
         return self.architecture == "gemma3"
 
     @property
-    def plain_layers(self) -> bool:
-        """Layers the compiled one-call layer runs: llama-shaped, no per-head norms."""
-        return not self.qk_norm and not self.gemma
+    def compiled_layers(self) -> bool:
+        """Whether a quantized layer has a one-call compiled form: llama-shaped without
+        per-head norms (ops.FusedLayer), or Gemma 3's (ops.GemmaLayer); Qwen3's has none."""
+        return self.gemma or not self.qk_norm
 
     @property
     def fused_weights(self) -> bool:

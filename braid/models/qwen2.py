@@ -246,16 +246,15 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.gelu:
-            gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if isinstance(self.down_proj, QuantLinear):  # the compiled layer's activation
             ops = quant_ops()
             assert ops is not None, "QuantLinear needs the compiled kernels"
             rows = gate_up.reshape(-1, gate_up.shape[-1])
-            return self.down_proj(ops.silu_mul(rows, kernel_isa())
-                                  .reshape(*gate_up.shape[:-1], -1))
+            act = ops.gelu_mul if self.gelu else ops.silu_mul
+            return self.down_proj(act(rows, kernel_isa()).reshape(*gate_up.shape[:-1], -1))
         gate, up = gate_up.chunk(2, dim=-1)
+        if self.gelu:
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -376,7 +375,7 @@ class Qwen2ForCausalLM(nn.Module):
         (float32, float16 or bfloat16) and the row-by-row attention's metadata; None
         elsewhere (the modules run)."""
         if (not self.fuse_layers or self.quant_type is None or meta.kv_slots is None
-                or not self.config.plain_layers  # the compiled layer has no per-head norms
+                or not self.config.compiled_layers
                 or x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous()
                 or cast(DecoderLayer, self.layers[0]).self_attn.k_cache.dtype
                 not in KV_CACHE_DTYPES):

@@ -282,24 +282,32 @@ def test_rms_norm_matches_torch_and_ignores_the_batch(ops: ModuleType) -> None:
         ops.rms_norm(x, torch.ones(7), 1e-6)
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu"])
 @pytest.mark.parametrize("path", ["avx512", "avx2", "scalar"])
-def test_silu_mul_matches_float64_and_ignores_the_batch(ops: ModuleType, path: str) -> None:
-    """silu(gate) * up on each vector path the CPU has (a path it lacks runs the next one):
-    within float32 rounding of float64, over the range a gate takes and past exp's limits,
-    and every row the same bits alone as in a batch."""
+def test_gated_activations_match_float64_and_ignore_the_batch(ops: ModuleType, path: str,
+                                                              act: str) -> None:
+    """silu(gate) * up and gelu_tanh(gate) * up (Gemma's) on each vector path the CPU has (a
+    path it lacks runs the next one): within float32 rounding of float64, over the range a
+    gate takes and past exp's limits, and every row the same bits alone as in a batch."""
     isa = ops.Isa(path)
+    fn = getattr(ops, f"{act}_mul")
     gate = torch.cat([torch.linspace(-120, 120, 4801), torch.tensor([0.0, -0.0, 1e-30])])
     gate = torch.stack([gate, gate.flip(0) * 0.1, torch.randn(4804) * 4])  # [3, 4804]
     up = torch.randn(3, 4804)
-    out = ops.silu_mul(torch.cat([gate, up], dim=1), isa)
+    out = fn(torch.cat([gate, up], dim=1), isa)
     g64, u64 = gate.double(), up.double()
-    expected = g64 * torch.sigmoid(g64) * u64
-    torch.testing.assert_close(out.double(), expected, rtol=2e-6, atol=1e-30)
+    if act == "silu":
+        expected = g64 * torch.sigmoid(g64) * u64
+    else:
+        expected = torch.nn.functional.gelu(g64, approximate="tanh") * u64
+    # (GELU's far negative tail underflows float32 to 0 sooner than float64's: below 1e-9)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-6 if act == "silu" else 2e-5,
+                               atol=1e-30 if act == "silu" else 1e-9)
     for r in range(3):
-        alone = ops.silu_mul(torch.cat([gate[r : r + 1], up[r : r + 1]], dim=1), isa)
+        alone = fn(torch.cat([gate[r : r + 1], up[r : r + 1]], dim=1), isa)
         assert torch.equal(alone, out[r : r + 1])
-    with pytest.raises(RuntimeError, match="silu_mul"):
-        ops.silu_mul(torch.zeros(2, 7), isa)
+    with pytest.raises(RuntimeError, match=f"{act}_mul"):
+        fn(torch.zeros(2, 7), isa)
 
 
 def test_rotate_is_the_torch_rotation_exactly(ops: ModuleType) -> None:

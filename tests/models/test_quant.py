@@ -21,7 +21,7 @@ from braid.config import ConfigError, EngineConfig
 from braid.engine.engine import LLMEngine
 from braid.files import ModelLoadError
 from braid.kernels import kernel_isa, quant_ops
-from braid.models.build import load_model
+from braid.models.build import FAMILIES, load_model
 from braid.models.quant import (
     HUGE_PAGE,
     QuantEmbedding,
@@ -376,13 +376,24 @@ def test_quantized_batches_match_requests_alone(target: Qwen2ForCausalLM,
         assert alone == {str(i): reference[str(i)]}
 
 
+@pytest.fixture(scope="module")
+def gemma3_q8_0() -> Qwen2ForCausalLM:
+    """A tiny Gemma 3 on Q8_0 weights: a windowed (4 positions) and a global layer."""
+    cfg = tiny_config("gemma3", sliding_window=4)
+    model = FAMILIES["gemma3"](cfg, quant_type=Q.Q8_0)
+    model.load_weights(random_weights(cfg, seed=4).items())
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16],
                          ids=["float32", "float16", "bfloat16"])
-def test_fused_layers_are_the_modules_bit_for_bit(target: Qwen2ForCausalLM,
+def test_fused_layers_are_the_modules_bit_for_bit(request: pytest.FixtureRequest, family: str,
                                                   kv_dtype: torch.dtype) -> None:
     """Prefill chunks, decodes and a verification-sized window in mixed flat batches give
-    the same logits and KV cache whether the layers run as compiled calls or as modules,
-    with each KV cache type."""
+    the same logits and KV cache whether the layers run as compiled calls (ops.FusedLayer,
+    ops.GemmaLayer) or as modules, with each KV cache type."""
+    target = request.getfixturevalue("target" if family == "qwen2" else "gemma3_q8_0")
     steps = [{"a": PROMPT[:17], "b": PROMPT[5:9]}, {"a": PROMPT[17:], "b": [7]},
              {"a": [11, 12, 13, 14], "b": [8]}, {"a": [15], "c": PROMPT[:3]}]
     runs = []
