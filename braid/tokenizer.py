@@ -357,7 +357,8 @@ class Tokenizer:
         generation prompt is added (add_generation_prompt=False leaves it out)."""
         template = chat_template or self.chat_template
         if not template:
-            raise ValueError("this tokenizer has no chat template")
+            raise ValueError("this tokenizer has no chat template (a base model's file; give "
+                             "one with --chat-template, or use completions)")
         if continue_final_message and add_generation_prompt:
             raise ContinuationError("continue_final_message and add_generation_prompt cannot "
                                     "both be true: one continues the last message, the other "
