@@ -40,6 +40,9 @@ def block_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
+RELEASED = -1  # a table entry whose block was given back (release_before): never read again
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         if num_blocks < 0:
@@ -138,15 +141,31 @@ class BlockManager:
         """Release all blocks of the request (tail first, so its prefix is evicted last);
         published ones stay cached. A no-op for an unknown request."""
         for block in reversed(self._tables.pop(request_id, [])):
-            self._ref[block] -= 1
-            if self._ref[block] == 0:
-                if self._hash[block] is None:
-                    self._free[block] = None
-                    self._free.move_to_end(block, last=False)  # unpublished: reuse first
-                else:
-                    self._free[block] = None
+            self._unref(block)
         self._hashes.pop(request_id, None)
         self._num_published.pop(request_id, None)
+
+    def _unref(self, block: int) -> None:
+        if block == RELEASED:
+            return
+        self._ref[block] -= 1
+        if self._ref[block] == 0:
+            self._free[block] = None
+            if self._hash[block] is None:
+                self._free.move_to_end(block, last=False)  # unpublished: reuse first
+
+    def release_before(self, request_id: str, position: int) -> int:
+        """Give back the request's blocks that hold only positions before `position` (a
+        sliding-window model's KV that no later query attends to); their table entries
+        become RELEASED, so the table still covers the same positions. Returns how many."""
+        table = self._tables.get(request_id, [])
+        released = 0
+        for i in range(min(max(0, position) // self.block_size, len(table))):
+            if table[i] != RELEASED:
+                self._unref(table[i])
+                table[i] = RELEASED
+                released += 1
+        return released
 
     # ---- prefix caching ------------------------------------------------------------------
 
@@ -189,7 +208,7 @@ class BlockManager:
         published = []
         for i in range(start, full):
             block, h = table[i], hashes[i]
-            if self._hash[block] is None and h not in self._cached:
+            if block != RELEASED and self._hash[block] is None and h not in self._cached:
                 self._hash[block] = h
                 self._cached[h] = block
                 published.append(block)
@@ -214,14 +233,14 @@ class BlockManager:
         its published blocks within them serve the draft too."""
         table = self._tables.get(request_id, [])
         for block in table[: min(num_tokens // self.block_size, len(table))]:
-            if self._hash[block] is not None:
+            if block != RELEASED and self._hash[block] is not None:
                 self._draft_valid[block] = True
 
     def num_draft_cached_tokens(self, request_id: str) -> int:
         """Tokens of the request's leading blocks whose draft KV is valid."""
         n = 0
         for block in self._tables.get(request_id, []):
-            if not self._draft_valid[block]:
+            if block == RELEASED or not self._draft_valid[block]:
                 break
             n += 1
         return n * self.block_size
@@ -238,8 +257,9 @@ class BlockManager:
         """Raise AssertionError naming the first broken invariant."""
         refs = [0] * self.num_blocks
         for request_id, table in self._tables.items():
-            assert len(set(table)) == len(table), f"{request_id!r} holds a block twice"
-            for block in table:
+            held = [b for b in table if b != RELEASED]
+            assert len(set(held)) == len(held), f"{request_id!r} holds a block twice"
+            for block in held:
                 assert 0 <= block < self.num_blocks, f"block {block} of {request_id!r} out of range"
                 assert block not in self._free, f"block {block} of {request_id!r} is also free"
                 refs[block] += 1

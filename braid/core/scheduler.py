@@ -151,6 +151,9 @@ class Scheduler:
         # its chunks are cut to what keeps the decodes' steps near their usual cost (alone,
         # it takes the whole budget). None: no cut.
         self.max_scored_rows = max_scored_rows
+        # Every layer attends in this window (and no draft model keeps its own KV of the
+        # positions): blocks before a request's window are given back after each step.
+        self.sliding_window: int | None = None
         self._beside_decodes = False  # this step has decodes (schedule sets it)
         self.num_steps = 0  # schedule() calls so far
         self.waiting: deque[Request] = deque()
@@ -423,6 +426,12 @@ class Scheduler:
                 self.blocks.publish(req.request_id, req.token_ids, req.num_computed_tokens)
             if reason is not None:
                 self.finish(req, reason)
+        if self.sliding_window is not None:
+            for s in sched.scheduled:  # the next query is at num_computed_tokens or later
+                if not s.request.is_finished:
+                    self.blocks.release_before(s.request.request_id,
+                                               s.request.num_computed_tokens
+                                               - self.sliding_window + 1)
         return updates
 
     def discard_published(self, sched: SchedulerOutput) -> None:

@@ -101,7 +101,8 @@ def build_attention_metadata(
 
 def _slots(block_table: list[int], seq_len: int, block_size: int) -> torch.Tensor:
     positions = torch.arange(seq_len)
-    table = torch.tensor(block_table, dtype=torch.long)
+    # (a released block, -1: positions no windowed query reads again, named as block 0)
+    table = torch.tensor(block_table, dtype=torch.long).clamp(min=0)
     return table[positions // block_size] * block_size + positions % block_size
 
 

@@ -179,6 +179,13 @@ class ModelConfig:
         return self.sliding_window
 
     @property
+    def kv_window(self) -> int | None:
+        """The window every layer attends in, where all of them have one (Mistral, Phi-3):
+        KV further back is never read again. None where any layer attends to everything."""
+        windows = {self.layer_window(i) for i in range(self.num_hidden_layers)}
+        return None if None in windows or not windows else self.sliding_window
+
+    @property
     def gemma(self) -> bool:
         """Gemma 3's layer: norms after attention and after the MLP as well as before, GELU
         (tanh) gating, embeddings scaled by sqrt(hidden_size), per-layer RoPE bases."""

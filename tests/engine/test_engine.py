@@ -754,3 +754,39 @@ def test_a_sliding_window_model_generates_past_its_window(tmp_path, arch: str) -
             done = {o.request_id: o.outputs[0].token_ids
                     for o in engine.run_until_done() if o.finished}
             assert [done["0"], done["1"]] == expected
+
+
+def test_a_sliding_window_model_s_kv_blocks_stay_within_its_window(tmp_path) -> None:
+    """Every layer in a window of 8 (Mistral), blocks of 4: blocks that only hold positions
+    before a request's window go back to the pool after each step, so two requests of 20
+    prompt and 100 new tokens hold at most 4 blocks each (the window's, and one growing)
+    while the same run keeping every block holds 30 each; the tokens are the same, with prefix
+    caching on, a third request on the same prompt after the engine went idle, and prompt
+    lookup speculating."""
+    folder = save_tiny_model(tmp_path / "m", arch="mistral", sliding_window=8)
+    prompts = [[3 + (i * 5 + j) % 30 for i in range(20)] for j in range(2)]
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    results = []
+    for release in (True, False):
+        engine = LLMEngine(EngineConfig(
+            model=str(folder), log_stats_interval=0, block_size=4, enable_prefix_caching=True,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                "prompt_lookup_min": 1}))
+        assert engine.scheduler.sliding_window == 8
+        if not release:
+            engine.scheduler.sliding_window = None
+        most, outputs = 0, {}
+        for rids, batch in ((["a", "b"], prompts), (["c"], prompts[:1])):
+            for rid, p in zip(rids, batch, strict=True):
+                engine.add_request(rid, p, params)
+            while engine.has_unfinished_requests():
+                outputs |= {o.request_id: o.outputs[0].token_ids for o in engine.step()
+                            if o.finished}
+                engine.scheduler.check_invariants()
+                held = {r: len([b for b in engine.blocks.block_table(r) if b >= 0])
+                        for r in engine.scheduler.requests}
+                most = max(most, *held.values(), 0)
+        results.append((most, outputs))
+    (most_released, released), (most_kept, kept) = results
+    assert released == kept and released["c"] == released["a"]
+    assert most_released <= 4 < 30 <= most_kept
