@@ -46,18 +46,32 @@ Linear linear_of(std::vector<Segment> segments, int64_t out_features,
   return Linear{std::move(segments), out_features, std::move(bias)};
 }
 
+// Each q and k head of qkv [T, (H + 2 KVH) D] RMS-normalised with its weights, in place
+// (Qwen3, Gemma 3: qwen2.py's Attention._norm_heads on the compiled path).
+void norm_heads(torch::Tensor& qkv, int64_t heads, int64_t kv_heads, const torch::Tensor& q_norm,
+                const torch::Tensor& k_norm, double eps) {
+  const int64_t t = qkv.size(0), d = q_norm.size(0);
+  auto q = qkv.narrow(1, 0, heads * d), k = qkv.narrow(1, heads * d, kv_heads * d);
+  q.copy_(rms_norm(q.reshape({t * heads, d}), q_norm, eps).view({t, heads * d}));
+  k.copy_(rms_norm(k.reshape({t * kv_heads, d}), k_norm, eps).view({t, kv_heads * d}));
+}
+
 class FusedLayer {
  public:
   FusedLayer(torch::Tensor input_norm, torch::Tensor post_norm, double eps, int64_t heads,
              std::vector<Segment> qkv, std::optional<torch::Tensor> qkv_bias, int64_t qkv_out,
              std::vector<Segment> o, std::vector<Segment> gate_up, int64_t gate_up_out,
-             std::vector<Segment> down, int64_t hidden, Isa isa)
+             std::vector<Segment> down, int64_t hidden, std::optional<torch::Tensor> q_norm,
+             std::optional<torch::Tensor> k_norm, int64_t kv_heads, Isa isa)
       : input_norm_(std::move(input_norm)), post_norm_(std::move(post_norm)), eps_(eps),
-        heads_(heads), qkv_(linear_of(std::move(qkv), qkv_out, std::move(qkv_bias))),
+        heads_(heads), kv_heads_(kv_heads),
+        qkv_(linear_of(std::move(qkv), qkv_out, std::move(qkv_bias))),
         o_(linear_of(std::move(o), hidden, std::nullopt)),
         gate_up_(linear_of(std::move(gate_up), gate_up_out, std::nullopt)),
         down_(linear_of(std::move(down), hidden, std::nullopt)),
-        isa_(isa) {}
+        q_norm_(std::move(q_norm)), k_norm_(std::move(k_norm)), isa_(isa) {
+    TORCH_CHECK(q_norm_.has_value() == k_norm_.has_value(), "q and k head norms go together");
+  }
 
   // x [T, hidden] float32 (the residual stream, updated in place by the attention's add);
   // cos, sin [T, 1, D/2]; the caches and the attention metadata as paged_attention_rows
@@ -68,8 +82,9 @@ class FusedLayer {
                         const torch::Tensor& row_seq, const torch::Tensor& row_len) const {
     TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
                 "x must be a contiguous float32 [T, hidden] tensor");
-    const auto q = rope_qkv_to_cache(qkv_(rms_norm(x, input_norm_, eps_), isa_), cos, sin,
-                                     k_cache, v_cache, slot_mapping, heads_);
+    auto qkv = qkv_(rms_norm(x, input_norm_, eps_), isa_);
+    if (q_norm_) norm_heads(qkv, heads_, kv_heads_, *q_norm_, *k_norm_, eps_);
+    const auto q = rope_qkv_to_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads_);
     const double scale = std::pow(static_cast<double>(q.size(-1)), -0.5);
     const auto attn =
         paged_attention_rows(q, k_cache, v_cache, kv_slots, row_seq, row_len, scale, isa_);
@@ -80,8 +95,9 @@ class FusedLayer {
  private:
   torch::Tensor input_norm_, post_norm_;
   double eps_;
-  int64_t heads_;
+  int64_t heads_, kv_heads_;
   Linear qkv_, o_, gate_up_, down_;
+  std::optional<torch::Tensor> q_norm_, k_norm_;  // Qwen3's per-head norms
   Isa isa_;  // the instruction sets its ops use
 };
 
@@ -114,10 +130,7 @@ class GemmaLayer {
     TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
                 "x must be a contiguous float32 [T, hidden] tensor");
     auto qkv = qkv_(rms_norm(x, input_norm_, eps_), isa_);
-    const int64_t t = qkv.size(0), d = q_norm_.size(0);
-    auto q = qkv.narrow(1, 0, heads_ * d), k = qkv.narrow(1, heads_ * d, kv_heads_ * d);
-    q.copy_(rms_norm(q.reshape({t * heads_, d}), q_norm_, eps_).view({t, heads_ * d}));
-    k.copy_(rms_norm(k.reshape({t * kv_heads_, d}), k_norm_, eps_).view({t, kv_heads_ * d}));
+    norm_heads(qkv, heads_, kv_heads_, q_norm_, k_norm_, eps_);
     const auto rotated = rope_qkv_to_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads_);
     const auto attn = paged_attention_rows(rotated, k_cache, v_cache, kv_slots, row_seq, row_len,
                                            scale_, isa_);
@@ -147,7 +160,9 @@ void register_layer(pybind11::module& m) {
   pybind11::class_<FusedLayer>(m, "FusedLayer")
       .def(pybind11::init<torch::Tensor, torch::Tensor, double, int64_t, std::vector<Segment>,
                           std::optional<torch::Tensor>, int64_t, std::vector<Segment>,
-                          std::vector<Segment>, int64_t, std::vector<Segment>, int64_t, Isa>())
+                          std::vector<Segment>, int64_t, std::vector<Segment>, int64_t,
+                          std::optional<torch::Tensor>, std::optional<torch::Tensor>, int64_t,
+                          Isa>())
       .def("forward", &FusedLayer::forward);
 }
 

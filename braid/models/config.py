@@ -192,12 +192,6 @@ class ModelConfig:
         return self.architecture == "gemma3"
 
     @property
-    def compiled_layers(self) -> bool:
-        """Whether a quantized layer has a one-call compiled form: llama-shaped without
-        per-head norms (ops.FusedLayer), or Gemma 3's (ops.GemmaLayer); Qwen3's has none."""
-        return self.gemma or not self.qk_norm
-
-    @property
     def fused_weights(self) -> bool:
         """Checkpoints store q/k/v as one qkv_proj and gate/up as one gate_up_proj: Phi-3."""
         return self.architecture == "phi3"

@@ -282,10 +282,12 @@ class DecoderLayer(nn.Module):
         qkv, o, gate_up, down = ([(offset, w.data, w.layout, w.cols, int(w.qtype))
                                   for offset, w in m.segments] for m in parts)
         bias = None if parts[0].bias is None else parts[0].bias.detach()
+        head_norms = [None if n is None else n.weight.detach() for n in (attn.q_norm, attn.k_norm)]
         return ops.FusedLayer(
             self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach(),
             self.input_layernorm.eps, attn.num_heads, qkv, bias, parts[0].out_features, o,
-            gate_up, parts[2].out_features, down, parts[3].out_features, kernel_isa())
+            gate_up, parts[2].out_features, down, parts[3].out_features, *head_norms,
+            attn.num_kv_heads, kernel_isa())
 
 
 class Qwen2ForCausalLM(nn.Module):
@@ -375,7 +377,6 @@ class Qwen2ForCausalLM(nn.Module):
         (float32, float16 or bfloat16) and the row-by-row attention's metadata; None
         elsewhere (the modules run)."""
         if (not self.fuse_layers or self.quant_type is None or meta.kv_slots is None
-                or not self.config.compiled_layers
                 or x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous()
                 or cast(DecoderLayer, self.layers[0]).self_attn.k_cache.dtype
                 not in KV_CACHE_DTYPES):

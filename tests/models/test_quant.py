@@ -376,24 +376,24 @@ def test_quantized_batches_match_requests_alone(target: Qwen2ForCausalLM,
         assert alone == {str(i): reference[str(i)]}
 
 
-@pytest.fixture(scope="module")
-def gemma3_q8_0() -> Qwen2ForCausalLM:
-    """A tiny Gemma 3 on Q8_0 weights: a windowed (4 positions) and a global layer."""
-    cfg = tiny_config("gemma3", sliding_window=4)
-    model = FAMILIES["gemma3"](cfg, quant_type=Q.Q8_0)
+def tiny_q8_0(family: str) -> Qwen2ForCausalLM:
+    """A tiny model of the family on Q8_0 weights (Gemma 3: a windowed layer of 4 positions
+    and a global one; Qwen3: per-head norms)."""
+    cfg = tiny_config(family, **({"sliding_window": 4} if family == "gemma3" else {}))
+    model = FAMILIES[family](cfg, quant_type=Q.Q8_0)
     model.load_weights(random_weights(cfg, seed=4).items())
     return model.eval()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16],
                          ids=["float32", "float16", "bfloat16"])
 def test_fused_layers_are_the_modules_bit_for_bit(request: pytest.FixtureRequest, family: str,
                                                   kv_dtype: torch.dtype) -> None:
     """Prefill chunks, decodes and a verification-sized window in mixed flat batches give
     the same logits and KV cache whether the layers run as compiled calls (ops.FusedLayer,
-    ops.GemmaLayer) or as modules, with each KV cache type."""
-    target = request.getfixturevalue("target" if family == "qwen2" else "gemma3_q8_0")
+    with Qwen3's head norms; ops.GemmaLayer) or as modules, with each KV cache type."""
+    target = request.getfixturevalue("target") if family == "qwen2" else tiny_q8_0(family)
     steps = [{"a": PROMPT[:17], "b": PROMPT[5:9]}, {"a": PROMPT[17:], "b": [7]},
              {"a": [11, 12, 13, 14], "b": [8]}, {"a": [15], "c": PROMPT[:3]}]
     runs = []
