@@ -192,9 +192,6 @@ def _f32_to_float(value: Any) -> float:
 def _architecture(meta: dict[str, Any], source: Path) -> str:
     """The GGUF's architecture, where braid runs it (else a ModelLoadError naming it)."""
     arch = meta.get("general.architecture")
-    if arch == "smollm3":  # its NoPE layers: not read from a GGUF yet
-        raise ModelLoadError(f"GGUF {source}: SmolLM3 files are not supported yet (which layers "
-                             "skip RoPE); load its Hugging Face folder")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported architecture {arch!r} in {source}; supported: "
@@ -254,6 +251,9 @@ def config_from_metadata(
             sliding_window=(meta.get(f"{arch}.attention.sliding_window")
                             if arch in SLIDING_WINDOW_ARCHITECTURES else None),
             **(_gemma3_fields(meta, hidden, heads) if arch == "gemma3" else {}),
+            # llama.cpp's SmolLM3: every fourth layer without RoPE, as transformers' default
+            no_rope_layers=([int((i + 1) % 4 != 0) for i in range(int(key("block_count")))]
+                            if arch == "smollm3" else None),
         )
     except ModelLoadError:  # a missing key, named already
         raise
@@ -325,8 +325,9 @@ def convert_tensor(tensor: Tensor, config: ModelConfig) -> np.ndarray:
 
 
 def _rope_rows(tensor: Tensor, config: ModelConfig) -> int | None:
-    """Heads whose rows llama.cpp's converter permuted (Llama q/k), else None."""
-    if config.architecture != "llama":
+    """Heads whose rows llama.cpp's converter permuted (Llama's and SmolLM3's q/k), else
+    None."""
+    if config.architecture not in ("llama", "smollm3"):
         return None
     if ".attn_q." in tensor.name:
         return config.num_attention_heads

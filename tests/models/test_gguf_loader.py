@@ -24,7 +24,7 @@ RNG = np.random.default_rng(0)
 def hparams(**extra: object) -> dict[str, object]:
     return dict(context_length=512, embedding_length=HIDDEN, feed_forward_length=FFN,
                 block_count=LAYERS, head_count=HEADS, head_count_kv=KV_HEADS,
-                layer_norm_rms_eps=1e-5, rope_freq_base=1e6, **extra)
+                layer_norm_rms_eps=1e-5, rope_freq_base=1e6) | extra
 
 
 def rand(*shape: int) -> np.ndarray:
@@ -197,11 +197,6 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "mamba.gguf", "mamba",
                       {"token_embd.weight": (rand(len(tiny_vocab()), HIDDEN), None)})
     with pytest.raises(ModelLoadError, match="unsupported architecture 'mamba'"):
-        load_model_files(str(path))
-    # SmolLM3 runs from its folder, but its GGUF would not say which layers skip RoPE
-    path = write_gguf(tmp_path / "smollm3.gguf", "smollm3",
-                      {"token_embd.weight": (rand(len(tiny_vocab()), HIDDEN), None)})
-    with pytest.raises(ModelLoadError, match="SmolLM3 files are not supported yet"):
         load_model_files(str(path))
 
 
@@ -407,7 +402,7 @@ def gguf_names(hf_weights: dict[str, torch.Tensor], arch: str = "qwen2"
     return out
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma3", "smollm3"])
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "q8_0"])
 def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch: str,
                                                               quantized: bool) -> None:
@@ -415,7 +410,8 @@ def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch
     Phi-3 (q/k/v in one `attn_qkv`, gate and up in one `ffn_up`, a sliding window in
     `phi3.attention.sliding_window`) and Gemma 3 (a windowed and a global layer by
     `gemma3.attention.sliding_window_pattern`, `post_attention_norm` / `post_ffw_norm`,
-    norms stored as 1 + weight), written as llama.cpp writes them: logits equal to
+    norms stored as 1 + weight) and SmolLM3 (q/k permuted as Llama's, its fourth layer without
+    RoPE as llama.cpp fixes it), written as llama.cpp writes them: logits equal to
     transformers' on the same weights up to float32 rounding; with the projections stored as
     Q8_0 (run on the kernels), transformers' on those weights' values up to the int8
     activations' rounding."""
@@ -424,12 +420,16 @@ def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch
     from tests.tiny import hf_model, tiny_config
 
     window = {"phi3": 200, "gemma3": 4}.get(arch)  # (Gemma's shorter than the prompt)
-    gemma = {"query_pre_attn_scalar": HEAD_DIM} if arch == "gemma3" else {}  # llama.cpp's
+    overrides: dict = {}
+    if arch == "gemma3":
+        overrides = {"query_pre_attn_scalar": HEAD_DIM}  # llama.cpp's
+    elif arch == "smollm3":
+        overrides = {"num_hidden_layers": 4, "no_rope_layers": [1, 1, 1, 0]}
     cfg = tiny_config(arch, vocab_size=len(tiny_vocab()), hidden_size=HIDDEN,
                       intermediate_size=FFN, num_attention_heads=HEADS,
                       num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rope_theta=1e6,
                       rms_norm_eps=1e-5, tie_word_embeddings=True, sliding_window=window,
-                      **gemma)
+                      **overrides)
     hf = hf_model(cfg, seed=3)
     tensors = {}
     for name, t in gguf_names(dict(hf.state_dict()), arch).items():
@@ -440,13 +440,21 @@ def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch
             t.copy_(torch.from_numpy(dequantize(blocks, Q.Q8_0)))  # the reference's weight
         else:
             tensors[name] = (array, None)
-    extra: dict = {"sliding_window": window} if window else {}
+        if arch == "smollm3" and (".attn_q." in name or ".attn_k." in name):
+            heads = HEADS if ".attn_q." in name else KV_HEADS
+            blocks, qtype = tensors[name]
+            tensors[name] = (llama_cpp_permute(blocks, heads), qtype)
+    extra = {"sliding_window": window} if window else {}
     if arch == "gemma3":
         extra["sliding_window_pattern"] = [True, False]
+    if arch == "smollm3":
+        extra["block_count"] = 4
     path = write_gguf(tmp_path / f"{arch}.gguf", arch, tensors,
                       hparams(key_length=HEAD_DIM, value_length=HEAD_DIM, **extra))
     model, _ = load_model(str(path))
-    assert model.config.architecture == arch and model.config.qk_norm == (arch != "phi3")
+    assert model.config.architecture == arch
+    assert model.config.qk_norm == (arch in ("qwen3", "gemma3"))
+    assert model.config.no_rope_layers == cfg.no_rope_layers
     assert model.config.max_context == 512 and model.config.sliding_window == window
     assert (model.quant_type is not None) == quantized
     ids = [3, 200, 17, 17, 90, 41, 5, 260]
