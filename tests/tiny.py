@@ -25,6 +25,9 @@ def tiny_config(arch: str = "qwen2", **overrides: object) -> ModelConfig:
         tie_word_embeddings=arch == "qwen2", attention_bias=arch == "qwen2",
         bos_token_id=256, eos_token_id=256,
     )
+    if arch == "granite":  # multipliers far from 1, so each one shows
+        values |= dict(embedding_multiplier=3.0, residual_multiplier=0.5,
+                       attention_multiplier=0.1, logits_scaling=4.0)
     if arch == "gemma3":  # a window shorter than the tests' prompts; a scale not head_dim's
         values |= dict(tie_word_embeddings=True, sliding_window=8, rope_local_theta=10000.0,
                        query_pre_attn_scalar=24, layer_types=gemma3_layer_types(2, 2))

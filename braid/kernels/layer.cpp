@@ -62,9 +62,10 @@ class FusedLayer {
              std::vector<Segment> qkv, std::optional<torch::Tensor> qkv_bias, int64_t qkv_out,
              std::vector<Segment> o, std::vector<Segment> gate_up, int64_t gate_up_out,
              std::vector<Segment> down, int64_t hidden, std::optional<torch::Tensor> q_norm,
-             std::optional<torch::Tensor> k_norm, int64_t kv_heads, Isa isa)
+             std::optional<torch::Tensor> k_norm, int64_t kv_heads, double scale,
+             double residual_scale, Isa isa)
       : input_norm_(std::move(input_norm)), post_norm_(std::move(post_norm)), eps_(eps),
-        heads_(heads), kv_heads_(kv_heads),
+        heads_(heads), kv_heads_(kv_heads), scale_(scale), residual_scale_(residual_scale),
         qkv_(linear_of(std::move(qkv), qkv_out, std::move(qkv_bias))),
         o_(linear_of(std::move(o), hidden, std::nullopt)),
         gate_up_(linear_of(std::move(gate_up), gate_up_out, std::nullopt)),
@@ -85,17 +86,22 @@ class FusedLayer {
     auto qkv = qkv_(rms_norm(x, input_norm_, eps_), isa_);
     if (q_norm_) norm_heads(qkv, heads_, kv_heads_, *q_norm_, *k_norm_, eps_);
     const auto q = rope_qkv_to_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads_);
-    const double scale = std::pow(static_cast<double>(q.size(-1)), -0.5);
     const auto attn =
-        paged_attention_rows(q, k_cache, v_cache, kv_slots, row_seq, row_len, scale, isa_);
-    const auto h = add_rms_norm_(x, o_(attn.flatten(1), isa_), post_norm_, eps_);
-    return down_(silu_mul(gate_up_(h, isa_), isa_), isa_).add_(x);
+        paged_attention_rows(q, k_cache, v_cache, kv_slots, row_seq, row_len, scale_, isa_);
+    const auto h = add_rms_norm_(x, scaled(o_(attn.flatten(1), isa_)), post_norm_, eps_);
+    return scaled(down_(silu_mul(gate_up_(h, isa_), isa_), isa_)).add_(x);
   }
 
  private:
+  // a sub-layer's output times Granite's residual multiplier (1: as it is)
+  torch::Tensor scaled(torch::Tensor delta) const {
+    return residual_scale_ == 1.0 ? delta : delta.mul_(residual_scale_);
+  }
+
   torch::Tensor input_norm_, post_norm_;
   double eps_;
   int64_t heads_, kv_heads_;
+  double scale_, residual_scale_;  // scores' scale; Granite's residual multiplier
   Linear qkv_, o_, gate_up_, down_;
   std::optional<torch::Tensor> q_norm_, k_norm_;  // Qwen3's per-head norms
   Isa isa_;  // the instruction sets its ops use
@@ -162,7 +168,7 @@ void register_layer(pybind11::module& m) {
                           std::optional<torch::Tensor>, int64_t, std::vector<Segment>,
                           std::vector<Segment>, int64_t, std::vector<Segment>, int64_t,
                           std::optional<torch::Tensor>, std::optional<torch::Tensor>, int64_t,
-                          Isa>())
+                          double, double, Isa>())
       .def("forward", &FusedLayer::forward);
 }
 

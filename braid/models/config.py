@@ -7,16 +7,19 @@ import numbers
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3",
+                           "granite")
 HF_CLASSES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
               "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
               "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-              "gemma3": "Gemma3ForCausalLM"}
+              "gemma3": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM"}
 HF_MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the name
 # Architectures whose config.json `sliding_window` applies (to every layer, or to the layers
 # `layer_types` names; Qwen2's needs use_sliding_window as well, and is refused then).
 SLIDING_WINDOW_ARCHITECTURES = ("mistral", "phi3", "gemma3")
 LAYER_TYPES = ("sliding_attention", "full_attention")
+GRANITE_FIELDS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                  "logits_scaling")
 # Gemma 3: every sixth layer attends globally, the others in the window (transformers'
 # sliding_window_pattern and llama.cpp's, for files that do not list the layers)
 GEMMA3_GLOBAL_EVERY = 6
@@ -57,6 +60,13 @@ class ModelConfig:
     rope_local_theta: float | None = None
     query_pre_attn_scalar: float | None = None  # scores scaled by its 1/sqrt (else head_dim's)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # Granite: embeddings times embedding_multiplier, each sub-layer's output times
+    # residual_multiplier before its residual add, scores times attention_multiplier (in
+    # place of 1 / sqrt(head_dim)), logits divided by logits_scaling
+    embedding_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    attention_multiplier: float | None = None
+    logits_scaling: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -115,7 +125,9 @@ class ModelConfig:
                                   or any(t not in LAYER_TYPES for t in types)):
             raise ValueError(f"layer_types must name one of {', '.join(LAYER_TYPES)} per layer "
                              f"({self.num_hidden_layers}), got {types!r}")
-        for name in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping"):
+        for name in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping",
+                     "embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                     "logits_scaling"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, numbers.Real)
                                       or isinstance(value, bool)
@@ -157,6 +169,7 @@ class ModelConfig:
                             else None),
             no_rope_layers=_no_rope_layers(d) if arch == "smollm3" else None,
             **(_gemma3_fields(d) if gemma else {}),
+            **({k: d.get(k, 1.0) for k in GRANITE_FIELDS} if arch == "granite" else {}),
         )
 
     @property
@@ -168,6 +181,15 @@ class ModelConfig:
     def context_limit(self) -> str:
         """What bounds `max_context`, in words (for errors)."""
         return "its max_position_embeddings"
+
+    @property
+    def attention_scale(self) -> float | None:
+        """What scores are scaled by, where it is not 1 / sqrt(head_dim) (None)."""
+        if self.attention_multiplier is not None:
+            return float(self.attention_multiplier)
+        if self.query_pre_attn_scalar is not None:
+            return float(self.query_pre_attn_scalar) ** -0.5
+        return None
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window decoder layer `layer` attends in (None: every earlier
@@ -227,6 +249,9 @@ class ModelConfig:
         else:  # (transformers warns of a Mistral config with layer_types, even null)
             for key in ("layer_types", "rope_local_theta", "query_pre_attn_scalar",
                         "final_logit_softcapping"):
+                d.pop(key)
+        if self.architecture != "granite":
+            for key in GRANITE_FIELDS:
                 d.pop(key)
         return d
 

@@ -254,11 +254,19 @@ def config_from_metadata(
             # llama.cpp's SmolLM3: every fourth layer without RoPE, as transformers' default
             no_rope_layers=([int((i + 1) % 4 != 0) for i in range(int(key("block_count")))]
                             if arch == "smollm3" else None),
+            **(_granite_fields(meta) if arch == "granite" else {}),
         )
     except ModelLoadError:  # a missing key, named already
         raise
     except ValueError as e:  # an impossible size: ModelConfig's check names the key
         raise ModelLoadError(f"GGUF {source}: {e}") from None
+
+
+def _granite_fields(meta: dict[str, Any]) -> dict[str, Any]:
+    """Granite's multipliers under llama.cpp's names (1 where a file lacks one)."""
+    keys = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
+            "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
+    return {name: _f32_to_float(meta.get(f"granite.{key}", 1.0)) for name, key in keys.items()}
 
 
 def _gemma3_fields(meta: dict[str, Any], hidden: int, heads: int) -> dict[str, Any]:
@@ -325,9 +333,9 @@ def convert_tensor(tensor: Tensor, config: ModelConfig) -> np.ndarray:
 
 
 def _rope_rows(tensor: Tensor, config: ModelConfig) -> int | None:
-    """Heads whose rows llama.cpp's converter permuted (Llama's and SmolLM3's q/k), else
-    None."""
-    if config.architecture not in ("llama", "smollm3"):
+    """Heads whose rows llama.cpp's converter permuted (the q/k of Llama and of the models
+    it converts as Llama: SmolLM3, Granite), else None."""
+    if config.architecture not in ("llama", "smollm3", "granite"):
         return None
     if ".attn_q." in tensor.name:
         return config.num_attention_heads

@@ -189,8 +189,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, linear: LinearFactory = Linear, layer: int = 0) -> None:
         super().__init__()
         self.window = cfg.layer_window(layer)  # None: attends to every earlier position
-        self.scale = (None if cfg.query_pre_attn_scalar is None  # None: 1 / sqrt(head_dim)
-                      else float(cfg.query_pre_attn_scalar) ** -0.5)
+        self.scale = cfg.attention_scale  # None: 1 / sqrt(head_dim)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -265,13 +264,17 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, linear, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, linear)
+        self.residual_scale = cfg.residual_multiplier  # Granite's (None: 1)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
     ) -> torch.Tensor:
         x, h = self.post_attention_layernorm.add_forward(
-            x, self.self_attn(self.input_layernorm(x), rope, meta))
-        return x + self.mlp(h)
+            x, self._scaled(self.self_attn(self.input_layernorm(x), rope, meta)))
+        return x + self._scaled(self.mlp(h))
+
+    def _scaled(self, delta: torch.Tensor) -> torch.Tensor:
+        return delta if self.residual_scale is None else delta * self.residual_scale
 
     def fused(self, ops: ModuleType) -> object:
         """This layer as one compiled call (ops.FusedLayer: the same operations as `forward`
@@ -287,7 +290,8 @@ class DecoderLayer(nn.Module):
             self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach(),
             self.input_layernorm.eps, attn.num_heads, qkv, bias, parts[0].out_features, o,
             gate_up, parts[2].out_features, down, parts[3].out_features, *head_norms,
-            attn.num_kv_heads, kernel_isa())
+            attn.num_kv_heads, attn.scale or attn.head_dim ** -0.5, self.residual_scale or 1.0,
+            kernel_isa())
 
 
 class Qwen2ForCausalLM(nn.Module):
@@ -354,8 +358,10 @@ class Qwen2ForCausalLM(nn.Module):
         return x
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The input tokens' embeddings [T, hidden]."""
-        return self.embed_tokens(input_ids)
+        """The input tokens' embeddings [T, hidden] (times Granite's embedding_multiplier)."""
+        x = self.embed_tokens(input_ids)
+        scale = self.config.embedding_multiplier
+        return x if scale is None else x * scale
 
     def _layer_ropes(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's rotary tables: a NoPE layer (SmolLM3) gets cos 1 and sin 0, a rotation
@@ -406,6 +412,8 @@ class Qwen2ForCausalLM(nn.Module):
             logits = F.linear(x, self.lm_head.weight[:n])
         else:  # packed for oneDNN (pack_linear_weights): the whole product, its first ids
             logits = self.lm_head(x)[:, :n]
+        if self.config.logits_scaling is not None:  # Granite's (-inf stays -inf)
+            logits = logits / self.config.logits_scaling
         if n == vocab:
             return logits.float()
         out = logits.new_full((logits.shape[0], vocab), float("-inf"), dtype=torch.float32)

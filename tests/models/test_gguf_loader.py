@@ -402,7 +402,7 @@ def gguf_names(hf_weights: dict[str, torch.Tensor], arch: str = "qwen2"
     return out
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma3", "smollm3"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma3", "smollm3", "granite"])
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "q8_0"])
 def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch: str,
                                                               quantized: bool) -> None:
@@ -411,7 +411,8 @@ def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch
     `phi3.attention.sliding_window`) and Gemma 3 (a windowed and a global layer by
     `gemma3.attention.sliding_window_pattern`, `post_attention_norm` / `post_ffw_norm`,
     norms stored as 1 + weight) and SmolLM3 (q/k permuted as Llama's, its fourth layer without
-    RoPE as llama.cpp fixes it), written as llama.cpp writes them: logits equal to
+    RoPE as llama.cpp fixes it) and Granite (permuted too; its four multipliers under llama.cpp's
+    keys), written as llama.cpp writes them: logits equal to
     transformers' on the same weights up to float32 rounding; with the projections stored as
     Q8_0 (run on the kernels), transformers' on those weights' values up to the int8
     activations' rounding."""
@@ -440,7 +441,7 @@ def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch
             t.copy_(torch.from_numpy(dequantize(blocks, Q.Q8_0)))  # the reference's weight
         else:
             tensors[name] = (array, None)
-        if arch == "smollm3" and (".attn_q." in name or ".attn_k." in name):
+        if arch in ("smollm3", "granite") and (".attn_q." in name or ".attn_k." in name):
             heads = HEADS if ".attn_q." in name else KV_HEADS
             blocks, qtype = tensors[name]
             tensors[name] = (llama_cpp_permute(blocks, heads), qtype)
@@ -449,6 +450,10 @@ def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch
         extra["sliding_window_pattern"] = [True, False]
     if arch == "smollm3":
         extra["block_count"] = 4
+    if arch == "granite":
+        extra |= {"embedding_scale": cfg.embedding_multiplier, "logit_scale": cfg.logits_scaling,
+                  "residual_scale": cfg.residual_multiplier,
+                  "attention_scale": cfg.attention_multiplier}
     path = write_gguf(tmp_path / f"{arch}.gguf", arch, tensors,
                       hparams(key_length=HEAD_DIM, value_length=HEAD_DIM, **extra))
     model, _ = load_model(str(path))

@@ -385,14 +385,15 @@ def tiny_q8_0(family: str) -> Qwen2ForCausalLM:
     return model.eval()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3", "granite"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16],
                          ids=["float32", "float16", "bfloat16"])
 def test_fused_layers_are_the_modules_bit_for_bit(request: pytest.FixtureRequest, family: str,
                                                   kv_dtype: torch.dtype) -> None:
     """Prefill chunks, decodes and a verification-sized window in mixed flat batches give
     the same logits and KV cache whether the layers run as compiled calls (ops.FusedLayer,
-    with Qwen3's head norms; ops.GemmaLayer) or as modules, with each KV cache type."""
+    with Qwen3's head norms or Granite's multipliers; ops.GemmaLayer) or as modules, with each
+    KV cache type."""
     target = request.getfixturevalue("target") if family == "qwen2" else tiny_q8_0(family)
     steps = [{"a": PROMPT[:17], "b": PROMPT[5:9]}, {"a": PROMPT[17:], "b": [7]},
              {"a": [11, 12, 13, 14], "b": [8]}, {"a": [15], "c": PROMPT[:3]}]

@@ -73,7 +73,7 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-ARCHITECTURES = ["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3"]
+ARCHITECTURES = ["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite"]
 
 
 @pytest.fixture(params=[(arch, packed) for packed in (False, True) for arch in ARCHITECTURES],
