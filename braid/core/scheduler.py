@@ -151,9 +151,12 @@ class Scheduler:
         # its chunks are cut to what keeps the decodes' steps near their usual cost (alone,
         # it takes the whole budget). None: no cut.
         self.max_scored_rows = max_scored_rows
-        # Every layer attends in this window (and no draft model keeps its own KV of the
-        # positions): blocks before a request's window are given back after each step.
+        # Every layer (of the target, and of a draft model) attends in this window: blocks
+        # before a request's window are given back after each step. `kv_floor` is the first
+        # position a model may still compute KV from (a draft model behind the target: its
+        # own progress); by default the request's num_computed_tokens.
         self.sliding_window: int | None = None
+        self.kv_floor: Callable[[Request], int] = lambda req: req.num_computed_tokens
         self._beside_decodes = False  # this step has decodes (schedule sets it)
         self.num_steps = 0  # schedule() calls so far
         self.waiting: deque[Request] = deque()
@@ -427,11 +430,10 @@ class Scheduler:
             if reason is not None:
                 self.finish(req, reason)
         if self.sliding_window is not None:
-            for s in sched.scheduled:  # the next query is at num_computed_tokens or later
+            for s in sched.scheduled:  # the next query is at kv_floor or later
                 if not s.request.is_finished:
                     self.blocks.release_before(s.request.request_id,
-                                               s.request.num_computed_tokens
-                                               - self.sliding_window + 1)
+                                               self.kv_floor(s.request) - self.sliding_window + 1)
         return updates
 
     def discard_published(self, sched: SchedulerOutput) -> None:

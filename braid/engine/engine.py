@@ -80,8 +80,7 @@ class LLMEngine:
         self.speculator = make_speculator(config, self.runner, self.scheduler, draft_model,
                                           self.outputs.eos_token_ids, tokenizer)
         check_memory(config, self.executor.weight_and_kv_bytes, self.speculator.draft_runner)
-        if self.speculator.draft_runner is None:  # (a draft model catches up from its own KV)
-            self.scheduler.sliding_window = model.config.kv_window
+        self.speculator.release_windows(self.scheduler, model.config)
         self.stats = EngineStats(num_kv_blocks=num_blocks)
         self.structured = None if tokenizer is None else StructuredOutputManager(
             tokenizer, model.config.vocab_size, self.outputs.eos_token_ids, self.stats.grammar)

@@ -16,6 +16,7 @@ import torch
 from braid.config import SpecConfig
 from braid.core.request import Request
 from braid.core.scheduler import RequestUpdate, Scheduler
+from braid.models.config import ModelConfig
 from braid.spec_decode.goodput import FixedPolicy, GoodputPolicy, Window, usual_lag
 from braid.spec_decode.ngram import NgramProposer
 from braid.spec_decode.policy import AcceptanceEstimator, expected_tokens
@@ -113,6 +114,25 @@ class Speculation:
     def draft_runner(self) -> ModelRunner | None:
         """The draft model's runner (its weights and KV cache), if it has one."""
         return None
+
+    def release_windows(self, scheduler: Scheduler, target: ModelConfig) -> None:
+        """Where every layer of the target, and of the draft model if one runs, attends in a
+        window, have the scheduler give back each request's blocks before the largest one,
+        counted from what both models still compute (a draft model catches up on its own KV:
+        from where its progress stops)."""
+        runner = self.draft_runner
+        windows = [target.kv_window] + ([] if runner is None else [runner.model.config.kv_window])
+        if None in windows:
+            return
+        scheduler.sliding_window = max(w for w in windows if w is not None)
+        if runner is not None:
+            lag = self.proposer_lag
+            scheduler.kv_floor = lambda req: min(req.num_computed_tokens,
+                                                 req.num_tokens - lag(req))
+
+    def proposer_lag(self, req: Request) -> int:
+        """Tokens of `req` the proposer has yet to process (its draft model's catch-up)."""
+        return 0
 
 
 class Speculator(Speculation):
@@ -328,6 +348,9 @@ class Speculator(Speculation):
     @property
     def draft_runner(self) -> ModelRunner | None:
         return self.proposer.runner
+
+    def proposer_lag(self, req: Request) -> int:
+        return self.proposer.lag(req)
 
     def figures(self) -> SpeculatorFigures:
         return SpeculatorFigures(

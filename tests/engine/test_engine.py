@@ -756,22 +756,29 @@ def test_a_sliding_window_model_generates_past_its_window(tmp_path, arch: str) -
             assert [done["0"], done["1"]] == expected
 
 
-def test_a_sliding_window_model_s_kv_blocks_stay_within_its_window(tmp_path) -> None:
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_a_sliding_window_model_s_kv_blocks_stay_within_its_window(tmp_path, proposer: str
+                                                                   ) -> None:
     """Every layer in a window of 8 (Mistral), blocks of 4: blocks that only hold positions
-    before a request's window go back to the pool after each step, so two requests of 20
-    prompt and 100 new tokens hold at most 4 blocks each (the window's, and one growing)
-    while the same run keeping every block holds 30 each; the tokens are the same, with prefix
-    caching on, a third request on the same prompt after the engine went idle, and prompt
-    lookup speculating."""
+    before a request's window (and before a draft model's own progress) go back to the pool
+    after each step, so two requests of 20 prompt and 60 new tokens hold at most 6 blocks each
+    (the window's, the drafts', a draft model's lag) while the same run keeping every block
+    holds 20 each; the tokens are the same, with
+    prefix caching on, a third request on the same prompt after the engine went idle, and
+    prompt lookup or a Mistral draft model speculating."""
     folder = save_tiny_model(tmp_path / "m", arch="mistral", sliding_window=8)
+    spec: dict = {"method": proposer, "num_speculative_tokens": 3, "policy": "fixed"}
+    if proposer == "ngram":
+        spec["prompt_lookup_min"] = 1
+    else:
+        spec["model"] = str(save_tiny_model(tmp_path / "d", arch="mistral", sliding_window=8,
+                                            seed=1))
     prompts = [[3 + (i * 5 + j) % 30 for i in range(20)] for j in range(2)]
-    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     results = []
     for release in (True, False):
-        engine = LLMEngine(EngineConfig(
-            model=str(folder), log_stats_interval=0, block_size=4, enable_prefix_caching=True,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                "prompt_lookup_min": 1}))
+        engine = LLMEngine(EngineConfig(model=str(folder), log_stats_interval=0, block_size=4,
+                                        enable_prefix_caching=True, speculative_config=spec))
         assert engine.scheduler.sliding_window == 8
         if not release:
             engine.scheduler.sliding_window = None
@@ -789,4 +796,4 @@ def test_a_sliding_window_model_s_kv_blocks_stay_within_its_window(tmp_path) -> 
         results.append((most, outputs))
     (most_released, released), (most_kept, kept) = results
     assert released == kept and released["c"] == released["a"]
-    assert most_released <= 4 < 30 <= most_kept
+    assert most_released <= 6 < 20 <= most_kept
