@@ -32,8 +32,10 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 # Tokens that end a turn or a document; any of them present as a special token stops generation
-# (what generation_config.json lists for Qwen2.5 and Llama 3 instruct models).
-END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
+# (what generation_config.json lists for Qwen2.5, Llama 3, Gemma 3 and Phi-3 instruct models;
+# llama.cpp's end-of-generation tokens by text).
+END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>",
+              "<end_of_turn>", "<|end|>", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
 
 
 # ---------------------------------------------------------------------------------------------

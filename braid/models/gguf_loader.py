@@ -428,15 +428,22 @@ def convert_gguf(gguf_path: Path, folder: Path) -> None:
             raise ModelLoadError(f"GGUF {gguf_path}: its tokenizer cannot be built ({e})"
                                  ) from None
         (tmp / "source.txt").write_text(f"{gguf_path.resolve()}\n")
-        _write_json(tmp / "generation_config.json", _generation_config(config))
+        _write_json(tmp / "generation_config.json", _generation_config(config, meta))
         _write_json(tmp / "config.json", config.to_hf_dict())
         _publish(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _generation_config(config: ModelConfig) -> dict[str, Any]:
-    return {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
+def _generation_config(config: ModelConfig, meta: dict[str, Any]) -> dict[str, Any]:
+    """BOS and the tokens that end generation: the file's EOS, and its end-of-turn and
+    end-of-message tokens where it names them (llama.cpp's EOT / EOM)."""
+    eos = config.eos_token_id
+    ends = [*([] if eos is None else [eos] if isinstance(eos, int) else eos),
+            *(meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+              if isinstance(meta.get(k), int))]
+    return {"bos_token_id": config.bos_token_id,
+            "eos_token_id": ends[0] if len(set(ends)) == 1 else list(dict.fromkeys(ends)) or None}
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

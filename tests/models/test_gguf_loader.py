@@ -480,12 +480,12 @@ def spm_metadata(arch: str, add_space_prefix: bool) -> dict:
               "▁w", "▁wo", "▁wor", "▁world", "▁hello", "ld"]
     scores = [0.0] * len(pieces)
     scores[pieces.index("el")] = 5.0  # by score: "e"+"l" first, so "hello" is never formed
-    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "\n", "\n\n", "  ",
-              *(f"<0x{b:02X}>" for b in range(256)), *pieces]
-    types = [3, 3, 3, 2, 3, 4, 4, 4, *([6] * 256), *([1] * len(pieces))]
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "\n",
+              "\n\n", "  ", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    types = [3, 3, 3, 2, 3, 3, 4, 4, 4, *([6] * 256), *([1] * len(pieces))]
     return {"general.architecture": arch, "tokenizer.ggml.model": "llama",
             "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
-            "tokenizer.ggml.scores": [-1000.0] * (8 + 256) + scores,
+            "tokenizer.ggml.scores": [-1000.0] * (9 + 256) + scores,
             "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1,
             "tokenizer.ggml.unknown_token_id": 3, "tokenizer.ggml.add_bos_token": True,
             "tokenizer.ggml.add_space_prefix": add_space_prefix}
@@ -498,6 +498,7 @@ def test_a_sentencepiece_gguf_tokenizer_merges_as_sentencepiece() -> None:
     spaces whole, control tokens special; decoding gives the text back. Such files loaded
     without a tokenizer."""
     from braid.models.gguf_tokenizer import gguf_backend
+    from braid.tokenizer import Tokenizer
 
     gemma = gguf_backend(spm_metadata("gemma3", add_space_prefix=False))
     text = "hello world\n\nhé  x<start_of_turn>"
@@ -505,7 +506,25 @@ def test_a_sentencepiece_gguf_tokenizer_merges_as_sentencepiece() -> None:
     assert encoding.tokens == ["<bos>", "hello", "▁world", "\n\n", "h", "<0xC3>", "<0xA9>", "  ",
                                "x", "<start_of_turn>"]
     assert gemma.decode(encoding.ids, skip_special_tokens=True) == "hello world\n\nhé  x"
+    with_template = Tokenizer(gemma, {"eos_token": "<eos>"})
+    assert with_template.eos_token_ids == {1, 5}  # and <end_of_turn>, which ends Gemma's turns
     by_score = gguf_backend(spm_metadata("llama", add_space_prefix=True))
     encoding = by_score.encode("hello world")
     assert encoding.tokens == ["<bos>", "▁", "h", "el", "l", "o", "▁world"]
     assert by_score.decode(encoding.ids, skip_special_tokens=True) == "hello world"
+
+
+def test_a_gguf_s_end_of_turn_token_ends_generation(tmp_path: Path) -> None:
+    """A file naming an end-of-turn token (llama.cpp's `tokenizer.ggml.eot_token_id`, as
+    Gemma's instruct files do beside their <eos>) stops generation there too."""
+    from braid.models.gguf_loader import gguf_to_hf_folder
+    from braid.tokenizer import Tokenizer
+
+    _, tensors = tiny_qwen2(tmp_path / "tiny.gguf")
+    eot = tiny_vocab().index("<|im_start|>")  # (a special token END_TOKENS does not name)
+    path = write_gguf(tmp_path / "eot.gguf", "qwen2", tensors, hparams() | {"eot_token_id": eot})
+    folder = gguf_to_hf_folder(path)
+    eos = tiny_vocab().index("<|im_end|>")
+    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == [
+        eos, eot]
+    assert Tokenizer.from_folder(folder).eos_token_ids >= {eos, eot}
