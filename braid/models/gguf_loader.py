@@ -68,7 +68,7 @@ _GLOBAL_NAMES = {
 }
 # Bump when the converted folder's content changes, so stale caches are not reused (older
 # versions of the same GGUF's folder are removed: version 1 held 6 GB of float32 weights).
-CONVERSION_VERSION = 4  # 4: SentencePiece tokenizers (such files had none)
+CONVERSION_VERSION = 4  # 4: SentencePiece tokenizers (such files had none), more pre-tokenizers
 Tensor = ReaderTensor | GGUFTensor
 FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16,
                          GGMLQuantizationType.BF16, GGMLQuantizationType.F64})

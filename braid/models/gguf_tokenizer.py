@@ -15,23 +15,52 @@ from tokenizers.models import BPE
 from braid.files import ModelLoadError
 from braid.tokenizer import SPECIAL_NAMES, bytes_to_unicode
 
-# Split regexes by `tokenizer.ggml.pre` (the same as transformers' Qwen2 / Llama-3 tokenizers).
+# Split regexes by `tokenizer.ggml.pre`, applied one after the other (llama.cpp's regex_exprs
+# per pre-tokenizer type, in the forms the models' own tokenizer.json files spell them).
 QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-PRE_TOKENIZER_SPLITS = {
-    "qwen2": QWEN2_SPLIT,
-    "deepseek-r1-qwen": QWEN2_SPLIT,
-    "llama-bpe": LLAMA3_SPLIT,
-    "llama3": LLAMA3_SPLIT,
-    "llama-v3": LLAMA3_SPLIT,
-    "smaug-bpe": LLAMA3_SPLIT,
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+GPT4O_SPLIT = (  # o200k: Phi-4-mini, Llama 4
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTION}"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTION}"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+TEKKEN_SPLIT = (  # Mistral Nemo, Ministral
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+DEEPSEEK3_SPLITS = (
+    r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+DIGITS_THEN_GPT2 = (r"\p{N}", GPT2_SPLIT)  # every digit alone, then GPT-2's
+PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), (QWEN2_SPLIT,)),
+    "qwen35": (QWEN35_SPLIT,),
+    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3", "pixtral",
+                     "lfm2"), (LLAMA3_SPLIT,)),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "codeshell", "exaone", "command-r"),
+                    DIGITS_THEN_GPT2),
+    **dict.fromkeys(("gpt-4o", "llama4"), (GPT4O_SPLIT,)),
+    "tekken": (TEKKEN_SPLIT,),
+    "deepseek-v3": DEEPSEEK3_SPLITS,
 }
+# Pre-tokenizer types whose vocabulary takes a piece that is itself a token whole, merges
+# aside (llama.cpp's ignore_merges; transformers' BPE(ignore_merges=True) for Llama 3)
+IGNORE_MERGES = frozenset(("llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral", "lfm2"))
 TOKEN_TYPE_NORMAL, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 1, 3, 4
 SPM_SPACE = "\u2581"  # SentencePiece's spelling of a space
 SPECIAL_ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id",
@@ -123,21 +152,22 @@ def _byte_level_backend(meta: dict[str, Any]) -> tokenizers.Tokenizer:
     alphabet = set(bytes_to_unicode().values())
     vocab = {_spell(t, alphabet): i for i, t in enumerate(tokens)}
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    pre = meta.get("tokenizer.ggml.pre")
     backend = tokenizers.Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None,
                                        continuing_subword_prefix="", end_of_word_suffix="",
-                                       fuse_unk=False))
-    backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+                                       fuse_unk=False, ignore_merges=pre in IGNORE_MERGES))
+    backend.pre_tokenizer = _pre_tokenizer(pre)
     backend.decoder = decoders.ByteLevel()
     _add_gguf_special_tokens(backend, tokens, meta.get("tokenizer.ggml.token_type") or [], vocab)
     return backend
 
 
 def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    split = PRE_TOKENIZER_SPLITS.get(pre or "")
-    if split is None:  # plain GPT-2 regex
+    splits = PRE_TOKENIZER_SPLITS.get(pre or "")
+    if splits is None:  # plain GPT-2 regex ("gpt-2", "olmo", "default", unknown names)
         return pre_tokenizers.ByteLevel(add_prefix_space=False)
     return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        *(pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
 

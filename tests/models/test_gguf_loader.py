@@ -528,3 +528,32 @@ def test_a_gguf_s_end_of_turn_token_ends_generation(tmp_path: Path) -> None:
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == [
         eos, eot]
     assert Tokenizer.from_folder(folder).eos_token_ids >= {eos, eot}
+
+
+def test_byte_level_pre_tokenizers_split_as_the_models_own() -> None:
+    """A GGUF's `tokenizer.ggml.pre` picks how text is split before merging: for every name
+    transformers' GGUF loader also knows, the same pieces as its split (Qwen 2 and 3.5,
+    Llama 3, o200k's gpt-4o, Mistral's tekken); SmolLM's and StarCoder's split every digit
+    alone before GPT-2's rule (they fell back to GPT-2's alone: "12345" was one piece)."""
+    from tokenizers import Regex, pre_tokenizers
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    from braid.models.gguf_tokenizer import PRE_TOKENIZER_SPLITS, _pre_tokenizer
+
+    text = ("Hello WORLD, it's 12345 apples!\n\n  x/y  café ÉTÉ 日本語ですね\tdon'T "
+            "camelCaseWord HTTPServer x2+y3=5\r\n")
+
+    def pieces(pre: pre_tokenizers.PreTokenizer) -> list[str]:
+        return [p for p, _ in pre.pre_tokenize_str(text)]
+
+    shared = set(PRE_TOKENIZER_SPLITS) & set(GGUF_PRE_TOKENIZER_SPLITS)
+    assert {"qwen2", "qwen35", "llama3", "gpt-4o", "tekken"} <= shared
+    for name in sorted(shared):
+        theirs = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(GGUF_PRE_TOKENIZER_SPLITS[name]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        assert pieces(_pre_tokenizer(name)) == pieces(theirs), name
+    smollm = pieces(_pre_tokenizer("smollm"))
+    first = smollm.index("1")
+    assert smollm[first:first + 5] == ["1", "2", "3", "4", "5"]
+    assert "Ġ12345" in pieces(_pre_tokenizer("gpt-2"))
