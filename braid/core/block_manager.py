@@ -240,7 +240,8 @@ class BlockManager:
         """Tokens of the request's leading blocks whose draft KV is valid."""
         n = 0
         for block in self._tables.get(request_id, []):
-            if block == RELEASED or not self._draft_valid[block]:
+            # (a released block counts: it was given back only behind the draft's progress)
+            if block != RELEASED and not self._draft_valid[block]:
                 break
             n += 1
         return n * self.block_size

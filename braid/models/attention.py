@@ -54,8 +54,8 @@ class AttentionMetadata:
         sliding-window mask and llama.cpp's SWA). The same slots are written; the row-by-row
         kernel gets a table per query row that starts at its window, and each SDPA group a mask
         cut to it. Built once per step and window, shared by every layer with that window."""
-        if window is None:
-            return self
+        if window is None or (self.kv_slots is not None and window >= self.kv_slots.shape[1]):
+            return self  # (no sequence of the step reaches past the window)
         view = self.windows.get(window)
         if view is None:
             view = self.windows[window] = _windowed(self, window)

@@ -90,7 +90,8 @@ class Gemma3ForCausalLM(Qwen2ForCausalLM):
 
 
 def _norm_multipliers(weights: Iterable[Weight]) -> Iterator[Weight]:
-    """Each norm's stored weight w as the multiplier 1 + w its RMSNorm runs."""
+    """Each norm's stored weight w as the multiplier 1 + w its RMSNorm runs (in the model's
+    dtype: a bfloat16 model rounds it, where transformers adds in float32 at each call)."""
     for name, tensor in weights:
         if name.endswith("norm.weight") and isinstance(tensor, torch.Tensor):
             tensor = tensor.float() + 1.0

@@ -254,7 +254,7 @@ def config_from_metadata(
             # llama.cpp's SmolLM3: every fourth layer without RoPE, as transformers' default
             no_rope_layers=([int((i + 1) % 4 != 0) for i in range(int(key("block_count")))]
                             if arch == "smollm3" else None),
-            **(_granite_fields(meta) if arch == "granite" else {}),
+            **(_granite_fields(meta, source) if arch == "granite" else {}),
         )
     except ModelLoadError:  # a missing key, named already
         raise
@@ -262,11 +262,18 @@ def config_from_metadata(
         raise ModelLoadError(f"GGUF {source}: {e}") from None
 
 
-def _granite_fields(meta: dict[str, Any]) -> dict[str, Any]:
-    """Granite's multipliers under llama.cpp's names (1 where a file lacks one)."""
+def _granite_fields(meta: dict[str, Any], source: Path) -> dict[str, Any]:
+    """Granite's multipliers under llama.cpp's names, which it requires (an attention scale of
+    0 means 1 / sqrt(head size) to it)."""
     keys = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
             "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
-    return {name: _f32_to_float(meta.get(f"granite.{key}", 1.0)) for name, key in keys.items()}
+    fields = {}
+    for name, key in keys.items():
+        if f"granite.{key}" not in meta:
+            raise ModelLoadError(f"GGUF {source} lacks metadata key granite.{key}")
+        value = _f32_to_float(meta[f"granite.{key}"])
+        fields[name] = None if name == "attention_multiplier" and value == 0 else value
+    return fields
 
 
 def _gemma3_fields(meta: dict[str, Any], hidden: int, heads: int) -> dict[str, Any]:

@@ -60,7 +60,8 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
 }
 # Pre-tokenizer types whose vocabulary takes a piece that is itself a token whole, merges
 # aside (llama.cpp's ignore_merges; transformers' BPE(ignore_merges=True) for Llama 3)
-IGNORE_MERGES = frozenset(("llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral", "lfm2"))
+IGNORE_MERGES = frozenset(("llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral", "lfm2",
+                           "tekken"))
 TOKEN_TYPE_NORMAL, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 1, 3, 4
 SPM_SPACE = "\u2581"  # SentencePiece's spelling of a space
 SPECIAL_ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id",
@@ -89,7 +90,8 @@ def gguf_backend(meta: dict[str, Any]) -> tokenizers.Tokenizer:
         backend = _byte_level_backend(meta)
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
+    # llama.cpp adds BOS by default to SentencePiece vocabularies (Llama 2's files say nothing)
+    if meta.get("tokenizer.ggml.add_bos_token", model == "llama") and bos_id is not None:
         bos = tokens[bos_id]
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])

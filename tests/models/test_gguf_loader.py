@@ -508,10 +508,15 @@ def test_a_sentencepiece_gguf_tokenizer_merges_as_sentencepiece() -> None:
     assert gemma.decode(encoding.ids, skip_special_tokens=True) == "hello world\n\nhé  x"
     with_template = Tokenizer(gemma, {"eos_token": "<eos>"})
     assert with_template.eos_token_ids == {1, 5}  # and <end_of_turn>, which ends Gemma's turns
-    by_score = gguf_backend(spm_metadata("llama", add_space_prefix=True))
+    metadata = spm_metadata("llama", add_space_prefix=True)
+    del metadata["tokenizer.ggml.add_bos_token"]  # (Llama 2's files: llama.cpp adds BOS)
+    by_score = gguf_backend(metadata)
     encoding = by_score.encode("hello world")
     assert encoding.tokens == ["<bos>", "▁", "h", "el", "l", "o", "▁world"]
     assert by_score.decode(encoding.ids, skip_special_tokens=True) == "hello world"
+    world = Tokenizer(by_score, {})
+    assert world.token_bytes(by_score.token_to_id("▁world")) == b" world"
+    assert world.token_bytes(by_score.token_to_id("<0xC3>")) == b"\xc3"
 
 
 def test_a_gguf_s_end_of_turn_token_ends_generation(tmp_path: Path) -> None:
@@ -557,3 +562,14 @@ def test_byte_level_pre_tokenizers_split_as_the_models_own() -> None:
     first = smollm.index("1")
     assert smollm[first:first + 5] == ["1", "2", "3", "4", "5"]
     assert "Ġ12345" in pieces(_pre_tokenizer("gpt-2"))
+
+
+def test_a_granite_gguf_without_one_of_its_multipliers_is_refused(tmp_path: Path) -> None:
+    """llama.cpp requires Granite's four multipliers; a file without one was run as if it were
+    1 (unscaled attention scores), now it is refused naming the key."""
+    _, tensors = tiny_qwen2(tmp_path / "tiny.gguf")
+    tensors = {n: t for n, t in tensors.items() if ".bias" not in n}
+    path = write_gguf(tmp_path / "granite.gguf", "granite", tensors, hparams() | {
+        "embedding_scale": 2.0, "residual_scale": 0.5, "logit_scale": 3.0})
+    with pytest.raises(ModelLoadError, match="lacks metadata key granite.attention.scale"):
+        load_model_files(str(path))
