@@ -8,15 +8,16 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3",
-                           "granite")
+                           "granite", "ministral")
 HF_CLASSES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
               "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
               "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-              "gemma3": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM"}
+              "gemma3": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM",
+              "ministral": "MinistralForCausalLM"}
 HF_MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the name
 # Architectures whose config.json `sliding_window` applies (to every layer, or to the layers
 # `layer_types` names; Qwen2's needs use_sliding_window as well, and is refused then).
-SLIDING_WINDOW_ARCHITECTURES = ("mistral", "phi3", "gemma3")
+SLIDING_WINDOW_ARCHITECTURES = ("mistral", "phi3", "gemma3", "ministral")
 LAYER_TYPES = ("sliding_attention", "full_attention")
 GRANITE_FIELDS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
                   "logits_scaling")
@@ -170,6 +171,8 @@ class ModelConfig:
             no_rope_layers=_no_rope_layers(d) if arch == "smollm3" else None,
             **(_gemma3_fields(d) if gemma else {}),
             **({k: d.get(k, 1.0) for k in GRANITE_FIELDS} if arch == "granite" else {}),
+            # Ministral: Mistral with windowed and global layers (all windowed by default)
+            **({"layer_types": d.get("layer_types")} if arch == "ministral" else {}),
         )
 
     @property
@@ -249,7 +252,8 @@ class ModelConfig:
         else:  # (transformers warns of a Mistral config with layer_types, even null)
             for key in ("layer_types", "rope_local_theta", "query_pre_attn_scalar",
                         "final_logit_softcapping"):
-                d.pop(key)
+                if key != "layer_types" or self.architecture != "ministral":
+                    d.pop(key)
         if self.architecture != "granite":
             for key in GRANITE_FIELDS:
                 d.pop(key)

@@ -182,6 +182,8 @@ def test_broken_folder_files_are_load_errors_naming_them(tmp_path: Path) -> None
 @pytest.mark.parametrize("family, extra", [
     ("Qwen3", {"head_dim": 32}),  # q and k norms, head_dim apart from hidden / heads
     ("Mistral", {"sliding_window": 4}),  # every layer in a window shorter than the prompt
+    ("Ministral", {"sliding_window": 4, "head_dim": 16,  # a windowed layer, a global one
+                   "layer_types": ["sliding_attention", "full_attention"]}),
     ("Granite", {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,  # four multipliers
                  "attention_multiplier": 0.1, "logits_scaling": 4.0}),
     ("Gemma3Text", {"sliding_window": 4, "head_dim": 16, "query_pre_attn_scalar": 24,
