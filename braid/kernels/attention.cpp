@@ -301,12 +301,12 @@ GroupFn<KV> group_fn(int64_t d) {
 // Each row's attention (paged_attention_rows after its checks), over caches of type KV.
 template <typename KV>
 void attend_rows(const float* qp, const KV* kp, const KV* vp, const int64_t* table,
-                 const int64_t* seq, const int64_t* len, int64_t t, int64_t h, int64_t d,
-                 int64_t kvh, int64_t kv_max, float scale, const braid_kernels::Isa& isa,
-                 float* op) {
+                 const int64_t* seq, const int64_t* len, const int64_t* first, int64_t t,
+                 int64_t h, int64_t d, int64_t kvh, int64_t kv_max, float scale,
+                 const braid_kernels::Isa& isa, float* op) {
   const int64_t group = h / kvh;
   int64_t keys = 0;
-  for (int64_t i = 0; i < t; ++i) keys += len[i];
+  for (int64_t i = 0; i < t; ++i) keys += len[i] - first[i];
 #ifdef BRAID_X86
   if (const GroupFn<KV> fn = isa.avx512 ? group_fn<KV>(d) : nullptr) {
     // At least ~64K multiply-adds per thread: decode steps of a small model stay on one thread.
@@ -315,11 +315,11 @@ void attend_rows(const float* qp, const KV* kp, const KV* vp, const int64_t* tab
     at::parallel_for(0, t * kvh, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t row = task / kvh, kv_head = task % kvh, n = len[row];
+        const int64_t row = task / kvh, kv_head = task % kvh, n = len[row] - first[row];
         scores.resize(group * (n + 1));
-        const int64_t first = row * h + kv_head * group;  // the group's first query head
-        fn(qp + first * d, group, kp, vp, table + seq[row] * kv_max, n, kvh, kv_head, scale,
-           scores.data(), op + first * d);
+        const int64_t head0 = row * h + kv_head * group;  // the group's first query head
+        fn(qp + head0 * d, group, kp, vp, table + seq[row] * kv_max + first[row], n, kvh,
+           kv_head, scale, scores.data(), op + head0 * d);
       }
     });
     return;
@@ -338,8 +338,9 @@ void attend_rows(const float* qp, const KV* kp, const KV* vp, const int64_t* tab
   at::parallel_for(0, t * h, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t th = begin; th < end; ++th) {
-      const int64_t row = th / h, head = th % h, kv_head = head / group, n = len[row];
-      const int64_t* pos_slots = table + seq[row] * kv_max;
+      const int64_t row = th / h, head = th % h, kv_head = head / group;
+      const int64_t n = len[row] - first[row];
+      const int64_t* pos_slots = table + seq[row] * kv_max + first[row];
       const float* qv = qp + th * d;
       scores.resize(n);
       int64_t j = 0;
@@ -374,15 +375,19 @@ namespace braid_kernels {
 
 // q [T, H, D] float32; caches [slots, KVH, D] float32, float16 or bfloat16; kv_slots [R, kv_max]
 // (the cache slot of each position of request r); row_seq [T] (the request of each row);
-// row_len [T] (the keys it attends to: positions 0..len-1). Returns [T, H, D] float32.
+// row_len [T] (the keys it attends to: positions 0..len-1); row_start [T] (optional: a
+// sliding window's first position, keys start..len-1). Returns [T, H, D] float32.
 torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tensor& k_cache,
                                    const torch::Tensor& v_cache, const torch::Tensor& kv_slots_in,
                                    const torch::Tensor& row_seq_in, const torch::Tensor& row_len_in,
-                                   double scale, const Isa& isa) {
+                                   double scale, const Isa& isa,
+                                   const std::optional<torch::Tensor>& row_start_in) {
   const auto q = q_in.contiguous();
   const auto kv_slots = kv_slots_in.to(torch::kInt64).contiguous();
   const auto row_seq = row_seq_in.to(torch::kInt64).contiguous();
   const auto row_len = row_len_in.to(torch::kInt64).contiguous();
+  const auto row_start = row_start_in ? row_start_in->to(torch::kInt64).contiguous()
+                                      : torch::zeros_like(row_len);
   const auto kv_type = k_cache.scalar_type();
   TORCH_CHECK(q.dtype() == torch::kFloat32 && v_cache.scalar_type() == kv_type &&
                   is_kv_type(kv_type),
@@ -394,9 +399,12 @@ torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tenso
   const int64_t kv_max = kv_slots.size(1), slots = k_cache.size(0);
   const int64_t* seq = row_seq.data_ptr<int64_t>();
   const int64_t* len = row_len.data_ptr<int64_t>();
+  const int64_t* first = row_start.data_ptr<int64_t>();
   const int64_t* table = kv_slots.data_ptr<int64_t>();
+  TORCH_CHECK(row_start.numel() == t, "row_start needs one position per row");
   for (int64_t i = 0; i < t; ++i)
-    TORCH_CHECK(len[i] >= 1 && len[i] <= kv_max && seq[i] >= 0 && seq[i] < kv_slots.size(0),
+    TORCH_CHECK(len[i] >= 1 && len[i] <= kv_max && seq[i] >= 0 && seq[i] < kv_slots.size(0) &&
+                    first[i] >= 0 && first[i] < len[i],
                 "row ", i, " has no valid keys");
   for (int64_t i = 0; i < kv_slots.numel(); ++i)
     TORCH_CHECK(table[i] >= 0 && table[i] < slots, "KV slot out of range");
@@ -406,8 +414,8 @@ torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tenso
   dispatch_kv_type(kv_type, [&](auto tag) {
     using KV = decltype(tag);
     attend_rows<KV>(qp, static_cast<const KV*>(k_cache.data_ptr()),
-                    static_cast<const KV*>(v_cache.data_ptr()), table, seq, len, t, h, d, kvh,
-                    kv_max, (float)scale, isa, op);
+                    static_cast<const KV*>(v_cache.data_ptr()), table, seq, len, first, t, h,
+                    d, kvh, kv_max, (float)scale, isa, op);
   });
   return out;
 }
@@ -424,6 +432,9 @@ std::string attention_isa(int64_t d, const Isa& isa) {
 }  // namespace braid_kernels
 
 void register_attention(pybind11::module& m) {
-  m.def("paged_attention_rows", &braid_kernels::paged_attention_rows);
+  m.def("paged_attention_rows", &braid_kernels::paged_attention_rows, pybind11::arg("q"),
+        pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("kv_slots"),
+        pybind11::arg("row_seq"), pybind11::arg("row_len"), pybind11::arg("scale"),
+        pybind11::arg("isa"), pybind11::arg("row_start") = pybind11::none());
   m.def("attention_isa", &braid_kernels::attention_isa);
 }

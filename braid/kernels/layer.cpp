@@ -76,18 +76,20 @@ class FusedLayer {
 
   // x [T, hidden] float32 (the residual stream, updated in place by the attention's add);
   // cos, sin [T, 1, D/2]; the caches and the attention metadata as paged_attention_rows
-  // takes them. Returns the layer's output [T, hidden].
+  // takes them (row_start: a windowed layer's). Returns the layer's output [T, hidden].
   torch::Tensor forward(torch::Tensor x, torch::Tensor k_cache, torch::Tensor v_cache,
                         const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& slot_mapping, const torch::Tensor& kv_slots,
-                        const torch::Tensor& row_seq, const torch::Tensor& row_len) const {
+                        const torch::Tensor& row_seq, const torch::Tensor& row_len,
+                        const std::optional<torch::Tensor>& row_start) const {
     TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
                 "x must be a contiguous float32 [T, hidden] tensor");
     auto qkv = qkv_(rms_norm(x, input_norm_, eps_), isa_);
     if (q_norm_) norm_heads(qkv, heads_, kv_heads_, *q_norm_, *k_norm_, eps_);
     const auto q = rope_qkv_to_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads_);
     const auto attn =
-        paged_attention_rows(q, k_cache, v_cache, kv_slots, row_seq, row_len, scale_, isa_);
+        paged_attention_rows(q, k_cache, v_cache, kv_slots, row_seq, row_len, scale_, isa_,
+                             row_start);
     const auto h = add_rms_norm_(x, scaled(o_(attn.flatten(1), isa_)), post_norm_, eps_);
     return scaled(down_(silu_mul(gate_up_(h, isa_), isa_), isa_)).add_(x);
   }
@@ -132,14 +134,15 @@ class GemmaLayer {
   torch::Tensor forward(torch::Tensor x, torch::Tensor k_cache, torch::Tensor v_cache,
                         const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& slot_mapping, const torch::Tensor& kv_slots,
-                        const torch::Tensor& row_seq, const torch::Tensor& row_len) const {
+                        const torch::Tensor& row_seq, const torch::Tensor& row_len,
+                        const std::optional<torch::Tensor>& row_start) const {
     TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
                 "x must be a contiguous float32 [T, hidden] tensor");
     auto qkv = qkv_(rms_norm(x, input_norm_, eps_), isa_);
     norm_heads(qkv, heads_, kv_heads_, q_norm_, k_norm_, eps_);
     const auto rotated = rope_qkv_to_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads_);
     const auto attn = paged_attention_rows(rotated, k_cache, v_cache, kv_slots, row_seq, row_len,
-                                           scale_, isa_);
+                                           scale_, isa_, row_start);
     const auto h = add_rms_norm_(x, rms_norm(o_(attn.flatten(1), isa_), post_attn_norm_, eps_),
                                  pre_ffw_norm_, eps_);
     return x.add_(rms_norm(down_(gelu_mul(gate_up_(h, isa_), isa_), isa_), post_ffw_norm_,

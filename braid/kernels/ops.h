@@ -3,6 +3,8 @@
 
 #include <torch/extension.h>
 
+#include <optional>
+
 #include "isa.h"
 
 namespace braid_kernels {
@@ -40,6 +42,7 @@ torch::Tensor gelu_mul(const torch::Tensor& gate_up_in, const Isa& isa);
 torch::Tensor paged_attention_rows(const torch::Tensor& q_in, const torch::Tensor& k_cache,
                                    const torch::Tensor& v_cache, const torch::Tensor& kv_slots_in,
                                    const torch::Tensor& row_seq_in, const torch::Tensor& row_len_in,
-                                   double scale, const Isa& isa);
+                                   double scale, const Isa& isa,
+                                   const std::optional<torch::Tensor>& row_start_in = std::nullopt);
 
 }  // namespace braid_kernels

@@ -45,6 +45,7 @@ class AttentionMetadata:
     kv_slots: torch.Tensor | None = None
     row_seq: torch.Tensor | None = None
     row_len: torch.Tensor | None = None
+    row_start: torch.Tensor | None = None  # [T] a windowed layer's first key (None: 0)
     # The same step seen by sliding-window layers, by window (see `windowed`)
     windows: dict[int, AttentionMetadata] = field(default_factory=dict)
 
@@ -52,8 +53,8 @@ class AttentionMetadata:
         """This step for a layer whose queries attend only to the last `window` positions
         (their own included: key position > query position - window, as transformers'
         sliding-window mask and llama.cpp's SWA). The same slots are written; the row-by-row
-        kernel gets a table per query row that starts at its window, and each SDPA group a mask
-        cut to it. Built once per step and window, shared by every layer with that window."""
+        kernel gets each query row's first key, and each SDPA group a mask cut to the window.
+        Built once per step and window, shared by every layer with that window."""
         if window is None or (self.kv_slots is not None and window >= self.kv_slots.shape[1]):
             return self  # (no sequence of the step reaches past the window)
         view = self.windows.get(window)
@@ -148,19 +149,9 @@ def _windowed(meta: AttentionMetadata, window: int) -> AttentionMetadata:
                   & (key_pos[None, None, :] > g.q_pos[:, :, None] - window))
         groups.append(AttentionGroup(g.query_index, g.kv_slots, inside[:, None], g.out_rows,
                                      g.out_select, g.q_pos))
-    kv_slots, row_seq, row_len = meta.kv_slots, meta.row_seq, meta.row_len
-    if kv_slots is not None and row_seq is not None and row_len is not None:
-        # one table row per query: its keys from the window's first position on
-        width = max(1, min(window, kv_slots.shape[1]))
-        first = (row_len - window).clamp(min=0)
-        row_len = row_len - first
-        offsets = torch.arange(width, device=kv_slots.device)
-        columns = (first[:, None] + offsets[None, :]).clamp(max=kv_slots.shape[1] - 1)
-        kv_slots = torch.where(offsets[None, :] < row_len[:, None],
-                               kv_slots[row_seq[:, None], columns], 0)
-        row_seq = torch.arange(row_seq.numel(), device=row_seq.device)
-    return AttentionMetadata(meta.slot_mapping, groups, meta.num_tokens, kv_slots, row_seq,
-                             row_len)
+    row_start = None if meta.row_len is None else (meta.row_len - window).clamp(min=0)
+    return AttentionMetadata(meta.slot_mapping, groups, meta.num_tokens, meta.kv_slots,
+                             meta.row_seq, meta.row_len, row_start)
 
 
 def _to_device(g: AttentionGroup, device: torch.device | str) -> AttentionGroup:
@@ -205,7 +196,8 @@ def attend_cached(
     ops = quant_ops() if q.device.type == "cpu" and q.dtype == torch.float32 else None
     if ops is not None and meta.kv_slots is not None:
         return ops.paged_attention_rows(q, k_cache, v_cache, meta.kv_slots, meta.row_seq,
-                                        meta.row_len, scale or q.shape[-1] ** -0.5, kernel_isa())
+                                        meta.row_len, scale or q.shape[-1] ** -0.5, kernel_isa(),
+                                        meta.row_start)
     out = torch.empty_like(q)
     for g in meta.groups:
         qg = q[g.query_index].transpose(1, 2)  # [G, H, q_max, D]

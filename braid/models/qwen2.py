@@ -351,7 +351,8 @@ class Qwen2ForCausalLM(nn.Module):
                 attn = cast(DecoderLayer, layer).self_attn  # attribute: get_submodule is slow
                 meta = attn_metadata.windowed(attn.window)
                 x = f.forward(x, attn.k_cache, attn.v_cache, *rope,  # type: ignore[attr-defined]
-                              meta.slot_mapping, meta.kv_slots, meta.row_seq, meta.row_len)
+                              meta.slot_mapping, meta.kv_slots, meta.row_seq, meta.row_len,
+                              meta.row_start)
             return x
         for layer, rope in zip(self.layers, ropes, strict=True):
             x = layer(x, rope, attn_metadata)

@@ -126,3 +126,25 @@ def test_the_cpu_picks_the_widest_path(ops: ModuleType, isa: object) -> None:
     assert ops.attention_isa(128, isa) == want
     assert ops.attention_isa(40, isa) == ("scalar" if want == "scalar" else "avx2")
 
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape", [(4, 2, 16), (4, 1, 256)], ids=["h4-kv2-d16", "h4-kv1-d256"])
+def test_row_start_attends_from_a_window_s_first_key(ops: ModuleType, path: str, shape) -> None:
+    """`row_start` (a sliding window's first position) makes a row attend to keys
+    start..len-1: the same bits as a table that begins there, and float64 attention over
+    those keys; a start outside 0..len-1 is refused."""
+    h, kvh, d = shape
+    q, k_cache, v_cache, kv_slots, seq, lens = case(h, kvh, d, [1, 9, 40, 300])
+    start = (lens - 8).clamp(min=0)
+    with attention_path(ops, path, d) as isa:
+        got = ops.paged_attention_rows(q, k_cache, v_cache, kv_slots, seq, lens, 0.2, isa, start)
+        shifted = torch.stack([torch.cat([kv_slots[i, s:], kv_slots[i, :s]])
+                               for i, s in enumerate(start.tolist())])
+        assert torch.equal(got, ops.paged_attention_rows(q, k_cache, v_cache, shifted, seq,
+                                                         lens - start, 0.2, isa))
+        torch.testing.assert_close(got.double(), reference(q, k_cache, v_cache, shifted, seq,
+                                                           lens - start, 0.2),
+                                   rtol=1e-5, atol=1e-5)
+        with pytest.raises(RuntimeError, match="no valid keys"):
+            ops.paged_attention_rows(q, k_cache, v_cache, kv_slots, seq, lens, 0.2, isa, lens)
