@@ -114,11 +114,16 @@ def decode_rate(engine: LLMEngine, new_tokens: int = 64) -> tuple[float, float]:
     return len(times) / sum(times), sorted(times)[len(times) // 2] * 1e3
 
 
+def run_llamacpp(bin_dir: str, tool: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """One of llama.cpp's tools from its build's bin folder (its libraries beside it)."""
+    return subprocess.run([os.path.join(bin_dir, tool), *args], check=True, capture_output=True,
+                          text=True, env=dict(os.environ, LD_LIBRARY_PATH=bin_dir))
+
+
 def llama_bench_rate(bin_dir: str, gguf: str) -> float:
     """llama-bench's tg64 tokens/s on 2 threads."""
-    out = subprocess.run([os.path.join(bin_dir, "llama-bench"), "-m", gguf, "-t", "2", "-p", "0",
-                          "-n", "64", "-o", "json"], check=True, capture_output=True, text=True,
-                         env=dict(os.environ, LD_LIBRARY_PATH=bin_dir))
+    out = run_llamacpp(bin_dir, "llama-bench", "-m", gguf, "-t", "2", "-p", "0", "-n", "64",
+                       "-o", "json")
     return float(json.loads(out.stdout)[0]["avg_ts"])
 
 
@@ -151,18 +156,15 @@ def llamacpp_tokens(bin_dir: str, gguf: str, text_file: str, escape: bool) -> li
     llama-perplexity does by default, unless `escape` is False (llama-perplexity also drops
     the file's final newline; the chunks it scores end long before it)."""
     flags = [] if escape else ["--no-escape"]
-    out = subprocess.run([os.path.join(bin_dir, "llama-tokenize"), "-m", gguf, "-f", text_file,
-                          "--ids", "--log-disable", *flags], check=True, capture_output=True,
-                         text=True, env=dict(os.environ, LD_LIBRARY_PATH=bin_dir))
+    out = run_llamacpp(bin_dir, "llama-tokenize", "-m", gguf, "-f", text_file, "--ids",
+                       "--log-disable", *flags)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def llamacpp_perplexity(bin_dir: str, gguf: str, text_file: str, context: int, chunks: int
                         ) -> float:
-    out = subprocess.run([os.path.join(bin_dir, "llama-perplexity"), "-m", gguf, "-f", text_file,
-                          "-c", str(context), "--chunks", str(chunks), "-t", "2", "-b",
-                          str(context)], check=True, capture_output=True, text=True,
-                         env=dict(os.environ, LD_LIBRARY_PATH=bin_dir))
+    out = run_llamacpp(bin_dir, "llama-perplexity", "-m", gguf, "-f", text_file, "-c",
+                       str(context), "--chunks", str(chunks), "-t", "2", "-b", str(context))
     return float((out.stdout + out.stderr).split("Final estimate: PPL = ")[1].split()[0])
 
 
