@@ -157,14 +157,17 @@ class BlockManager:
     def release_before(self, request_id: str, position: int) -> int:
         """Give back the request's blocks that hold only positions before `position` (a
         sliding-window model's KV that no later query attends to); their table entries
-        become RELEASED, so the table still covers the same positions. Returns how many."""
+        become RELEASED, so the table still covers the same positions. Returns how many.
+        Released entries are always a table's leading ones, so only the blocks released since
+        the last call are visited (from the new edge back to the old one)."""
         table = self._tables.get(request_id, [])
         released = 0
-        for i in range(min(max(0, position) // self.block_size, len(table))):
-            if table[i] != RELEASED:
-                self._unref(table[i])
-                table[i] = RELEASED
-                released += 1
+        for i in reversed(range(min(max(0, position) // self.block_size, len(table)))):
+            if table[i] == RELEASED:
+                break
+            self._unref(table[i])
+            table[i] = RELEASED
+            released += 1
         return released
 
     # ---- prefix caching ------------------------------------------------------------------

@@ -339,3 +339,22 @@ PrefixCacheMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None
 )
 test_prefix_cache_state_machine = PrefixCacheMachine.TestCase
+
+
+def test_release_before_gives_back_leading_blocks_once() -> None:
+    """A windowed model's blocks before a position go back to the pool and their entries read
+    RELEASED: the table still covers the same positions, a second call gives back only what
+    the edge passed since, and freeing the request skips the released entries."""
+    from braid.core.block_manager import RELEASED
+
+    bm = BlockManager(8, 4)
+    assert bm.allocate("a", 20)  # 5 blocks
+    blocks = bm.block_table("a")
+    assert bm.release_before("a", 9) == 2  # positions 0-7: blocks 0 and 1
+    assert bm.block_table("a") == [RELEASED, RELEASED, *blocks[2:]]
+    assert bm.num_free_blocks == 5 and bm.num_slots("a") == 20
+    assert bm.release_before("a", 11) == 0 and bm.release_before("a", 16) == 2
+    bm.check_invariants()
+    bm.free("a")
+    assert bm.num_free_blocks == 8
+    bm.check_invariants()
