@@ -19,7 +19,7 @@ from braid.files import ModelLoadError, read_json_object
 
 SPECIAL_NAMES = ("bos", "eos", "unk", "pad")  # the special tokens a tokenizer config names
 _FALLBACK_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's token for one byte
-_SPM_SPACE = "\u2581"  # SentencePiece's spelling of a space
+SPM_SPACE = "\u2581"  # SentencePiece's spelling of a space
 
 
 @cache
@@ -332,8 +332,8 @@ class Tokenizer:
         if alphabet is None and token is not None and token_id not in self._added_ids:
             if byte := _FALLBACK_BYTE.fullmatch(token):
                 return bytes([int(byte.group(1), 16)])
-            if _SPM_SPACE in token:  # (decoding it alone may strip a leading space)
-                return token.replace(_SPM_SPACE, " ").encode()
+            if SPM_SPACE in token:  # (decoding it alone may strip a leading space)
+                return token.replace(SPM_SPACE, " ").encode()
         if (alphabet is None or token is None or token_id in self._added_ids
                 or not set(token) <= alphabet.keys()):
             return self.decode([token_id], skip_special_tokens=False).encode()

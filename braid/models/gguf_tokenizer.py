@@ -13,7 +13,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers,
 from tokenizers.models import BPE
 
 from braid.files import ModelLoadError
-from braid.tokenizer import SPECIAL_NAMES, bytes_to_unicode
+from braid.tokenizer import SPECIAL_NAMES, SPM_SPACE, bytes_to_unicode
 
 # Split regexes by `tokenizer.ggml.pre`, applied one after the other (llama.cpp's regex_exprs
 # per pre-tokenizer type, in the forms the models' own tokenizer.json files spell them).
@@ -63,7 +63,6 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
 IGNORE_MERGES = frozenset(("llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral", "lfm2",
                            "tekken"))
 TOKEN_TYPE_NORMAL, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 1, 3, 4
-SPM_SPACE = "\u2581"  # SentencePiece's spelling of a space
 SPECIAL_ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id",
                     "pad": "padding_token_id"}
 
