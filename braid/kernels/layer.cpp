@@ -56,6 +56,51 @@ void norm_heads(torch::Tensor& qkv, int64_t heads, int64_t kv_heads, const torch
   k.copy_(rms_norm(k.reshape({t * kv_heads, d}), k_norm, eps).view({t, kv_heads * d}));
 }
 
+// The half of a layer every compiled layer shares (qwen2.py's input norm and Attention): the
+// norm, q/k/v (a bias, per-head norms where the model has them), RoPE and this step's K/V
+// into the cache, attention over the cache (scores times `scale`), the output projection.
+struct AttentionHalf {
+  torch::Tensor input_norm;
+  double eps;
+  int64_t heads, kv_heads;
+  double scale;
+  Linear qkv, o;
+  std::optional<torch::Tensor> q_norm, k_norm;  // Qwen3's and Gemma's per-head norms
+  Isa isa;
+
+  // x [T, hidden] float32; cos, sin [T, 1, D/2]; the caches and the attention metadata as
+  // paged_attention_rows takes them (row_start: a windowed layer's). Returns [T, hidden].
+  torch::Tensor operator()(const torch::Tensor& x, torch::Tensor k_cache, torch::Tensor v_cache,
+                           const torch::Tensor& cos, const torch::Tensor& sin,
+                           const torch::Tensor& slot_mapping, const torch::Tensor& kv_slots,
+                           const torch::Tensor& row_seq, const torch::Tensor& row_len,
+                           const std::optional<torch::Tensor>& row_start) const {
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+                "x must be a contiguous float32 [T, hidden] tensor");
+    auto h = qkv(rms_norm(x, input_norm, eps), isa);
+    if (q_norm) norm_heads(h, heads, kv_heads, *q_norm, *k_norm, eps);
+    const auto q = rope_qkv_to_cache(h, cos, sin, k_cache, v_cache, slot_mapping, heads);
+    const auto attn = paged_attention_rows(q, k_cache, v_cache, kv_slots, row_seq, row_len, scale,
+                                           isa, row_start);
+    return o(attn.flatten(1), isa);
+  }
+};
+
+AttentionHalf attention_half(torch::Tensor input_norm, double eps, int64_t heads,
+                             int64_t kv_heads, double scale, std::vector<Segment> qkv,
+                             std::optional<torch::Tensor> qkv_bias, int64_t qkv_out,
+                             std::vector<Segment> o, int64_t hidden,
+                             std::optional<torch::Tensor> q_norm,
+                             std::optional<torch::Tensor> k_norm, Isa isa) {
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k head norms go together");
+  return AttentionHalf{std::move(input_norm), eps, heads, kv_heads, scale,
+                       linear_of(std::move(qkv), qkv_out, std::move(qkv_bias)),
+                       linear_of(std::move(o), hidden, std::nullopt), std::move(q_norm),
+                       std::move(k_norm), isa};
+}
+
+// A llama-shaped layer (qwen2.py's DecoderLayer): attention, the residual add and the norm
+// after it, the SiLU-gated MLP; each sub-layer's output times Granite's residual multiplier.
 class FusedLayer {
  public:
   FusedLayer(torch::Tensor input_norm, torch::Tensor post_norm, double eps, int64_t heads,
@@ -64,34 +109,25 @@ class FusedLayer {
              std::vector<Segment> down, int64_t hidden, std::optional<torch::Tensor> q_norm,
              std::optional<torch::Tensor> k_norm, int64_t kv_heads, double scale,
              double residual_scale, Isa isa)
-      : input_norm_(std::move(input_norm)), post_norm_(std::move(post_norm)), eps_(eps),
-        heads_(heads), kv_heads_(kv_heads), scale_(scale), residual_scale_(residual_scale),
-        qkv_(linear_of(std::move(qkv), qkv_out, std::move(qkv_bias))),
-        o_(linear_of(std::move(o), hidden, std::nullopt)),
+      : attn_(attention_half(std::move(input_norm), eps, heads, kv_heads, scale, std::move(qkv),
+                             std::move(qkv_bias), qkv_out, std::move(o), hidden,
+                             std::move(q_norm), std::move(k_norm), isa)),
+        post_norm_(std::move(post_norm)), residual_scale_(residual_scale),
         gate_up_(linear_of(std::move(gate_up), gate_up_out, std::nullopt)),
-        down_(linear_of(std::move(down), hidden, std::nullopt)),
-        q_norm_(std::move(q_norm)), k_norm_(std::move(k_norm)), isa_(isa) {
-    TORCH_CHECK(q_norm_.has_value() == k_norm_.has_value(), "q and k head norms go together");
-  }
+        down_(linear_of(std::move(down), hidden, std::nullopt)) {}
 
-  // x [T, hidden] float32 (the residual stream, updated in place by the attention's add);
-  // cos, sin [T, 1, D/2]; the caches and the attention metadata as paged_attention_rows
-  // takes them (row_start: a windowed layer's). Returns the layer's output [T, hidden].
+  // x [T, hidden] (the residual stream, updated in place by the attention's add) and the
+  // rest as AttentionHalf takes them. Returns the layer's output [T, hidden].
   torch::Tensor forward(torch::Tensor x, torch::Tensor k_cache, torch::Tensor v_cache,
                         const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& slot_mapping, const torch::Tensor& kv_slots,
                         const torch::Tensor& row_seq, const torch::Tensor& row_len,
                         const std::optional<torch::Tensor>& row_start) const {
-    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
-                "x must be a contiguous float32 [T, hidden] tensor");
-    auto qkv = qkv_(rms_norm(x, input_norm_, eps_), isa_);
-    if (q_norm_) norm_heads(qkv, heads_, kv_heads_, *q_norm_, *k_norm_, eps_);
-    const auto q = rope_qkv_to_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads_);
-    const auto attn =
-        paged_attention_rows(q, k_cache, v_cache, kv_slots, row_seq, row_len, scale_, isa_,
-                             row_start);
-    const auto h = add_rms_norm_(x, scaled(o_(attn.flatten(1), isa_)), post_norm_, eps_);
-    return scaled(down_(silu_mul(gate_up_(h, isa_), isa_), isa_)).add_(x);
+    const auto a = attn_(x, k_cache, v_cache, cos, sin, slot_mapping, kv_slots, row_seq,
+                         row_len, row_start);
+    const auto h = add_rms_norm_(x, scaled(a), post_norm_, attn_.eps);
+    const Isa& isa = attn_.isa;
+    return scaled(down_(silu_mul(gate_up_(h, isa), isa), isa)).add_(x);
   }
 
  private:
@@ -100,35 +136,29 @@ class FusedLayer {
     return residual_scale_ == 1.0 ? delta : delta.mul_(residual_scale_);
   }
 
-  torch::Tensor input_norm_, post_norm_;
-  double eps_;
-  int64_t heads_, kv_heads_;
-  double scale_, residual_scale_;  // scores' scale; Granite's residual multiplier
-  Linear qkv_, o_, gate_up_, down_;
-  std::optional<torch::Tensor> q_norm_, k_norm_;  // Qwen3's per-head norms
-  Isa isa_;  // the instruction sets its ops use
+  AttentionHalf attn_;
+  torch::Tensor post_norm_;
+  double residual_scale_;
+  Linear gate_up_, down_;
 };
 
 // Gemma 3's layer (gemma3.py's Gemma3DecoderLayer on the compiled path, the same operations
-// in the same order): q and k heads normalised before RoPE, scores scaled by `scale`, norms
-// after attention and around the GELU-gated MLP. The caller passes a windowed layer the
-// windowed attention metadata.
+// in the same order): the attention half with per-head norms, then norms after attention and
+// around the GELU-gated MLP. The caller passes a windowed layer the windowed metadata.
 class GemmaLayer {
  public:
   GemmaLayer(std::vector<torch::Tensor> norms, double eps, int64_t heads, int64_t kv_heads,
              double scale, std::vector<Segment> qkv, int64_t qkv_out, std::vector<Segment> o,
              std::vector<Segment> gate_up, int64_t gate_up_out, std::vector<Segment> down,
              int64_t hidden, Isa isa)
-      : eps_(eps), heads_(heads), kv_heads_(kv_heads), scale_(scale),
-        qkv_(linear_of(std::move(qkv), qkv_out, std::nullopt)),
-        o_(linear_of(std::move(o), hidden, std::nullopt)),
+      : attn_(attention_half(norms.at(0), eps, heads, kv_heads, scale, std::move(qkv),
+                             std::nullopt, qkv_out, std::move(o), hidden, norms.at(4),
+                             norms.at(5), isa)),
         gate_up_(linear_of(std::move(gate_up), gate_up_out, std::nullopt)),
-        down_(linear_of(std::move(down), hidden, std::nullopt)),
-        isa_(isa) {
+        down_(linear_of(std::move(down), hidden, std::nullopt)) {
     // input, post-attention, pre-feedforward, post-feedforward, q heads, k heads
     TORCH_CHECK(norms.size() == 6, "a Gemma layer has six norms");
-    input_norm_ = norms[0], post_attn_norm_ = norms[1], pre_ffw_norm_ = norms[2];
-    post_ffw_norm_ = norms[3], q_norm_ = norms[4], k_norm_ = norms[5];
+    post_attn_norm_ = norms[1], pre_ffw_norm_ = norms[2], post_ffw_norm_ = norms[3];
   }
 
   torch::Tensor forward(torch::Tensor x, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -136,26 +166,18 @@ class GemmaLayer {
                         const torch::Tensor& slot_mapping, const torch::Tensor& kv_slots,
                         const torch::Tensor& row_seq, const torch::Tensor& row_len,
                         const std::optional<torch::Tensor>& row_start) const {
-    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
-                "x must be a contiguous float32 [T, hidden] tensor");
-    auto qkv = qkv_(rms_norm(x, input_norm_, eps_), isa_);
-    norm_heads(qkv, heads_, kv_heads_, q_norm_, k_norm_, eps_);
-    const auto rotated = rope_qkv_to_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads_);
-    const auto attn = paged_attention_rows(rotated, k_cache, v_cache, kv_slots, row_seq, row_len,
-                                           scale_, isa_, row_start);
-    const auto h = add_rms_norm_(x, rms_norm(o_(attn.flatten(1), isa_), post_attn_norm_, eps_),
-                                 pre_ffw_norm_, eps_);
-    return x.add_(rms_norm(down_(gelu_mul(gate_up_(h, isa_), isa_), isa_), post_ffw_norm_,
-                           eps_));
+    const double eps = attn_.eps;
+    const Isa& isa = attn_.isa;
+    const auto a = attn_(x, k_cache, v_cache, cos, sin, slot_mapping, kv_slots, row_seq,
+                         row_len, row_start);
+    const auto h = add_rms_norm_(x, rms_norm(a, post_attn_norm_, eps), pre_ffw_norm_, eps);
+    return x.add_(rms_norm(down_(gelu_mul(gate_up_(h, isa), isa), isa), post_ffw_norm_, eps));
   }
 
  private:
-  torch::Tensor input_norm_, post_attn_norm_, pre_ffw_norm_, post_ffw_norm_, q_norm_, k_norm_;
-  double eps_;
-  int64_t heads_, kv_heads_;
-  double scale_;
-  Linear qkv_, o_, gate_up_, down_;
-  Isa isa_;
+  AttentionHalf attn_;
+  torch::Tensor post_attn_norm_, pre_ffw_norm_, post_ffw_norm_;
+  Linear gate_up_, down_;
 };
 
 }  // namespace

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from types import ModuleType
-from typing import cast
 
 import torch
 from torch import nn
@@ -25,8 +24,15 @@ from torch import nn
 from braid.kernels import kernel_isa
 from braid.models.attention import AttentionMetadata
 from braid.models.config import ModelConfig
-from braid.models.quant import QuantLinear, QuantWeight
-from braid.models.qwen2 import MLP, Attention, LinearFactory, Qwen2ForCausalLM, RMSNorm
+from braid.models.quant import QuantWeight
+from braid.models.qwen2 import (
+    MLP,
+    Attention,
+    LinearFactory,
+    Qwen2ForCausalLM,
+    RMSNorm,
+    compiled_projections,
+)
 
 Weight = tuple[str, torch.Tensor | QuantWeight]
 
@@ -52,18 +58,14 @@ class Gemma3DecoderLayer(nn.Module):
     def fused(self, ops: ModuleType) -> object:
         """This layer as one compiled call (ops.GemmaLayer: the operations of `forward` with
         quantized projections, bit for bit)."""
-        attn, mlp = self.self_attn, self.mlp
-        parts = [cast(QuantLinear, m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                 mlp.down_proj)]
-        qkv, o, gate_up, down = ([(offset, w.data, w.layout, w.cols, int(w.qtype))
-                                  for offset, w in m.segments] for m in parts)
+        attn = self.self_attn
+        (qkv, o, gate_up, down), widths = compiled_projections(attn, self.mlp)
         norms = [n.weight.detach() for n in (
             self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
             self.post_feedforward_layernorm, attn.q_norm, attn.k_norm) if n is not None]
-        scale = attn.scale if attn.scale is not None else attn.head_dim ** -0.5
         return ops.GemmaLayer(norms, self.input_layernorm.eps, attn.num_heads, attn.num_kv_heads,
-                              scale, qkv, parts[0].out_features, o, gate_up,
-                              parts[2].out_features, down, parts[3].out_features, kernel_isa())
+                              attn.kernel_scale, qkv, widths[0], o, gate_up, widths[2], down,
+                              widths[3], kernel_isa())
 
 
 class Gemma3ForCausalLM(Qwen2ForCausalLM):

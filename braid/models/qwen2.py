@@ -226,6 +226,12 @@ class Attention(nn.Module):
         out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.flatten(1))
 
+    @property
+    def kernel_scale(self) -> float:
+        """What scores are scaled by, as the compiled layers take it (attend_cached's
+        default where the model sets none)."""
+        return self.scale if self.scale is not None else self.head_dim ** -0.5
+
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv [T, q + 2 kv] with each q and k head normalised (Qwen3), else as it is."""
         if self.q_norm is None or self.k_norm is None:
@@ -279,19 +285,29 @@ class DecoderLayer(nn.Module):
     def fused(self, ops: ModuleType) -> object:
         """This layer as one compiled call (ops.FusedLayer: the same operations as `forward`
         with quantized projections, bit for bit)."""
-        attn, mlp = self.self_attn, self.mlp
-        parts = [cast(QuantLinear, m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                 mlp.down_proj)]
-        qkv, o, gate_up, down = ([(offset, w.data, w.layout, w.cols, int(w.qtype))
-                                  for offset, w in m.segments] for m in parts)
-        bias = None if parts[0].bias is None else parts[0].bias.detach()
+        attn = self.self_attn
+        (qkv, o, gate_up, down), widths = compiled_projections(attn, self.mlp)
+        bias = attn.qkv_proj.bias
         head_norms = [None if n is None else n.weight.detach() for n in (attn.q_norm, attn.k_norm)]
         return ops.FusedLayer(
             self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach(),
-            self.input_layernorm.eps, attn.num_heads, qkv, bias, parts[0].out_features, o,
-            gate_up, parts[2].out_features, down, parts[3].out_features, *head_norms,
-            attn.num_kv_heads, attn.scale or attn.head_dim ** -0.5, self.residual_scale or 1.0,
-            kernel_isa())
+            self.input_layernorm.eps, attn.num_heads, qkv, None if bias is None else bias.detach(),
+            widths[0], o, gate_up, widths[2], down, widths[3], *head_norms, attn.num_kv_heads,
+            attn.kernel_scale, self.residual_scale or 1.0, kernel_isa())
+
+
+Segments = list[tuple[int, torch.Tensor, int, int, int]]
+
+
+def compiled_projections(attn: Attention, mlp: MLP) -> tuple[list[Segments], list[int]]:
+    """A quantized layer's four projections (qkv, o, gate_up, down) as the compiled layers
+    take them: each one's segments (first output row, blocks, kernel layout, values per row,
+    GGML type), and each one's output width."""
+    parts = [cast(QuantLinear, m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                             mlp.down_proj)]
+    segments = [[(offset, w.data, w.layout, w.cols, int(w.qtype)) for offset, w in m.segments]
+                for m in parts]
+    return segments, [m.out_features for m in parts]
 
 
 class Qwen2ForCausalLM(nn.Module):
