@@ -137,7 +137,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face config.json dict (model_type qwen2, llama or qwen3).
+        """Build from a Hugging Face config.json dict (a model_type of SUPPORTED_ARCHITECTURES,
+        Gemma 3's spelled gemma3_text).
         Fields that change the model's arithmetic in ways braid does not implement (RoPE
         scaling, a sliding window, another activation) are refused: ignoring them gave other
         logits."""
@@ -227,7 +228,8 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        """Each query and key head is RMS-normalised (its own weights) before RoPE: Qwen3."""
+        """Each query and key head is RMS-normalised (its own weights) before RoPE: Qwen3,
+        Gemma 3."""
         return self.architecture in ("qwen3", "gemma3")
 
     def to_hf_dict(self) -> dict[str, Any]:
