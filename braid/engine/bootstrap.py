@@ -174,7 +174,8 @@ def load_target(config: EngineConfig, draft: bool) -> Target:
     checked = check_before_loading(config, draft=draft)
     defaults = sampling_defaults(config, checked.folder)
     model, tokenizer = load_model(config.model, config.torch_dtype, config.device,
-                                  config.quantization, with_tokenizer=checked.tokenizer is None)
+                                  config.quantization, with_tokenizer=checked.tokenizer is None,
+                                  max_model_len=config.max_model_len)
     if checked.tokenizer is not None:
         tokenizer = checked.tokenizer
     elif tokenizer is None:

@@ -7,6 +7,7 @@ import ctypes
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ FAMILIES: dict[str, type[Qwen2ForCausalLM]] = {
 def load_model(
     name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
     quantization: str = "auto", dtype_given: bool = True, with_tokenizer: bool = True,
+    max_model_len: int | None = None,
 ) -> tuple[Qwen2ForCausalLM, Tokenizer | None]:
     """Model (weights copied tensor by tensor into uninitialized parameters, so the peak is
     one model plus one tensor) and its tokenizer (None if the folder has none, or without
@@ -41,11 +43,18 @@ def load_model(
     float), "none" dequantizes everything to `dtype`, "int8" / "int4" quantize a float
     checkpoint's weights to Q8_0 / Q4_0 blocks at load ("int4" on a GGUF re-quantizes the
     decoder layers stored wider than Q4_0, see Qwen2ForCausalLM._quantized). `dtype_given`:
-    asked for by hand (a default needs no note that quantized weights run in float32)."""
+    asked for by hand (a default needs no note that quantized weights run in float32).
+    `max_model_len`: the longest sequence it will run (LongRoPE's choice of factors, see
+    ModelConfig.context_length)."""
     start = time.perf_counter()
     path = resolve_model_path(name_or_path)
     folder = folder_of(path)
-    cfg = load_config(folder)
+    cfg = replace(load_config(folder), context_length=max_model_len)
+    if cfg.long_rope:
+        logger.info("%s: LongRoPE with its long factors (--max-model-len %d exceeds the "
+                    "original context, %d)", name_or_path, cfg.context_length or
+                    cfg.max_position_embeddings,
+                    (cfg.rope_scaling or {})["original_max_position_embeddings"])
     quant_type, weights = _weights(path, cfg, quantization, device)
     if quant_type is not None:
         if dtype != torch.float32 and dtype_given:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 from dataclasses import asdict, dataclass, field, fields
@@ -19,6 +20,9 @@ HF_MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type where it 
 # `layer_types` names; Qwen2's needs use_sliding_window as well, and is refused then).
 SLIDING_WINDOW_ARCHITECTURES = ("mistral", "phi3", "gemma3", "ministral")
 LAYER_TYPES = ("sliding_attention", "full_attention")
+# Architectures whose RoPE may turn only the first part of each head (Phi-4-mini's
+# partial_rotary_factor)
+PARTIAL_ROTARY_ARCHITECTURES = ("phi3",)
 GRANITE_FIELDS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
                   "logits_scaling")
 # Gemma 3: every sixth layer attends globally, the others in the window (transformers'
@@ -47,8 +51,17 @@ class ModelConfig:
     attention_bias: bool = False  # QKV bias: True for Qwen2
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    # RoPE scaling as config.json spells it: None (plain RoPE), linear or llama3
+    # RoPE scaling as config.json spells it: None (plain RoPE), linear, llama3, longrope
+    # (Phi-3.5 / Phi-4-mini) or yarn (Qwen's long contexts), with its
+    # original_max_position_embeddings inside
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    # Phi-4-mini: RoPE turns the first `rotary_dim` dimensions of each head, the rest pass
+    partial_rotary_factor: float = 1.0
+    # The longest sequence the model is served with (--max-model-len; None: its
+    # max_position_embeddings). LongRoPE takes its long factors where this exceeds the
+    # original context and its short ones otherwise, as llama.cpp chooses by its context size
+    # (transformers chooses by each forward's length). Not part of config.json.
+    context_length: int | None = field(default=None, hash=False, compare=False)
     # Mistral / Phi-3 / Gemma 3: a windowed layer's query attends to the last
     # `sliding_window` positions, its own included (`layer_window`)
     sliding_window: int | None = None
@@ -106,18 +119,53 @@ class ModelConfig:
         for name in ("tie_word_embeddings", "attention_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        scaling = self.rope_scaling
-        if rope_scaling_kind(scaling) == "freq_factors":  # (a ValueError for unknown kinds)
-            assert scaling is not None
-            if len(scaling["factors"]) != self.head_dim // 2:
-                raise ValueError(f"rope_scaling freq_factors: {self.head_dim // 2} factors "
-                                 f"expected (head_dim / 2), got {len(scaling['factors'])}")
+        self._check_rope()
         eos = self.eos_token_id
         if not (self.bos_token_id is None or _is_token_id(self.bos_token_id)):
             raise ValueError(f"bos_token_id must be a token id, got {self.bos_token_id!r}")
         if not (eos is None or _is_token_id(eos)
                 or (isinstance(eos, list) and all(_is_token_id(t) for t in eos))):
             raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}")
+
+    def _check_rope(self) -> None:
+        partial = self.partial_rotary_factor
+        if (not isinstance(partial, numbers.Real) or isinstance(partial, bool)
+                or not 0 < partial <= 1):
+            raise ValueError(f"partial_rotary_factor must be a number in (0, 1], got {partial!r}")
+        if partial != 1 and self.architecture not in PARTIAL_ROTARY_ARCHITECTURES:
+            raise ValueError(f"partial_rotary_factor {partial} is not supported for "
+                             f"{self.architecture} (braid rotates part of a head for "
+                             f"{', '.join(PARTIAL_ROTARY_ARCHITECTURES)})")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor {partial} rotates {self.rotary_dim} of "
+                             f"head_dim {self.head_dim}: not an even number >= 2")
+        if self.context_length is not None and (not _is_token_id(self.context_length)
+                                                or self.context_length < 1):
+            raise ValueError(f"context_length must be an integer >= 1, got "
+                             f"{self.context_length!r}")
+        scaling = self.rope_scaling
+        kind = rope_scaling_kind(scaling)  # (a ValueError for unknown kinds)
+        lists = {"freq_factors": ("factors",), "longrope": ("long_factor", "short_factor")}
+        for key in lists.get(kind or "", ()):
+            assert scaling is not None
+            if len(scaling[key]) != self.rotary_dim // 2:
+                raise ValueError(f"rope_scaling {kind}: {key} needs {self.rotary_dim // 2} "
+                                 f"factors (one per rotary frequency), got {len(scaling[key])}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of a head RoPE turns (all but where partial_rotary_factor < 1)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def long_rope(self) -> bool:
+        """Whether LongRoPE runs with its long factors (see `context_length`)."""
+        scaling = self.rope_scaling
+        if rope_scaling_kind(scaling) != "longrope":
+            return False
+        assert scaling is not None
+        context = self.context_length or self.max_position_embeddings
+        return context > int(scaling["original_max_position_embeddings"])
 
     def _check_gemma_fields(self) -> None:
         types = self.layer_types
@@ -167,6 +215,8 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             rope_scaling=_rope_scaling(d, "full_attention" if gemma else None),
+            partial_rotary_factor=d.get("partial_rotary_factor", _rope_parameters(d, None).get(
+                "partial_rotary_factor", 1.0)),
             sliding_window=(d.get("sliding_window") if arch in SLIDING_WINDOW_ARCHITECTURES
                             else None),
             no_rope_layers=_no_rope_layers(d) if arch == "smollm3" else None,
@@ -234,7 +284,14 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json dict that `from_hf_dict` (and transformers) reads back."""
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "architecture"}
+        d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)  # (a reader
+             if f.name not in ("architecture", "context_length")}  # may edit its dicts)
+        if self.partial_rotary_factor == 1:
+            d.pop("partial_rotary_factor")
+        if rope_scaling_kind(self.rope_scaling) == "longrope":  # (Phi-3 reads it beside)
+            assert self.rope_scaling is not None
+            d["original_max_position_embeddings"] = self.rope_scaling[
+                "original_max_position_embeddings"]
         d["model_type"] = HF_MODEL_TYPES.get(self.architecture, self.architecture)
         d["architectures"] = [HF_CLASSES[self.architecture]]
         d["hidden_act"] = "silu"
@@ -275,14 +332,16 @@ class ModelConfig:
         return asdict(self)
 
 
-ROPE_SCALINGS = {"linear": ("factor",),
+ROPE_SCALINGS = {"linear": ("factor",), "longrope": ("original_max_position_embeddings",),
+                 "yarn": ("factor", "original_max_position_embeddings"),
                  "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                             "original_max_position_embeddings")}
 
 
 def rope_scaling_kind(scaling: object) -> str | None:
-    """None (plain RoPE) or the RoPE scaling braid runs ("linear", "llama3", with the keys
-    transformers reads); ValueError naming anything else."""
+    """None (plain RoPE) or the RoPE scaling braid runs ("linear", "llama3", "longrope",
+    "yarn", with the keys transformers reads; "freq_factors", a llama3 GGUF's); ValueError
+    naming anything else."""
     if scaling is None:
         return None
     if not isinstance(scaling, dict):
@@ -290,21 +349,35 @@ def rope_scaling_kind(scaling: object) -> str | None:
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
         return None
-    if kind == "freq_factors":  # a GGUF's rope_freqs tensor (llama.cpp's form of llama3)
-        factors = scaling.get("factors")
+    lists = {"freq_factors": ("factors",),  # a GGUF's rope_freqs (llama.cpp's llama3)
+             "longrope": ("long_factor", "short_factor")}.get(kind, ())
+    for key in lists:
+        factors = scaling.get(key)
         if not (isinstance(factors, list) and factors
-                and all(isinstance(f, float) and 0 < f < math.inf for f in factors)):
-            raise ValueError("rope_scaling freq_factors: factors must be a list of numbers > 0")
+                and all(_positive(f) for f in factors)):
+            raise ValueError(f"rope_scaling {kind}: {key} must be a list of numbers > 0")
+    if kind == "freq_factors":
         return kind
     if kind not in ROPE_SCALINGS:
         raise ValueError(f"rope_scaling of type {kind!r} is not supported (braid runs plain, "
-                         "linear and llama3 RoPE)")
-    for key in ROPE_SCALINGS[kind]:
+                         "linear, llama3, longrope and yarn RoPE)")
+    optional = {"longrope": ("factor", "attention_factor"),
+                "yarn": ("attention_factor", "mscale", "mscale_all_dim", "beta_fast",
+                         "beta_slow")}.get(kind, ())
+    for key in (*ROPE_SCALINGS[kind], *optional):
         value = scaling.get(key)
-        if (not isinstance(value, numbers.Real) or isinstance(value, bool)
-                or not 0 < float(value) < math.inf):
+        if not _positive(value) and not (key in optional and value is None):
             raise ValueError(f"rope_scaling {kind}: {key} must be a number > 0, got {value!r}")
+    if kind == "yarn" and not isinstance(scaling.get("truncate", True), bool):
+        raise ValueError(f"rope_scaling yarn: truncate must be true or false, got "
+                         f"{scaling['truncate']!r}")
     return str(kind)
+
+
+def _positive(value: object) -> bool:
+    """A finite number > 0 (not a bool)."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and 0 < float(value) < math.inf)
 
 
 def _rope_parameters(d: dict[str, Any], layer_type: str | None) -> dict[str, Any]:
@@ -322,12 +395,20 @@ def _rope_theta(d: dict[str, Any], layer_type: str | None, default: float) -> An
 def _rope_scaling(d: dict[str, Any], layer_type: str | None = None) -> dict[str, Any] | None:
     """config.json's rope_scaling, or transformers 5's rope_parameters (which also holds
     rope_theta) where it scales."""
-    if d.get("rope_scaling") is not None:
-        return d["rope_scaling"]
-    parameters = _rope_parameters(d, layer_type)
-    if parameters.get("rope_type", "default") != "default":
-        return parameters
-    return None
+    scaling = d.get("rope_scaling")
+    if scaling is None:
+        scaling = _rope_parameters(d, layer_type)
+        if scaling.get("rope_type", "default") == "default":
+            return None
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if kind in ("su", "yarn") and d.get("model_type") == "phi3":  # older names (transformers')
+        scaling = {**scaling, "rope_type": "longrope"}
+        scaling.pop("type", None)
+        kind = "longrope"
+    if kind in ("longrope", "yarn") and "original_max_position_embeddings" not in scaling:
+        scaling = {**scaling, "original_max_position_embeddings":  # Phi-3's, beside it
+                   d.get("original_max_position_embeddings")}
+    return scaling
 
 
 def _gemma3_fields(d: dict[str, Any]) -> dict[str, Any]:
@@ -373,11 +454,6 @@ def _refuse_unimplemented(d: dict[str, Any]) -> None:
             isinstance(layers, int) and d.get("max_window_layers", 0) >= layers):
         raise ValueError("use_sliding_window is not supported (braid attends to every "
                          "earlier position)")
-    partial = d.get("partial_rotary_factor",
-                    (d.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ValueError(f"partial_rotary_factor {partial} is not supported (braid rotates "
-                         "every dimension of a head)")
     gemma = d.get("model_type") == HF_MODEL_TYPES["gemma3"]
     act_key = "hidden_activation" if gemma else "hidden_act"
     act = d.get(act_key) or ("gelu_pytorch_tanh" if gemma else "silu")

@@ -17,7 +17,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,9 @@ from braid.models.quant import QuantWeight, runnable
 logger = logging.getLogger("braid")
 
 ROPE_FREQS = "rope_freqs.weight"  # a llama3 GGUF's divisor of each rotary frequency
+# A LongRoPE GGUF's (Phi-3.5, Phi-4-mini): the long and the short divisors
+ROPE_LONG, ROPE_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
+ROPE_TENSORS = (ROPE_FREQS, ROPE_LONG, ROPE_SHORT)  # in the config, not weights
 NO_TOKENIZER = "no-tokenizer.txt"  # in a conversion without a tokenizer: the reason
 
 _LAYER_NAMES = {
@@ -68,7 +71,8 @@ _GLOBAL_NAMES = {
 }
 # Bump when the converted folder's content changes, so stale caches are not reused (older
 # versions of the same GGUF's folder are removed: version 1 held 6 GB of float32 weights).
-CONVERSION_VERSION = 4  # 4: SentencePiece tokenizers (such files had none), more pre-tokenizers
+CONVERSION_VERSION = 5  # 4: SentencePiece tokenizers (such files had none), more pre-tokenizers;
+# 5: partial rotary and LongRoPE (Phi-3.5, Phi-4-mini: before, their RoPE was read as plain)
 Tensor = ReaderTensor | GGUFTensor
 FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16,
                          GGMLQuantizationType.BF16, GGMLQuantizationType.F64})
@@ -202,10 +206,11 @@ def _architecture(meta: dict[str, Any], source: Path) -> str:
 
 def config_from_metadata(
     meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: Path,
-    rope_freqs: list[float] | None = None,
+    rope_tensors: dict[str, list[float]] | None = None,
 ) -> ModelConfig:
-    """The model's config from the GGUF's metadata, tensor shapes and, for a llama3 GGUF,
-    its rope_freqs tensor (one divisor per rotary frequency)."""
+    """The model's config from the GGUF's metadata, tensor shapes and its RoPE tensors (by
+    name, ROPE_TENSORS): a llama3 GGUF's rope_freqs (one divisor per rotary frequency), a
+    LongRoPE one's long and short factors."""
     arch = _architecture(meta, source)
 
     def key(name: str, default: Any = None) -> Any:
@@ -214,19 +219,9 @@ def config_from_metadata(
             raise ModelLoadError(f"GGUF {source} lacks metadata key {arch}.{name}")
         return value
 
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none", "linear"):
-        raise ModelLoadError(f"GGUF {source}: {arch}.rope.scaling.type {scaling!r} is not "
-                             "supported (braid runs plain and linear RoPE)")
     if "token_embd.weight" not in shapes:
         raise ModelLoadError(f"GGUF {source} has no token_embd.weight tensor")
-    rope_scaling = None if scaling in (None, "none") else {
-        "rope_type": "linear", "factor": _f32_to_float(key("rope.scaling.factor"))}
-    if rope_freqs is not None:
-        if rope_scaling is not None:
-            raise ModelLoadError(f"GGUF {source}: rope_freqs and a linear rope.scaling cannot "
-                                 "both scale RoPE")
-        rope_scaling = {"rope_type": "freq_factors", "factors": rope_freqs}
+    rope_scaling = _rope_scaling(meta, arch, key, source, rope_tensors or {})
     try:
         hidden, heads = int(key("embedding_length")), _single_int(key("attention.head_count"))
         return ModelConfig(
@@ -248,8 +243,10 @@ def config_from_metadata(
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
             rope_scaling=rope_scaling,
-            sliding_window=(meta.get(f"{arch}.attention.sliding_window")
+            # (0: none, as llama.cpp writes Phi-4-mini's)
+            sliding_window=(meta.get(f"{arch}.attention.sliding_window") or None
                             if arch in SLIDING_WINDOW_ARCHITECTURES else None),
+            partial_rotary_factor=_partial_rotary(key, hidden, heads),
             **(_gemma3_fields(meta, hidden, heads) if arch == "gemma3" else {}),
             # llama.cpp's SmolLM3: every fourth layer without RoPE, as transformers' default
             no_rope_layers=([int((i + 1) % 4 != 0) for i in range(int(key("block_count")))]
@@ -260,6 +257,69 @@ def config_from_metadata(
         raise
     except ValueError as e:  # an impossible size: ModelConfig's check names the key
         raise ModelLoadError(f"GGUF {source}: {e}") from None
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str, key: Callable[..., Any], source: Path,
+                  rope_tensors: dict[str, list[float]]) -> dict[str, Any] | None:
+    """The RoPE scaling as transformers' rope_scaling spells it, from `rope.scaling.type` (linear,
+    yarn) or the RoPE tensors (rope_freqs: "freq_factors"; LongRoPE's)."""
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none", "linear", "yarn"):
+        raise ModelLoadError(f"GGUF {source}: {arch}.rope.scaling.type {scaling!r} is not "
+                             "supported (braid runs plain, linear and yarn RoPE)")
+    if rope_tensors and (scaling not in (None, "none")
+                         or (ROPE_FREQS in rope_tensors and len(rope_tensors) > 1)):
+        raise ModelLoadError(f"GGUF {source}: {', '.join(sorted(rope_tensors))} and "
+                             f"rope.scaling.type {scaling} cannot scale RoPE together")
+    if ROPE_FREQS in rope_tensors:
+        return {"rope_type": "freq_factors", "factors": rope_tensors[ROPE_FREQS]}
+    if rope_tensors:
+        return _long_rope(rope_tensors, key, source)
+    if scaling in (None, "none"):
+        return None
+    factor = {"rope_type": scaling, "factor": _f32_to_float(key("rope.scaling.factor"))}
+    return factor | _yarn_fields(meta, arch, source) if scaling == "yarn" else factor
+
+
+def _yarn_fields(meta: dict[str, Any], arch: str, source: Path) -> dict[str, Any]:
+    """YaRN's original context and betas under llama.cpp's keys. Its attention factor, log
+    multiplier and extrapolation factor (DeepSeek's and other files', where llama.cpp's
+    meaning differs from transformers') are refused, named."""
+    for name in ("yarn_attn_factor", "yarn_log_multiplier", "yarn_ext_factor"):
+        if f"{arch}.rope.scaling.{name}" in meta and not (
+                name == "yarn_ext_factor" and meta[f"{arch}.rope.scaling.{name}"] == 1):
+            raise ModelLoadError(f"GGUF {source}: {arch}.rope.scaling.{name} is not supported "
+                                 "(braid runs YaRN as transformers' rope_scaling spells it)")
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if original is None:
+        raise ModelLoadError(f"GGUF {source} lacks metadata key "
+                             f"{arch}.rope.scaling.original_context_length (YaRN's)")
+    return {"original_max_position_embeddings": int(original),
+            **{beta: _f32_to_float(meta[f"{arch}.rope.scaling.yarn_{beta}"])
+               for beta in ("beta_fast", "beta_slow")
+               if f"{arch}.rope.scaling.yarn_{beta}" in meta}}
+
+
+def _partial_rotary(key: Callable[..., Any], hidden: int, heads: int) -> float:
+    """The fraction of a head RoPE turns: rope.dimension_count of the head size (1 where the
+    file leaves it out)."""
+    head_dim = int(key("attention.key_length", hidden // max(heads, 1)))
+    dims = int(key("rope.dimension_count", head_dim))
+    return 1.0 if dims == head_dim else dims / head_dim
+
+
+def _long_rope(rope_tensors: dict[str, list[float]], key: Callable[..., Any],
+               source: Path) -> dict[str, Any]:
+    """LongRoPE as transformers spells it, from llama.cpp's rope_factors_long / _short tensors,
+    original context and attention factor (llama.cpp's from max / original context)."""
+    if set(rope_tensors) != {ROPE_LONG, ROPE_SHORT}:
+        raise ModelLoadError(f"GGUF {source}: LongRoPE needs both {ROPE_LONG} and "
+                             f"{ROPE_SHORT}; it has {', '.join(sorted(rope_tensors))}")
+    return {"rope_type": "longrope", "long_factor": rope_tensors[ROPE_LONG],
+            "short_factor": rope_tensors[ROPE_SHORT],
+            "original_max_position_embeddings": int(key("rope.scaling.original_context_length",
+                                                        None)),
+            "attention_factor": _f32_to_float(key("rope.scaling.attn_factor", 1.0))}
 
 
 def _granite_fields(meta: dict[str, Any], source: Path) -> dict[str, Any]:
@@ -373,7 +433,7 @@ def iter_gguf_weights(path: Path, config: ModelConfig, quantized: bool
         raise ModelLoadError(f"GGUF file not found: {path}")
     for tensor in tqdm(read_tensors(path), desc=f"Loading {path.name}", unit="tensor",
                        leave=False):
-        if tensor.name != ROPE_FREQS:  # in the config (rope_scaling), not a weight
+        if tensor.name not in ROPE_TENSORS:  # in the config (rope_scaling), not weights
             yield (hf_name(tensor.name, config.architecture),
                    read_tensor(tensor, config, quantized))
 
@@ -417,10 +477,10 @@ def convert_gguf(gguf_path: Path, folder: Path) -> None:
 
     reader = open_gguf(gguf_path)
     meta = read_metadata(reader)
-    freqs = [t for t in reader.tensors if t.name == ROPE_FREQS]
-    config = config_from_metadata(meta, {t.name: hf_shape(t) for t in reader.tensors}, gguf_path,
-                                  [float(f) for f in np.asarray(freqs[0].data, np.float32)]
-                                  if freqs else None)
+    config = config_from_metadata(
+        meta, {t.name: hf_shape(t) for t in reader.tensors}, gguf_path,
+        {t.name: [float(f) for f in np.asarray(t.data, np.float32)]
+         for t in reader.tensors if t.name in ROPE_TENSORS})
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
     try:

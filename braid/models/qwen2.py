@@ -112,17 +112,25 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate_half), as in Hugging Face Qwen2/Llama, with their
-    linear and llama3 scaling of the frequencies (`scaling`: config.json's rope_scaling)."""
+    """Neox-style rotary embedding (rotate_half), as in Hugging Face Qwen2/Llama/Phi-3, with
+    their linear, llama3, LongRoPE and YaRN scalings of the frequencies (`scaling`: config.json's
+    rope_scaling; `long`: LongRoPE's long factors, else its short ones).
+
+    A partial one (`rotary_dim` < head_dim, Phi-4-mini) turns the first rotary_dim
+    dimensions of each head, pairing i with i + rotary_dim / 2. The tables stay D/2 wide, pairing
+    i with i + D/2 as the kernels do: their columns past rotary_dim / 2 are an identity (cos 1,
+    sin 0) for heads whose dimensions the loader reordered to match (`rotary_order`)."""
 
     cos: torch.Tensor  # [P, D/2]
     sin: torch.Tensor
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict[str, Any] | None = None) -> None:
+                 scaling: dict[str, Any] | None = None, rotary_dim: int | None = None,
+                 long: bool = False) -> None:
         super().__init__()
         self.head_dim, self.max_positions, self.theta = head_dim, max_positions, theta
-        self.scaling = scaling
+        self.scaling, self.long = scaling, long
+        self.rotary_dim = rotary_dim or head_dim
         self.register_buffer("cos", torch.empty(max_positions, head_dim // 2), persistent=False)
         self.register_buffer("sin", torch.empty(max_positions, head_dim // 2), persistent=False)
         self.reset()
@@ -131,42 +139,108 @@ class RotaryEmbedding(nn.Module):
         """(Re)compute the tables in float64, in place (also after `to_empty`)."""
         if self.cos.is_meta:
             return
-        d = self.head_dim
-        inv_freq = scaled_frequencies(
-            1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)), self.scaling)
+        r = self.rotary_dim
+        inv_freq = scaled_frequencies(self.theta, r, self.scaling, self.long)
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float64), inv_freq)
-        self.cos.copy_(freqs.cos())  # [P, D/2]
-        self.sin.copy_(freqs.sin())
+        scale = rope_attention_factor(self.scaling, self.max_positions)
+        self.cos.fill_(1.0)  # (the columns of a partial embedding's pass dimensions)
+        self.sin.zero_()
+        self.cos[:, : r // 2].copy_(freqs.cos() * scale)  # [P, R/2]
+        self.sin[:, : r // 2].copy_(freqs.sin() * scale)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, D/2] of these positions (looked up once per forward)."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def scaled_frequencies(inv_freq: torch.Tensor, scaling: dict[str, Any] | None
-                       ) -> torch.Tensor:
-    """The rotary frequencies under transformers' linear or llama3 RoPE scaling: linear
-    divides them all by the factor; llama3 divides the low ones (wavelengths beyond the
-    original context / low_freq_factor), keeps the high ones (below it / high_freq_factor)
-    and blends the ones between. A llama3 GGUF holds the same as one divisor per frequency
-    (its rope_freqs tensor: "freq_factors")."""
+def rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor | None:
+    """For a partial rotary embedding: the order of a query or key head's dimensions that
+    pairs each rotated i with i + D/2 (where the full embedding's kernels pair them), the pass
+    dimensions between; None where every dimension turns. Reordering the query's and the
+    key's the same way leaves every score as it was."""
+    if rotary_dim == head_dim:
+        return None
+    half, rot = head_dim // 2, rotary_dim // 2
+    passing = torch.arange(rotary_dim, head_dim)
+    npass = half - rot
+    return torch.cat([torch.arange(rot), passing[:npass], torch.arange(rot, rotary_dim),
+                      passing[npass:]])
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None, max_positions: int) -> float:
+    """What LongRoPE and YaRN multiply cos and sin by (transformers' attention_factor: the
+    config's, else from the factor: sqrt(1 + ln(factor) / ln(original context)) for LongRoPE,
+    whose factor is the config's or max_position_embeddings / original context;
+    0.1 ln(factor) + 1 for YaRN, or the ratio of two such with its mscale and mscale_all_dim);
+    1 for the other scalings."""
+    kind = rope_scaling_kind(scaling)
+    if kind not in ("longrope", "yarn"):
+        return 1.0
+    assert scaling is not None
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or max_positions / original)
+    if kind == "longrope":
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+    def mscale(scale: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    return mscale()
+
+
+def scaled_frequencies(theta: float, dim: int, scaling: dict[str, Any] | None,
+                       long: bool = False) -> torch.Tensor:
+    """The rotary frequencies of `dim` dimensions (float64), under transformers' linear,
+    llama3, LongRoPE or YaRN scaling: linear divides them all by the factor; llama3 divides
+    the low ones (wavelengths beyond the original context / low_freq_factor), keeps the high
+    ones (below it / high_freq_factor) and blends the ones between; LongRoPE divides each by
+    its own factor, from the long list (`long`) or the short one; YaRN keeps the frequencies
+    that turn more than beta_fast times over the original context, divides those that turn
+    less than beta_slow times by the factor, and ramps between them. A llama3 GGUF holds the
+    same as one divisor per frequency (its rope_freqs tensor: "freq_factors")."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     kind = rope_scaling_kind(scaling)
     if kind is None:
         return inv_freq
     assert scaling is not None
-    if kind == "freq_factors":  # llama.cpp divides each frequency by its own factor
-        return inv_freq / torch.tensor(scaling["factors"], dtype=inv_freq.dtype)
+    if kind in ("freq_factors", "longrope"):  # each frequency divided by its own factor
+        key = "factors" if kind == "freq_factors" else "long_factor" if long else "short_factor"
+        return inv_freq / torch.tensor(scaling[key], dtype=inv_freq.dtype)
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv_freq / factor
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     original = float(scaling["original_max_position_embeddings"])
+    if kind == "yarn":
+        return _yarn(inv_freq, theta, dim, factor, original, scaling)
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     wavelength = 2 * math.pi / inv_freq
     scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
     smooth = (original / wavelength - low) / (high - low)
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     between = (wavelength >= original / high) & (wavelength <= original / low)
     return torch.where(between, blended, scaled)
+
+
+def _yarn(inv_freq: torch.Tensor, theta: float, dim: int, factor: float, original: float,
+          scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN's frequencies, as transformers computes them (its correction range: the
+    dimensions whose frequencies turn beta_fast and beta_slow times over the original
+    context, rounded outwards unless `truncate` is false)."""
+    def dimension(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = dimension(float(scaling.get("beta_fast") or 32))
+    high = dimension(float(scaling.get("beta_slow") or 1))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low)
+            / (high - low if high != low else 0.001)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -333,7 +407,7 @@ class Qwen2ForCausalLM(nn.Module):
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                      cfg.rope_scaling)
+                                      cfg.rope_scaling, cfg.rotary_dim, cfg.long_rope)
         # Gemma 3's windowed layers rotate with their own base, unscaled
         self.local_rotary = (None if cfg.rope_local_theta is None else RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta))
@@ -536,6 +610,9 @@ class Qwen2ForCausalLM(nn.Module):
             if shape != shapes[name]:
                 raise ModelLoadError(f"weight {name!r} is {list(shape)} where the config "
                                      f"makes it {list(shapes[name])}")
+            if (rows := _rotary_rows(name, self.config)) is not None:
+                tensor = (QuantWeight(tensor.data[rows], tensor.qtype, tensor.cols, tensor.layout)
+                          if isinstance(tensor, QuantWeight) else tensor[rows])
             module = self.get_submodule(target.rsplit(".", 1)[0])
             if isinstance(module, QuantLinear | QuantEmbedding) and target.endswith(".weight"):
                 module.set_rows(offset, self._quantized(tensor, target.startswith("layers.")))
@@ -589,6 +666,26 @@ def _fused_target(name: str, cfg: ModelConfig) -> tuple[str, int]:
     kv_size = cfg.num_key_value_heads * cfg.head_dim
     offsets = (0, q_size, q_size + kv_size) if fused == "qkv_proj" else (0, cfg.intermediate_size)
     return ".".join([*parts[:-2], fused, parts[-1]]), offsets[idx]
+
+
+def _rotary_rows(name: str, cfg: ModelConfig) -> torch.Tensor | None:
+    """For a partial rotary embedding, the rows of weight `name` in the order the model runs
+    them: each query and key head's dimensions in `rotary_order` (q_proj, k_proj, their
+    biases and head norms, Phi-3's fused qkv_proj); None for every other weight."""
+    order = rotary_order(cfg.head_dim, cfg.rotary_dim)
+    parts = name.split(".")
+    if order is None or len(parts) < 2 or parts[-2] not in (
+            "q_proj", "k_proj", "q_norm", "k_norm", "qkv_proj"):
+        return None
+    if parts[-2] in ("q_norm", "k_norm"):
+        return order
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads,
+             "qkv_proj": cfg.num_attention_heads + cfg.num_key_value_heads}[parts[-2]]
+    rows = (torch.arange(heads)[:, None] * cfg.head_dim + order).flatten()
+    if parts[-2] == "qkv_proj":  # q and k heads reordered, v's rows as they are
+        rows = torch.cat([rows, torch.arange(cfg.num_key_value_heads * cfg.head_dim)
+                          + len(rows)])
+    return rows
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

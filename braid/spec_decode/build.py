@@ -115,7 +115,7 @@ def _load_draft(cfg: EngineConfig, tokenizer: Tokenizer | None) -> CausalLM:
     dtype = resolve_draft_dtype(spec.draft_dtype, cfg.torch_dtype, cfg.device)
     draft, _ = load_model(spec.model, dtype, cfg.device, spec.quantization or cfg.quantization,
                           dtype_given=spec.draft_dtype != "auto" or cfg.dtype != "auto",
-                          with_tokenizer=False)
+                          with_tokenizer=False, max_model_len=cfg.max_model_len)
     return draft
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -201,8 +202,9 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 
 
 def test_rope_scaling_and_no_heads_are_load_errors(tmp_path: Path) -> None:
-    """A GGUF's linear RoPE scaling is taken; YaRN is refused (its logits were those of
-    plain RoPE), and a GGUF with no attention heads names the key (a ZeroDivisionError)."""
+    """A GGUF's linear RoPE scaling is taken; YaRN without its original context and
+    LongRoPE as a scaling type (llama.cpp keeps its factors in tensors) are refused naming the
+    key, and a GGUF with no attention heads names the key (a ZeroDivisionError)."""
     from gguf import RopeScalingType
 
     _, tensors = tiny_qwen2(tmp_path / "tiny.gguf")
@@ -211,8 +213,10 @@ def test_rope_scaling_and_no_heads_are_load_errors(tmp_path: Path) -> None:
     assert load_model_files(str(linear)).config.rope_scaling == {"rope_type": "linear",
                                                                  "factor": 4.0}
     for name, extra, message in (
-            ("scaled", {"rope_scaling_type": RopeScalingType.YARN},
-             "qwen2.rope.scaling.type 'yarn' is not supported"),
+            ("yarn", {"rope_scaling_type": RopeScalingType.YARN, "rope_scaling_factor": 4.0},
+             "lacks metadata key qwen2.rope.scaling.original_context_length"),
+            ("longrope", {"rope_scaling_type": RopeScalingType.LONGROPE},
+             "qwen2.rope.scaling.type 'longrope' is not supported"),
             ("headless", {"head_count": 0}, "num_attention_heads must be an integer >= 1")):
         path = write_gguf(tmp_path / f"{name}.gguf", "qwen2", tensors, hparams() | extra)
         with pytest.raises(ModelLoadError, match=message):
@@ -470,6 +474,97 @@ def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch
         assert ((got - expected).norm() / expected.norm()).item() < 2e-2
     else:
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+def llama_cpp_file(path: Path, hf, arch: str, quantized: bool, extra_tensors: dict | None = None,
+                   **keys: object) -> Path:
+    """`hf`'s weights as llama.cpp writes a GGUF of `arch` (Q8_0 projections where
+    `quantized`, whose values `hf` then takes), with `keys` beside the tiny hparams."""
+    tensors: dict = {}
+    for name, t in gguf_names(dict(hf.state_dict()), arch).items():
+        array = t.numpy()
+        if quantized and array.ndim == 2 and "token_embd" not in name:
+            tensors[name] = (quantize(array, Q.Q8_0), Q.Q8_0)
+            t.copy_(torch.from_numpy(dequantize(tensors[name][0], Q.Q8_0)))
+        else:
+            tensors[name] = (array, None)
+    return write_gguf(path, arch, tensors | (extra_tensors or {}),
+                      hparams(key_length=HEAD_DIM, value_length=HEAD_DIM, **keys))
+
+
+def tiny_family(arch: str, **overrides: object):  # -> (ModelConfig, transformers model)
+    from tests.tiny import hf_model, tiny_config
+
+    cfg = tiny_config(arch, vocab_size=len(tiny_vocab()), hidden_size=HIDDEN,
+                      intermediate_size=FFN, num_attention_heads=HEADS,
+                      num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rope_theta=1e4,
+                      rms_norm_eps=1e-5, tie_word_embeddings=True, **overrides)
+    return cfg, hf_model(cfg, seed=3)
+
+
+def assert_logits(model, hf, ids: list[int], quantized: bool) -> None:
+    from tests.models.test_qwen2 import PagedRun
+
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    got = PagedRun(model).step({"a": ids})["a"]
+    if quantized:
+        assert ((got - expected).norm() / expected.norm()).item() < 2e-2
+    else:
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "q8_0"])
+@pytest.mark.parametrize("long", [False, True], ids=["short", "long"])
+def test_a_phi4_mini_gguf_gives_transformers_logits(tmp_path: Path, quantized: bool,
+                                                    long: bool) -> None:
+    """A Phi-4-mini-shaped GGUF as llama.cpp writes it: 3/4 of each head turned
+    (`phi3.rope.dimension_count`), LongRoPE's factors as the `rope_factors_long` /
+    `rope_factors_short` tensors with `rope.scaling.original_context_length` and
+    `rope.scaling.attn_factor`, no window (`sliding_window` 0). Served with a context past the
+    original one (--max-model-len) it runs the long factors, within it the short ones, as
+    transformers does on sequences that long; on the compiled layer (Q8_0) too."""
+    from braid.models.build import load_model
+    from tests.models.test_qwen2 import long_rope
+
+    scaling = long_rope(0.75, HEAD_DIM) | {"original_max_position_embeddings": 8}
+    _, hf = tiny_family("phi3", partial_rotary_factor=0.75, rope_scaling=scaling)
+    factors = {f"rope_factors_{which}.weight": (np.array(scaling[f"{which}_factor"],
+                                                         np.float32), None)
+               for which in ("long", "short")}
+    factor = 512 / 8  # llama.cpp's attention factor: from the context lengths
+    path = llama_cpp_file(tmp_path / "phi4.gguf", hf, "phi3", quantized, factors,
+                          rope_freq_base=1e4, sliding_window=0, rope_dimension_count=12,
+                          rope_scaling_orig_ctx_len=8,
+                          rope_scaling_attn_factors=(1 + np.log(factor) / np.log(8)) ** 0.5)
+    model, _ = load_model(str(path), max_model_len=512 if long else 8)
+    assert model.config.sliding_window is None and model.config.rotary_dim == 12
+    assert model.config.long_rope == long
+    assert_logits(model, hf, [3, 200, 17, 17, 90, 41, 5, 260, 11, 9, 30, 31][:12 if long else 8],
+                  quantized)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "q8_0"])
+def test_a_yarn_gguf_gives_transformers_logits(tmp_path: Path, quantized: bool) -> None:
+    """A Qwen3 GGUF with YaRN as llama.cpp writes it (`rope.scaling.type` yarn, its factor,
+    original context and betas) runs as transformers' yarn rope_scaling does, past the
+    original context; llama.cpp's own YaRN attention factor is refused, named."""
+    from braid.models.build import load_model
+    from tests.models.test_qwen2 import YARN
+
+    yarn = YARN | {"original_max_position_embeddings": 8, "beta_fast": 16.0, "beta_slow": 2.0}
+    _, hf = tiny_family("qwen3", rope_scaling=yarn)
+    keys = dict(rope_freq_base=1e4, rope_scaling_type=gguf.RopeScalingType.YARN,
+                rope_scaling_factor=4.0, rope_scaling_orig_ctx_len=8,
+                rope_scaling_yarn_beta_fast=16.0, rope_scaling_yarn_beta_slow=2.0)
+    path = llama_cpp_file(tmp_path / "yarn.gguf", hf, "qwen3", quantized, **keys)
+    model, _ = load_model(str(path))
+    assert model.config.rope_scaling == yarn
+    assert_logits(model, hf, [3, 200, 17, 17, 90, 41, 5, 260, 11, 9, 30, 31], quantized)
+    path = llama_cpp_file(tmp_path / "attn.gguf", hf, "qwen3", quantized,
+                          rope_scaling_yarn_attn_factor=1.2, **keys)
+    with pytest.raises(ModelLoadError, match="qwen3.rope.scaling.yarn_attn_factor is not "):
+        load_model(str(path))
 
 
 def spm_metadata(arch: str, add_space_prefix: bool) -> dict:

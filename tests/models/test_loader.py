@@ -89,8 +89,10 @@ def test_folder_without_config(tmp_path: Path) -> None:
     ({"tie_word_embeddings": "no"}, "tie_word_embeddings must be true or false, got 'no'"),
     ({"eos_token_id": "</s>"}, "eos_token_id must be a token id or a list of them"),
     # what would change the arithmetic is refused, not ignored (other logits than HF's)
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+     "rope_scaling of type 'dynamic' is not supported"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
-     "rope_scaling of type 'yarn' is not supported"),
+     "rope_scaling yarn: original_max_position_embeddings must be a number > 0, got None"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
      "rope_scaling llama3: low_freq_factor must be a number > 0, got None"),
     ({"rope_scaling": {"type": "linear", "factor": "2"}},
@@ -190,6 +192,11 @@ def test_broken_folder_files_are_load_errors_naming_them(tmp_path: Path) -> None
                     "pad_token_id": None,  # windowed and global layers, GELU, four norms
                     "layer_types": ["sliding_attention", "full_attention"]}),
     ("Phi3", {"pad_token_id": None}),  # q/k/v and gate/up stored fused
+    ("Phi3", {"pad_token_id": None, "partial_rotary_factor": 0.75,  # as Phi-4-mini: 3/4 of
+              "original_max_position_embeddings": 8,  # each head turns, LongRoPE (its long
+              "rope_scaling": {"type": "longrope",  # factors: 9 tokens, 256 positions)
+                               "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0],
+                               "short_factor": [1.0, 1.1, 1.2, 1.1, 1.3, 1.0]}}),
     ("SmolLM3", {"no_rope_layer_interval": 2, "pad_token_id": None}),  # layer 2: no RoPE
 ])
 def test_a_folder_saved_by_transformers_gives_its_logits(tmp_path: Path, family: str,
@@ -218,6 +225,9 @@ def test_a_folder_saved_by_transformers_gives_its_logits(tmp_path: Path, family:
     assert model.config.head_dim == extra.get("head_dim", 16)
     assert model.config.max_context == 256
     assert model.config.sliding_window == extra.get("sliding_window")
+    assert model.config.long_rope == ("rope_scaling" in extra)
+    assert model.config.rotary_dim == int(model.config.head_dim
+                                          * extra.get("partial_rotary_factor", 1))
     assert [model.config.rotates(i) for i in range(2)] == (
         [True, False] if family == "SmolLM3" else [True, True])
     ids = [5, 250, 17, 17, 90, 41, 299, 0, 3]

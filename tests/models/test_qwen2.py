@@ -134,23 +134,80 @@ def test_mixed_flat_batch(models) -> None:
         torch.testing.assert_close(k.transpose(0, 1), ref_cache.layers[1].keys[0], atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("scaling", [
-    {"rope_type": "linear", "factor": 4.0},
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("arch, scaling", [
+    ("llama", {"rope_type": "linear", "factor": 4.0}),
     # with head_dim 16 the frequencies fall in all three of llama3's bands
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 64},
-], ids=["linear", "llama3"])
-def test_rope_scaling_matches_transformers(scaling: dict) -> None:
-    """Llama 3.x configs scale RoPE (llama3): braid's logits equal transformers' on the same
-    weights, positions beyond the original context included (it ran plain RoPE, far off)."""
-    cfg = tiny_config("llama", rope_scaling=scaling)
+    ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    ("qwen3", YARN),  # Qwen's long-context configs
+    ("llama", YARN | {"beta_fast": 8, "beta_slow": 2, "truncate": False}),
+    ("qwen2", YARN | {"mscale": 1.0, "mscale_all_dim": 0.5}),
+    ("llama", YARN | {"attention_factor": 1.3}),
+], ids=["linear", "llama3", "yarn", "yarn-betas", "yarn-mscales", "yarn-attention-factor"])
+def test_rope_scaling_matches_transformers(arch: str, scaling: dict) -> None:
+    """Llama 3.x configs scale RoPE (llama3), Qwen's long-context ones by YaRN (the
+    frequencies ramped between kept and divided, cos and sin scaled): braid's logits equal
+    transformers' on the same weights, positions beyond the original context included (it
+    ran plain RoPE, far off)."""
+    cfg = tiny_config(arch, rope_scaling=scaling)
     hf = hf_model(cfg, seed=0)
     tokens = prompt(100, seed=3)
     got = PagedRun(braid_model(cfg, dict(hf.state_dict()))).step({"a": tokens})["a"]
     expected, _ = reference(hf, tokens)
     torch.testing.assert_close(got, expected, atol=TOL, rtol=TOL)
-    plain = PagedRun(braid_model(tiny_config("llama"), dict(hf.state_dict())))
+    plain = PagedRun(braid_model(tiny_config(arch), dict(hf.state_dict())))
     assert not torch.allclose(plain.step({"a": tokens})["a"], expected, atol=1e-2)
+
+
+LONG_ROPE = {"rope_type": "longrope", "original_max_position_embeddings": 32,
+             "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 9.0],
+             "short_factor": [1.0, 1.1, 1.2, 1.1, 1.3, 1.0, 1.5, 2.0]}
+
+
+def long_rope(partial: float, head_dim: int = 16) -> dict:
+    """LONG_ROPE's factors for the frequencies `partial` of a head turns."""
+    n = int(head_dim * partial) // 2
+    return LONG_ROPE | {key: LONG_ROPE[key][:n] for key in ("long_factor", "short_factor")}
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.75, 0.5])
+@pytest.mark.parametrize("long", [False, True], ids=["short", "long"])
+@pytest.mark.parametrize("packed", [False, True], ids=["float", "packed"])
+def test_phi3_long_rope_and_partial_rotary_match_transformers(partial: float, long: bool,
+                                                              packed: bool) -> None:
+    """Phi-3.5 / Phi-4-mini: LongRoPE (each frequency divided by its own factor, cos and sin
+    scaled) with its short factors where the served context (context_length: --max-model-len)
+    stays within the original one, its long ones past it, as transformers runs a sequence that
+    short or that long; and a partial rotary embedding (Phi-4-mini turns 3/4 of each head).
+    Logits equal transformers' over a whole prompt and in chunks; plain RoPE's are far off."""
+    ntok = 100 if long else 30
+    cfg = tiny_config("phi3", partial_rotary_factor=partial, rope_scaling=long_rope(partial),
+                      context_length=512 if long else 32)
+    assert cfg.long_rope == long and cfg.rotary_dim == int(16 * partial)
+    hf = hf_model(cfg, seed=0)
+    tokens = prompt(ntok, seed=3)
+    expected, _ = reference(hf, tokens)
+    run = PagedRun(braid_model(cfg, dict(hf.state_dict()), packed=packed))
+    torch.testing.assert_close(run.step({"a": tokens[:ntok // 3]})["a"],
+                               expected[:ntok // 3], atol=TOL, rtol=TOL)
+    torch.testing.assert_close(run.step({"a": tokens[ntok // 3:]})["a"],
+                               expected[ntok // 3:], atol=TOL, rtol=TOL)
+    plain = PagedRun(braid_model(tiny_config("phi3"), dict(hf.state_dict())))
+    assert not torch.allclose(plain.step({"a": tokens})["a"], expected, atol=1e-2)
+
+
+def test_rope_that_is_not_run_is_refused() -> None:
+    """A partial rotary factor where braid does not rotate part of a head, LongRoPE factors
+    of the wrong count: errors naming the key."""
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.5 is not supported for llama"):
+        tiny_config("llama", partial_rotary_factor=0.5)
+    with pytest.raises(ValueError, match="long_factor needs 6 factors"):
+        tiny_config("phi3", partial_rotary_factor=0.75, rope_scaling=long_rope(1.0))
+    with pytest.raises(ValueError, match="short_factor must be a list of numbers > 0"):
+        tiny_config("phi3", rope_scaling=LONG_ROPE | {"short_factor": [0.0] * 8})
 
 
 def test_untied_lm_head_and_no_bias() -> None:
