@@ -18,6 +18,7 @@ from braid.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from braid.models.gemma3 import Gemma3ForCausalLM
 from braid.models.gguf_loader import iter_gguf_weights, quantized_types
 from braid.models.loader import folder_of, iter_weights, load_config, resolve_model_path
+from braid.models.olmo2 import Olmo2ForCausalLM
 from braid.models.quant import QuantWeight, float_quant_type
 from braid.models.qwen2 import Qwen2ForCausalLM, RotaryEmbedding, can_pack
 from braid.tokenizer import Tokenizer
@@ -27,7 +28,8 @@ logger = logging.getLogger("braid")
 Weights = Iterator[tuple[str, torch.Tensor | QuantWeight]]
 # config.json's architecture -> the model class that runs it (models/config.py reads it)
 FAMILIES: dict[str, type[Qwen2ForCausalLM]] = {
-    name: Qwen2ForCausalLM for name in SUPPORTED_ARCHITECTURES} | {"gemma3": Gemma3ForCausalLM}
+    name: Qwen2ForCausalLM for name in SUPPORTED_ARCHITECTURES} | {
+    "gemma3": Gemma3ForCausalLM, "olmo2": Olmo2ForCausalLM}
 
 
 def load_model(

@@ -9,12 +9,12 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3",
-                           "granite", "ministral")
+                           "granite", "ministral", "olmo2")
 HF_CLASSES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
               "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
               "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
               "gemma3": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM",
-              "ministral": "MinistralForCausalLM"}
+              "ministral": "MinistralForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 HF_MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the name
 # Architectures whose config.json `sliding_window` applies (to every layer, or to the layers
 # `layer_types` names; Qwen2's needs use_sliding_window as well, and is refused then).
@@ -323,7 +323,7 @@ class ModelConfig:
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
         q = self.num_attention_heads * self.head_dim
         attn = (h * (q + 2 * kv) + q * h + (q + 2 * kv) * self.attention_bias
-                + 2 * self.head_dim * self.qk_norm)
+                + 2 * self.head_dim * self.qk_norm + (q + kv) * (self.architecture == "olmo2"))
         layer = attn + 3 * h * self.intermediate_size + (4 if self.gemma else 2) * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_hidden_layers * layer + h + head

@@ -64,6 +64,10 @@ _LAYER_NAMES = {
 }
 # Gemma 3's ffn_norm is the norm before its MLP (Llama's is after attention, the same place)
 _GEMMA3_LAYER_NAMES = _LAYER_NAMES | {"ffn_norm": "pre_feedforward_layernorm"}
+# OLMo 2's norms after attention and after the MLP (it has none before them)
+_OLMO2_LAYER_NAMES = _LAYER_NAMES | {"attn_post_norm": "post_attention_layernorm",
+                                     "ffn_post_norm": "post_feedforward_layernorm"}
+LAYER_NAMES = {"gemma3": _GEMMA3_LAYER_NAMES, "olmo2": _OLMO2_LAYER_NAMES}  # else _LAYER_NAMES
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -169,7 +173,7 @@ def hf_name(gguf_name: str, architecture: str = "") -> str:
         layer, part, kind = m.groups()
         if part == "ffn_up" and architecture == "phi3":  # gate and up in one tensor
             return f"model.layers.{layer}.mlp.gate_up_proj.{kind}"
-        names = _GEMMA3_LAYER_NAMES if architecture == "gemma3" else _LAYER_NAMES
+        names = LAYER_NAMES.get(architecture, _LAYER_NAMES)
         if part in names:
             return f"model.layers.{layer}.{names[part]}.{kind}"
     elif (m := _GLOBAL_RE.fullmatch(gguf_name)) and m.group(1) in _GLOBAL_NAMES:

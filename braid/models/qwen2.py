@@ -474,6 +474,7 @@ class Qwen2ForCausalLM(nn.Module):
         (float32, float16 or bfloat16) and the row-by-row attention's metadata; None
         elsewhere (the modules run)."""
         if (not self.fuse_layers or self.quant_type is None or meta.kv_slots is None
+                or not hasattr(self.layer_class, "fused")  # (OLMo 2's layer has none)
                 or x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous()
                 or cast(DecoderLayer, self.layers[0]).self_attn.k_cache.dtype
                 not in KV_CACHE_DTYPES):
@@ -716,5 +717,9 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                        p + "self_attn.k_norm.weight": (cfg.head_dim,)}
         if cfg.gemma:
             shapes |= {p + "pre_feedforward_layernorm.weight": (h,),
+                       p + "post_feedforward_layernorm.weight": (h,)}
+        if cfg.architecture == "olmo2":  # q and k normalised whole; no norm before a sub-layer
+            del shapes[p + "input_layernorm.weight"]
+            shapes |= {p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,),
                        p + "post_feedforward_layernorm.weight": (h,)}
     return shapes

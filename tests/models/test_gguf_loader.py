@@ -389,8 +389,10 @@ def gguf_names(hf_weights: dict[str, torch.Tensor], arch: str = "qwen2"
                ) -> dict[str, torch.Tensor]:
     """Hugging Face names -> llama.cpp's (what its convert script writes for Qwen2, Qwen3,
     Phi-3 and Gemma 3: no rope permutation; Gemma's norms stored as 1 + weight)."""
-    names = gguf_loader._GEMMA3_LAYER_NAMES if arch == "gemma3" else gguf_loader._LAYER_NAMES
+    names = gguf_loader.LAYER_NAMES.get(arch, gguf_loader._LAYER_NAMES)
     layer = {v: k for k, v in names.items()}
+    if arch == "olmo2":
+        layer["post_attention_layernorm"] = "attn_post_norm"
     layer["mlp.gate_up_proj"] = "ffn_up"  # Phi-3's gate and up, one tensor
     top = {v: k for k, v in gguf_loader._GLOBAL_NAMES.items()}
     out = {}
@@ -406,7 +408,7 @@ def gguf_names(hf_weights: dict[str, torch.Tensor], arch: str = "qwen2"
     return out
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma3", "smollm3", "granite"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma3", "smollm3", "granite", "olmo2"])
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "q8_0"])
 def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch: str,
                                                               quantized: bool) -> None:
@@ -415,8 +417,9 @@ def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch
     `phi3.attention.sliding_window`) and Gemma 3 (a windowed and a global layer by
     `gemma3.attention.sliding_window_pattern`, `post_attention_norm` / `post_ffw_norm`,
     norms stored as 1 + weight) and SmolLM3 (q/k permuted as Llama's, its fourth layer without
-    RoPE as llama.cpp fixes it) and Granite (permuted too; its four multipliers under llama.cpp's
-    keys), written as llama.cpp writes them: logits equal to
+    RoPE as llama.cpp fixes it), Granite (permuted too; its four multipliers under llama.cpp's
+    keys) and OLMo 2 (q and k normalised whole, `attn_post_norm` / `ffn_post_norm`), written
+    as llama.cpp writes them: logits equal to
     transformers' on the same weights up to float32 rounding; with the projections stored as
     Q8_0 (run on the kernels), transformers' on those weights' values up to the int8
     activations' rounding."""

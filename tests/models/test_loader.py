@@ -198,6 +198,7 @@ def test_broken_folder_files_are_load_errors_naming_them(tmp_path: Path) -> None
                                "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0],
                                "short_factor": [1.0, 1.1, 1.2, 1.1, 1.3, 1.0]}}),
     ("SmolLM3", {"no_rope_layer_interval": 2, "pad_token_id": None}),  # layer 2: no RoPE
+    ("Olmo2", {"pad_token_id": None}),  # norms after the sub-layers, q and k normed whole
 ])
 def test_a_folder_saved_by_transformers_gives_its_logits(tmp_path: Path, family: str,
                                                         extra: dict) -> None:

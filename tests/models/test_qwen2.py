@@ -74,7 +74,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 ARCHITECTURES = ["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite",
-                 "ministral"]
+                 "ministral", "olmo2"]
 
 
 @pytest.fixture(params=[(arch, packed) for packed in (False, True) for arch in ARCHITECTURES],
