@@ -152,12 +152,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="accepted for vLLM command lines: tool_choice \"auto\" is always on")
     group.add_argument("--tool-call-parser",
-                       choices=["hermes", "llama3_json", "mistral", "pythonic"],
+                       choices=["hermes", "llama3_json", "mistral", "phi4_mini_json",
+                                "pythonic"],
                        default="hermes",
                        help="accepted for vLLM command lines: braid reads these formats "
                             "whatever it says: hermes (Qwen's <tool_call> blocks), "
                             "llama3_json (Llama 3's bare JSON calls, after <|python_tag|>), "
-                            "mistral ([TOOL_CALLS] and a list of calls) and pythonic "
+                            "mistral ([TOOL_CALLS] and a list of calls), phi4_mini_json "
+                            "(Phi-4-mini's functools[...]) and pythonic "
                             "(Llama 3.2/4's [f(a=1), g(b=\"x\")])")
     group.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                        help="split a reasoning model's <think> block from its answer into "

@@ -6,7 +6,8 @@ The tools go to the model through its chat template; a call comes back as
 in, then its arguments text as it grows; text before and between calls streams as content).
 An output that is nothing but such a call without the tags (or a ```json block of one, or
 Llama 3's form: `<|python_tag|>` then {"name", "parameters"} objects, vLLM's llama3_json;
-Mistral's: `[TOOL_CALLS]` then a list of calls; or a Python list of calls with literal
+Mistral's: `[TOOL_CALLS]` then a list of calls; Phi-4-mini's: `functools` then a list of
+calls, vLLM's phi4_mini_json; or a Python list of calls with literal
 keyword arguments, `[get_weather(city="Paris"), ...]`, as Llama 3.2 and 4 write them, vLLM's
 pythonic) is a call too (`bare_calls`). `tool_choice`:
 - "none": the model sees the tools, its text stays text.
@@ -40,6 +41,8 @@ from braid.server.protocol import (
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # what Llama 3 writes before its calls
 MISTRAL_TAG = "[TOOL_CALLS]"  # what Mistral writes before its list of calls
+PHI4_TAG = "functools"  # what Phi-4-mini writes before its list of calls
+TAGS = (PYTHON_TAG, MISTRAL_TAG, PHI4_TAG)  # before bare calls, one at most
 
 
 def tool_mode(body: ChatCompletionRequest) -> str | None:
@@ -273,12 +276,15 @@ def partial_tag(text: str, tag: str) -> int:
 
 def bare_calls(text: str, names: set[str], limit: int | None) -> list[ToolCall]:
     """Calls written without `<tool_call>` tags: the whole output, fences, Llama 3's
-    `<|python_tag|>` and Mistral's `[TOOL_CALLS]` aside, is one call, a list of calls or
+    `<|python_tag|>`, Mistral's `[TOOL_CALLS]` and Phi-4-mini's `functools` aside, is one
+    call, a list of calls or
     calls one after another (with whitespace or Llama 3.2's "; " between), each {"name": a
     tool's name, "arguments" (or Llama 3's "parameters"): an object}. Small Qwen models
-    answer so too (Qwen2.5-Coder-1.5B writes a ```json block); vLLM's llama3_json and mistral
-    parsers read Llama 3's and Mistral's. Anything else stays text."""
-    body = text.strip().removeprefix(PYTHON_TAG).removeprefix(MISTRAL_TAG).strip()
+    answer so too (Qwen2.5-Coder-1.5B writes a ```json block); vLLM's llama3_json, mistral
+    and phi4_mini_json parsers read Llama 3's, Mistral's and Phi-4-mini's. Anything else stays
+    text."""
+    body = text.strip()
+    body = next((body.removeprefix(t).strip() for t in TAGS if body.startswith(t)), body)
     if body.startswith("```"):
         body = body.removeprefix("```json").removeprefix("```").removesuffix("```").strip()
     items = _json_values(body, separators=";") or _pythonic_calls(body)
@@ -349,10 +355,10 @@ def _argument_delta(index: int, arguments: str, sent: str) -> list[DeltaToolCall
 
 def _may_be_bare(text: str) -> bool:
     """The output so far could still be a bare call (whitespace, or it opens with JSON, a
-    fence or Llama 3's `<|python_tag|>`)."""
+    fence, Llama 3's `<|python_tag|>` or Phi-4-mini's `functools`)."""
     head = text.lstrip()
-    return (not head or head[0] in "{[`" or PYTHON_TAG.startswith(head)
-            or head.startswith(PYTHON_TAG))
+    return (not head or head[0] in "{[`"
+            or any(t.startswith(head) or head.startswith(t) for t in (PYTHON_TAG, PHI4_TAG)))
 
 
 _REQUIRED_HEAD = re.compile(r'\s*,?\s*\{\s*"name"\s*:\s*')

@@ -228,6 +228,11 @@ BARE = '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris", "
     ('[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "CET"}}, {"name": '
      '"get_weather", "arguments": {"city": "Oslo", "days": 2}}]', True),
     ("[TOOL_CALLS] not json", False),
+    # Phi-4-mini's (vLLM's phi4_mini_json parser): functools and a list
+    ('functools[{"name": "get_time", "arguments": {"zone": "CET"}}, {"name": '
+     '"get_weather", "arguments": {"city": "Oslo", "days": 2}}]', True),
+    ('functools[{"name": "get_time", "arguments": {}}] then', False),
+    ("functional programming", False), ("[TOOL_CALLS]functools[]", False),
     # Llama 3.2's pythonic form (vLLM's pythonic parser): literal keyword arguments only
     ('[get_time(zone="CET"), get_weather(city="Oslo", days=2)]', True),
     ("[get_time()]", True), ('[get_weather(city="Paris", days=[1, 2][0])]', False),
