@@ -30,7 +30,6 @@ from braid.worker.memory import (
 
 if TYPE_CHECKING:
     from braid.models.interface import CausalLM
-    from braid.worker.runner import ModelRunner
 
 logger = logging.getLogger("braid")
 
@@ -183,17 +182,13 @@ def load_target(config: EngineConfig, draft: bool) -> Target:
     return Target(model, tokenizer, defaults)
 
 
-def check_memory(config: EngineConfig, target: tuple[int, int], draft: ModelRunner | None
-                 ) -> None:
-    """The weights and KV caches (bytes: the target's, and the draft runner's) against the
-    machine's memory. The KV caches are mapped, not yet touched: one too large would fail
-    under load, not here, so it is refused now."""
+def check_memory(config: EngineConfig, weight_and_kv_bytes: tuple[int, int]) -> None:
+    """The weights and KV caches (bytes, the draft model's included: the executor's)
+    against the machine's memory. The KV caches are mapped, not yet touched: one too large
+    would fail under load, not here, so it is refused now."""
     if not config.device.startswith("cpu"):
         return
-    weights, kv = target
-    if draft is not None:
-        draft_weights, draft_kv = draft.weight_and_kv_bytes
-        weights, kv = weights + draft_weights, kv + draft_kv
+    weights, kv = weight_and_kv_bytes
     flag = "--kv-cache-gib" if config.num_kv_blocks is None else "--num-kv-blocks"
     refuse_beyond_memory(kv + weights, f"{flag}: the weights and KV caches (the draft's "
                          "included) take {:.1f} GiB, which does not")

@@ -77,9 +77,9 @@ class LLMEngine:
                                           self.outputs.eos_token_ids)
         self.step_inputs = StepInputs(self.blocks, model.config.vocab_size)
         self.runner = self.executor.runner  # the speculator's warm-up and draft share it
-        self.speculator = make_speculator(config, self.runner, self.scheduler, draft_model,
-                                          self.outputs.eos_token_ids, tokenizer)
-        check_memory(config, self.executor.weight_and_kv_bytes, self.speculator.draft_runner)
+        self.speculator = make_speculator(config, self.executor, self.scheduler, draft_model,
+                                          tokenizer, self.step_inputs.unsent)
+        check_memory(config, self.executor.weight_and_kv_bytes)
         self.speculator.release_windows(self.scheduler, model.config)
         self.stats = EngineStats(num_kv_blocks=num_blocks)
         self.structured = None if tokenizer is None else StructuredOutputManager(
@@ -222,9 +222,9 @@ class LLMEngine:
     def _propose(self, sched: SchedulerOutput) -> None:
         """Drafts for the next step (Speculation.next_drafts)."""
         self._forget_preempted(sched)
-        drafts, probs = self.speculator.next_drafts(self.scheduler)
+        drafts = self.speculator.next_drafts(self.scheduler)
         cuts = self.scheduler.update_draft_token_ids(drafts)
-        self.executor.set_draft_probs(probs, drafts, cuts)
+        self.executor.set_drafts(drafts, cuts)
 
     def _update(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         """Hand the step's tokens to the scheduler, then the figures and outputs of every

@@ -31,6 +31,11 @@ class StepInputs:
         self.known: dict[str, int] = {}  # request id -> the output tokens the worker has
         self.finished: list[str] = []  # known requests that ended since the last step
 
+    def unsent(self, req: Request) -> list[int]:
+        """`req`'s output tokens the worker has not been sent yet (those of its last step:
+        the next step it is scheduled in brings them)."""
+        return req.output_token_ids[self.known.get(req.request_id, 0) :]
+
     def forget(self, request_id: str) -> None:
         """The request ended: the worker drops it with the next step."""
         if self.known.pop(request_id, None) is not None:

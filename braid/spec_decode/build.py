@@ -4,6 +4,7 @@ loaded here unless one is given), the policy's state, and its warm-up forwards."
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import tokenizers
 import torch
 
 from braid.config import ConfigError, EngineConfig
+from braid.core.request import Request
 from braid.core.scheduler import Scheduler
 from braid.models.config import ModelConfig
 from braid.models.interface import CausalLM
@@ -21,20 +23,19 @@ from braid.spec_decode.proposer import Proposer
 from braid.spec_decode.speculator import Speculation, Speculator
 from braid.spec_decode.suffix import SuffixProposer, SuffixSettings
 from braid.tokenizer import Tokenizer
-from braid.worker.runner import ModelRunner
+from braid.worker.executor import InProcessExecutor
 
 logger = logging.getLogger("braid")
 
 TOKEN_SAMPLE = 1000  # token ids compared between the draft's tokenizer and the target's
 
 
-def make_speculator(cfg: EngineConfig, target: ModelRunner, scheduler: Scheduler,
-                    draft: CausalLM | None = None,
-                    eos_token_ids: frozenset[int] = frozenset(),
-                    tokenizer: Tokenizer | None = None) -> Speculation:
-    """Speculation off (the base class) without `speculative_config`. `eos_token_ids` are
-    the target's (the draft's sampling rows suppress and fall back to them as the target's
-    do); a draft loaded here must share `tokenizer`, the target's."""
+def make_speculator(cfg: EngineConfig, executor: InProcessExecutor, scheduler: Scheduler,
+                    draft: CausalLM | None = None, tokenizer: Tokenizer | None = None,
+                    unsent: Callable[[Request], list[int]] = lambda req: []) -> Speculation:
+    """Speculation off (the base class) without `speculative_config`. A draft model (loaded
+    here unless given) runs behind `executor` and must share `tokenizer`, the target's;
+    `unsent`: a request's outputs the executor has not been sent yet (StepInputs.unsent)."""
     spec = cfg.spec_config
     if spec is None:
         return Speculation()
@@ -45,14 +46,13 @@ def make_speculator(cfg: EngineConfig, target: ModelRunner, scheduler: Scheduler
         proposer = SuffixProposer(SuffixSettings.of(spec))
     else:
         draft = draft or _load_draft(cfg, tokenizer)
-        check_draft(cfg, target.model.config, draft.config)
-        kv_dtype = cfg.kv_dtype(draft.dtype, draft.quant_type is not None)
-        proposer = DraftModelProposer(draft, scheduler.blocks, cfg.block_size, target.device,
-                                      spec, kv_dtype, eos_token_ids)
+        check_draft(cfg, executor.runner.model.config, draft.config)
+        executor.start_draft(draft, spec, cfg.kv_dtype(draft.dtype, draft.quant_type is not None))
+        proposer = DraftModelProposer(executor, draft.config, scheduler.blocks, spec, unsent)
     assert cfg.max_model_len is not None
     speculator = Speculator(spec, proposer, cfg.max_model_len,
                             None if cfg.target_itl_ms is None else cfg.target_itl_ms / 1e3)
-    speculator.warm_up(target, scheduler)
+    speculator.warm_up(executor.runner, scheduler)
     return speculator
 
 

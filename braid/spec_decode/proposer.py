@@ -5,28 +5,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-import torch
-
 from braid.core.request import Request
+from braid.worker.draft import DraftForward
 from braid.worker.runner import ModelRunner
-
-
-@dataclass(slots=True)
-class DraftForward:
-    """One forward a proposer ran: what the speculation cost model learns from."""
-
-    num_tokens: int  # query tokens
-    num_rows: int  # logits rows (requests drafting in it)
-    seconds: float
 
 
 @dataclass(slots=True)
 class Proposal:
     drafts: list[list[int]]  # per request, in the order asked
     forwards: list[DraftForward] = field(default_factory=list)
-    # Per request, the q [k, V] its drafts were sampled from (rejection sampling needs it);
-    # None for one-hot drafts (greedy, n-gram), or when no request has one.
-    probs: list[torch.Tensor | None] | None = None
 
 
 class Proposer(ABC):

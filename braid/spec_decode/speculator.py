@@ -11,8 +11,6 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from braid.config import SpecConfig
 from braid.core.request import Request
 from braid.core.scheduler import RequestUpdate, Scheduler
@@ -65,13 +63,12 @@ class Speculation:
         """Prefill tokens the next step may carry (None: no cap)."""
         return None
 
-    def propose(self, scheduler: Scheduler
-                ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
-        """Drafts for the next step by request id, and the q [k, V] of sampled ones."""
-        return {}, {}
+    def propose(self, scheduler: Scheduler) -> dict[str, list[int]]:
+        """Drafts for the next step by request id (the q rows of sampled ones stay in the
+        worker: Executor.set_drafts)."""
+        return {}
 
-    def next_drafts(self, scheduler: Scheduler
-                    ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+    def next_drafts(self, scheduler: Scheduler) -> dict[str, list[int]]:
         """`propose`, where a proposer that raises costs this step's drafts only: the draft
         model's progress is forgotten (it catches up later), and a request at fault fails
         alone in the next target step, which meets the same fault."""
@@ -81,7 +78,7 @@ class Speculation:
             logger.exception("proposing drafts failed; this step goes without")
             for req in scheduler.running:
                 self.forget(req.request_id)
-            return {}, {}
+            return {}
 
     def observe_step(self, tokens: int, attention: int, rows: int, seconds: float) -> None:
         """A target step's size and duration (the cost model's evidence)."""
@@ -120,12 +117,12 @@ class Speculation:
         window, have the scheduler give back each request's blocks before the largest one,
         counted from what both models still compute (a draft model catches up on its own KV:
         from where its progress stops)."""
-        runner = self.draft_runner
-        windows = [target.kv_window] + ([] if runner is None else [runner.model.config.kv_window])
+        draft = self.draft_config
+        windows = [target.kv_window] + ([] if draft is None else [draft.kv_window])
         if None in windows:
             return
         scheduler.sliding_window = max(w for w in windows if w is not None)
-        if runner is not None:
+        if draft is not None:
             lag = self.proposer_lag
             scheduler.kv_floor = lambda req: min(req.num_computed_tokens,
                                                  req.num_tokens - lag(req))
@@ -133,6 +130,11 @@ class Speculation:
     def proposer_lag(self, req: Request) -> int:
         """Tokens of `req` the proposer has yet to process (its draft model's catch-up)."""
         return 0
+
+    @property
+    def draft_config(self) -> ModelConfig | None:
+        """The draft model's config, where one drafts."""
+        return None
 
 
 class Speculator(Speculation):
@@ -174,10 +176,8 @@ class Speculator(Speculation):
 
     # ---- per step -----------------------------------------------------------------------
 
-    def propose(self, scheduler: Scheduler
-                ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
-        """Drafts for the next step of every running request, by request id, and the q
-        [k, V] of those the proposer sampled (for rejection sampling)."""
+    def propose(self, scheduler: Scheduler) -> dict[str, list[int]]:
+        """Drafts for the next step of every running request, by request id."""
         windows = [Window(r, 0 if r.is_prefilling else self._cap(r))
                    for r in scheduler.running]
         found = self._free_drafts(windows)
@@ -204,11 +204,7 @@ class Speculator(Speculation):
             # found, not worth verifying by the estimate: it ages, so the source is tried
             # again in time
             self.free_acceptance[source].age()
-        drafts = {w.req.request_id: w.drafts for w in windows}
-        probs = {} if proposal.probs is None else {
-            w.req.request_id: q for w, q in zip(windows, proposal.probs, strict=True)
-            if q is not None}
-        return drafts, probs
+        return {w.req.request_id: w.drafts for w in windows}
 
     def _account(self, w: Window) -> None:
         """What a decoding request's window tells the estimators and the policy."""
@@ -348,6 +344,10 @@ class Speculator(Speculation):
     @property
     def draft_runner(self) -> ModelRunner | None:
         return self.proposer.runner
+
+    @property
+    def draft_config(self) -> ModelConfig | None:
+        return getattr(self.proposer, "config", None)
 
     def proposer_lag(self, req: Request) -> int:
         return self.proposer.lag(req)

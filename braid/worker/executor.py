@@ -1,6 +1,7 @@
 """The engine's one way to the tensors. An Executor runs a step's forward and sampling over
-what the scheduler decided, and keeps the draft's probabilities until the window that
-verifies them; the engine orchestrates and never touches a tensor itself.
+what the scheduler decided, and the draft model's forwards over the spans the proposer names,
+keeping the draft's probabilities until the window that verifies them; the engine
+orchestrates and never touches a tensor itself.
 
 A step comes as a `StepInput` and goes back as a `StepResult` (step_io.py): plain records
 that pickle, so an executor may run the model in other processes or on other machines
@@ -12,11 +13,13 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-from braid.config import EngineConfig
+from braid.config import EngineConfig, SpecConfig
 from braid.models.interface import CausalLM
+from braid.worker.draft import DraftResult, DraftSpan, DraftWorker
 from braid.worker.runner import ModelRunner
 from braid.worker.step import StepSampler, WorkerRequest, score_prompts
 from braid.worker.step_io import StepInput, StepResult
@@ -31,14 +34,40 @@ class Executor(ABC):
         are taken in before anything that can fail."""
 
     @abstractmethod
-    def set_draft_probs(self, probs: Mapping[str, torch.Tensor],
-                        drafts: Mapping[str, list[int]], cuts: Mapping[str, int]) -> None:
-        """The q [k, V] of the drafts just proposed, by request id (StepSampler's)."""
+    def start_draft(self, model: CausalLM, spec: SpecConfig, kv_dtype: torch.dtype) -> None:
+        """Run `model` as the draft model (its own KV cache on the target's block layout)."""
+
+    @abstractmethod
+    def propose_drafts(self, spans: list[DraftSpan], grammars: Mapping[str, Any]
+                       ) -> DraftResult:
+        """The draft model's drafts for each span (DraftWorker.propose); the q rows of
+        sampled ones stay here until `set_drafts`. `grammars`: each span's request's live
+        grammar, by request id, where it has one (objects of the engine's: an executor in
+        another process would draft those requests without them, a draft the target's
+        grammar then cuts, never a wrong token)."""
+
+    @abstractmethod
+    def set_drafts(self, drafts: Mapping[str, list[int]], cuts: Mapping[str, int]) -> None:
+        """The drafts the next step verifies, by request id (those of every running request:
+        they replace the last ones), and where a grammar cut them
+        (Scheduler.update_draft_token_ids): the draft model's q rows of those it drafted go
+        to the sampler (StepSampler.set_draft_probs)."""
 
     @property
     @abstractmethod
     def weight_and_kv_bytes(self) -> tuple[int, int]:
-        """The target's weights and KV cache, in bytes (the memory check)."""
+        """The weights and KV caches, in bytes, the draft model's included (the memory
+        check)."""
+
+    @property
+    def draft_runner(self) -> ModelRunner | None:
+        """The draft model's runner where it runs in this process (warm-up timing)."""
+        return None
+
+    @property
+    def draft_coarse_head(self) -> bool:
+        """Whether the draft's greedy forwards take its two-stage LM head."""
+        return False
 
     def shutdown(self) -> None:  # noqa: B027 - nothing to release in process
         """Release what it holds (processes, connections)."""
@@ -51,6 +80,9 @@ class InProcessExecutor(Executor):
         self.runner = ModelRunner(model, num_blocks, config.block_size, device, kv_dtype)
         self.sampler = StepSampler(device, eos_token_ids, config.spec_config)
         self.requests: dict[str, WorkerRequest] = {}  # by request id, until it finishes
+        self.block_size, self.num_blocks = config.block_size, num_blocks
+        self.eos_token_ids = eos_token_ids
+        self.draft: DraftWorker | None = None
 
     def execute(self, step: StepInput) -> StepResult:
         self._take_in(step)
@@ -71,10 +103,32 @@ class InProcessExecutor(Executor):
         for s in step.spans:
             self.requests[s.request_id].output_token_ids += s.new_output_ids
 
-    def set_draft_probs(self, probs: Mapping[str, torch.Tensor],
-                        drafts: Mapping[str, list[int]], cuts: Mapping[str, int]) -> None:
-        self.sampler.set_draft_probs(probs, drafts, cuts)
+    def start_draft(self, model: CausalLM, spec: SpecConfig, kv_dtype: torch.dtype) -> None:
+        self.draft = DraftWorker(model, self.num_blocks, self.block_size, self.runner.device,
+                                 spec, kv_dtype, self.eos_token_ids)
+
+    def propose_drafts(self, spans: list[DraftSpan], grammars: Mapping[str, Any]
+                       ) -> DraftResult:
+        assert self.draft is not None, "no draft model (start_draft)"
+        return self.draft.propose(spans, self.requests, grammars)
+
+    def set_drafts(self, drafts: Mapping[str, list[int]], cuts: Mapping[str, int]) -> None:
+        probs = {} if self.draft is None else self.draft.probs
+        self.sampler.set_draft_probs({rid: q for rid, q in probs.items() if drafts.get(rid)},
+                                     drafts, cuts)
 
     @property
     def weight_and_kv_bytes(self) -> tuple[int, int]:
-        return self.runner.weight_and_kv_bytes
+        weights, kv = self.runner.weight_and_kv_bytes
+        if self.draft is not None:
+            draft_weights, draft_kv = self.draft.runner.weight_and_kv_bytes
+            weights, kv = weights + draft_weights, kv + draft_kv
+        return weights, kv
+
+    @property
+    def draft_runner(self) -> ModelRunner | None:
+        return None if self.draft is None else self.draft.runner
+
+    @property
+    def draft_coarse_head(self) -> bool:
+        return self.draft is not None and self.draft.coarse_head

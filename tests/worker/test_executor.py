@@ -1,5 +1,6 @@
-"""A step reaches the executor as plain records (braid/worker/step_io.py): pickled whole each
-way, with no scheduler object inside, it gives every request the tokens, logprobs and prompt
+"""A step reaches the executor as plain records (braid/worker/step_io.py), and so do the draft
+model's calls (braid/worker/draft.py): pickled whole each way, with no scheduler object
+inside, it gives every request the tokens, logprobs and prompt
 logprobs the in-process step gives, over many steps (prefill chunks, decodes, preemption,
 speculation windows, grammars, penalties, bad words, an abort, a second batch after the
 engine went idle), and the worker forgets the requests that ended."""
@@ -14,11 +15,15 @@ from typing import Any
 import pytest
 import torch
 
+from braid.config import SpecConfig
 from braid.engine import grammars
 from braid.engine.engine import LLMEngine
+from braid.models.interface import CausalLM
 from braid.outputs import RequestOutput
 from braid.sampling_params import SamplingParams, StructuredOutputsParams
+from braid.spec_decode.draft import DraftModelProposer
 from braid.tokenizer import Tokenizer
+from braid.worker.draft import DraftResult, DraftSpan
 from braid.worker.executor import Executor, InProcessExecutor
 from braid.worker.step_io import StepInput, StepResult
 from tests.engine.test_engine import make_engine
@@ -28,7 +33,7 @@ from tests.tiny import byte_tokenizer
 TOKENIZER = Tokenizer(byte_tokenizer(), {"eos_token": "<|endoftext|>"})
 # The braid modules a step's records may name; the scheduler's and the engine's never.
 RECORDS = {"braid.worker.step_io", "braid.worker.runner", "braid.sampling_params",
-           "braid.outputs", "braid.bad_words"}
+           "braid.outputs", "braid.bad_words", "braid.worker.draft"}
 
 
 class RecordsOnly(pickle.Unpickler):
@@ -49,15 +54,24 @@ class PicklingExecutor(Executor):
     def __init__(self, inner: InProcessExecutor) -> None:
         self.inner = inner
         self.steps: list[StepInput] = []
+        self.draft_calls: list[list[DraftSpan]] = []
 
     def execute(self, step: StepInput) -> StepResult:
         step = across(step)
         self.steps.append(step)
         return across(self.inner.execute(step))
 
-    def set_draft_probs(self, probs: Mapping[str, torch.Tensor],
-                        drafts: Mapping[str, list[int]], cuts: Mapping[str, int]) -> None:
-        self.inner.set_draft_probs(*across((dict(probs), dict(drafts), dict(cuts))))
+    def start_draft(self, model: CausalLM, spec: SpecConfig, kv_dtype: torch.dtype) -> None:
+        self.inner.start_draft(model, spec, kv_dtype)
+
+    def propose_drafts(self, spans: list[DraftSpan], grammars: Mapping[str, Any]
+                       ) -> DraftResult:
+        spans = across(spans)
+        self.draft_calls.append(spans)
+        return across(self.inner.propose_drafts(spans, grammars))  # (grammars: live objects)
+
+    def set_drafts(self, drafts: Mapping[str, list[int]], cuts: Mapping[str, int]) -> None:
+        self.inner.set_drafts(*across((dict(drafts), dict(cuts))))
 
     @property
     def weight_and_kv_bytes(self) -> tuple[int, int]:
@@ -126,11 +140,18 @@ def test_a_pickled_step_gives_what_the_in_process_step_gives(
     inner = engine.executor
     assert isinstance(inner, InProcessExecutor)
     engine.executor = PicklingExecutor(inner)
+    proposer = getattr(engine.speculator, "proposer", None)
+    if isinstance(proposer, DraftModelProposer):  # its draft model's forwards too
+        proposer.executor = engine.executor
     got = outputs(engine)
     assert got == expected
     assert engine.stats.num_preemptions > 0
     if speculation is not None:
         assert any(s.num_spec_tokens for step in engine.executor.steps for s in step.spans)
+    if speculation == "draft_model":  # the draft's calls crossed too, with the outputs the
+        # worker had not been sent
+        calls = engine.executor.draft_calls
+        assert any(s.new_output_ids for spans in calls for s in spans)
     assert any(s.grammar_bitmask is not None for step in engine.executor.steps
                for s in step.spans)
     # each request's fixed parts crossed once; the worker holds none of the ended requests
