@@ -76,7 +76,7 @@ class LLMEngine:
         self.executor = InProcessExecutor(config, model, num_blocks, kv_dtype,
                                           self.outputs.eos_token_ids)
         self.step_inputs = StepInputs(self.blocks, model.config.vocab_size)
-        self.runner = self.executor.runner  # the speculator's warm-up and draft share it
+        self.runner = self.executor.runner  # the target's (engine/process.py reads its cache)
         self.speculator = make_speculator(config, self.executor, self.scheduler, draft_model,
                                           tokenizer, self.step_inputs.unsent)
         check_memory(config, self.executor.weight_and_kv_bytes)
