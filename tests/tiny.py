@@ -25,8 +25,9 @@ def tiny_config(arch: str = "qwen2", **overrides: object) -> ModelConfig:
         tie_word_embeddings=arch == "qwen2", attention_bias=arch == "qwen2",
         bos_token_id=256, eos_token_id=256,
     )
-    if arch == "ministral":  # a windowed layer (shorter than the prompts) and a global one
-        values |= dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    if arch in ("ministral", "olmo3"):  # a windowed layer (shorter than the prompts) and a
+        values |= dict(sliding_window=8,  # global one
+                       layer_types=["sliding_attention", "full_attention"])
     if arch == "granite":  # multipliers far from 1, so each one shows
         values |= dict(embedding_multiplier=3.0, residual_multiplier=0.5,
                        attention_multiplier=0.1, logits_scaling=4.0)
@@ -34,7 +35,9 @@ def tiny_config(arch: str = "qwen2", **overrides: object) -> ModelConfig:
         values |= dict(tie_word_embeddings=True, sliding_window=8, rope_local_theta=10000.0,
                        query_pre_attn_scalar=24, layer_types=gemma3_layer_types(2, 2))
     values.update(overrides)
-    if ("num_hidden_layers" in overrides and arch in ("gemma3", "ministral")
+    if arch == "olmo3" and "rope_local_theta" not in overrides:  # its windowed layers' RoPE:
+        values["rope_local_theta"] = values["rope_theta"]  # the model's base, unscaled
+    if ("num_hidden_layers" in overrides and arch in ("gemma3", "ministral", "olmo3")
             and "layer_types" not in overrides):
         values["layer_types"] = gemma3_layer_types(int(values["num_hidden_layers"]), 2)
     return ModelConfig(**values)

@@ -29,7 +29,7 @@ Weights = Iterator[tuple[str, torch.Tensor | QuantWeight]]
 # config.json's architecture -> the model class that runs it (models/config.py reads it)
 FAMILIES: dict[str, type[Qwen2ForCausalLM]] = {
     name: Qwen2ForCausalLM for name in SUPPORTED_ARCHITECTURES} | {
-    "gemma3": Gemma3ForCausalLM, "olmo2": Olmo2ForCausalLM}
+    "gemma3": Gemma3ForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo2ForCausalLM}
 
 
 def load_model(

@@ -9,16 +9,22 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3",
-                           "granite", "ministral", "olmo2")
+                           "granite", "ministral", "olmo2", "olmo3")
 HF_CLASSES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
               "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
               "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
               "gemma3": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM",
-              "ministral": "MinistralForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+              "ministral": "MinistralForCausalLM", "olmo2": "Olmo2ForCausalLM",
+              "olmo3": "Olmo3ForCausalLM"}
 HF_MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the name
 # Architectures whose config.json `sliding_window` applies (to every layer, or to the layers
 # `layer_types` names; Qwen2's needs use_sliding_window as well, and is refused then).
-SLIDING_WINDOW_ARCHITECTURES = ("mistral", "phi3", "gemma3", "ministral")
+SLIDING_WINDOW_ARCHITECTURES = ("mistral", "phi3", "gemma3", "ministral", "olmo3")
+# Architectures whose config.json gives each layer type its own RoPE (rope_parameters by
+# "full_attention" / "sliding_attention"): the windowed layers run theirs unscaled
+TYPED_ROPE_ARCHITECTURES = ("gemma3", "olmo3")
+# OLMo 3: every fourth layer attends globally, the others in the window (transformers')
+OLMO3_GLOBAL_EVERY = 4
 LAYER_TYPES = ("sliding_attention", "full_attention")
 # Architectures whose RoPE may turn only the first part of each head (Phi-4-mini's
 # partial_rotary_factor)
@@ -195,6 +201,7 @@ class ModelConfig:
                                                                      d.get("model_type", ""))
         heads = d["num_attention_heads"]
         gemma = arch == "gemma3"
+        typed = "full_attention" if arch in TYPED_ROPE_ARCHITECTURES else None
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -207,14 +214,13 @@ class ModelConfig:
             head_dim=d.get("head_dim") or (
                 d["hidden_size"] // heads if isinstance(heads, int) and heads > 0 else 0),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(d, "full_attention" if gemma else None,
-                                   1e6 if gemma else 1e4),
+            rope_theta=_rope_theta(d, typed, 1e6 if gemma else 1e4),
             max_position_embeddings=d.get("max_position_embeddings", 32768),
             tie_word_embeddings=d.get("tie_word_embeddings", gemma),
             attention_bias=d.get("attention_bias", arch == "qwen2"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
-            rope_scaling=_rope_scaling(d, "full_attention" if gemma else None),
+            rope_scaling=_rope_scaling(d, typed),
             partial_rotary_factor=d.get("partial_rotary_factor", _rope_parameters(d, None).get(
                 "partial_rotary_factor", 1.0)),
             sliding_window=(d.get("sliding_window") if arch in SLIDING_WINDOW_ARCHITECTURES
@@ -224,6 +230,7 @@ class ModelConfig:
             **({k: d.get(k, 1.0) for k in GRANITE_FIELDS} if arch == "granite" else {}),
             # Ministral: Mistral with windowed and global layers (all windowed by default)
             **({"layer_types": d.get("layer_types")} if arch == "ministral" else {}),
+            **(_olmo3_fields(d) if arch == "olmo3" else {}),
         )
 
     @property
@@ -268,6 +275,12 @@ class ModelConfig:
         return self.architecture == "gemma3"
 
     @property
+    def olmo(self) -> bool:
+        """OLMo 2's layer (OLMo 3's too): norms after attention and the MLP, none before; q
+        and k normalised across all their heads."""
+        return self.architecture in ("olmo2", "olmo3")
+
+    @property
     def fused_weights(self) -> bool:
         """Checkpoints store q/k/v as one qkv_proj and gate/up as one gate_up_proj: Phi-3."""
         return self.architecture == "phi3"
@@ -297,9 +310,10 @@ class ModelConfig:
         d["hidden_act"] = "silu"
         d["pad_token_id"] = None  # (Phi-3's default, 32000, lies outside small vocabularies)
         d["torch_dtype"] = "float32"
-        if self.gemma:  # transformers 5 reads each layer type's RoPE from rope_parameters
+        if self.gemma:
             d["hidden_activation"] = d["hidden_act"] = "gelu_pytorch_tanh"
-            full = {"rope_type": "default", **(self.rope_scaling or {}),
+        if self.architecture in TYPED_ROPE_ARCHITECTURES:  # transformers 5 reads each layer
+            full = {"rope_type": "default", **(self.rope_scaling or {}),  # type's RoPE here
                     "rope_theta": self.rope_theta}
             d["rope_parameters"] = {
                 "full_attention": full,
@@ -309,10 +323,12 @@ class ModelConfig:
             for key in ("rope_theta", "rope_scaling", "rope_local_theta"):
                 d.pop(key)
         else:  # (transformers warns of a Mistral config with layer_types, even null)
-            for key in ("layer_types", "rope_local_theta", "query_pre_attn_scalar",
-                        "final_logit_softcapping"):
+            for key in ("layer_types", "rope_local_theta"):
                 if key != "layer_types" or self.architecture != "ministral":
                     d.pop(key)
+        if not self.gemma:
+            for key in ("query_pre_attn_scalar", "final_logit_softcapping"):
+                d.pop(key)
         if self.architecture != "granite":
             for key in GRANITE_FIELDS:
                 d.pop(key)
@@ -323,7 +339,7 @@ class ModelConfig:
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
         q = self.num_attention_heads * self.head_dim
         attn = (h * (q + 2 * kv) + q * h + (q + 2 * kv) * self.attention_bias
-                + 2 * self.head_dim * self.qk_norm + (q + kv) * (self.architecture == "olmo2"))
+                + 2 * self.head_dim * self.qk_norm + (q + kv) * self.olmo)
         layer = attn + 3 * h * self.intermediate_size + (4 if self.gemma else 2) * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_hidden_layers * layer + h + head
@@ -429,6 +445,21 @@ def _gemma3_fields(d: dict[str, Any]) -> dict[str, Any]:
                                       local.get("rope_theta", GEMMA3_LOCAL_ROPE_THETA)),
             "query_pre_attn_scalar": d.get("query_pre_attn_scalar", 256),
             "final_logit_softcapping": d.get("final_logit_softcapping")}
+
+
+def _olmo3_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """OLMo 3's layer types (every fourth layer global unless listed) and its windowed layers'
+    RoPE: rope_theta, unscaled (transformers' sliding_attention parameters)."""
+    layers = d.get("num_hidden_layers")
+    types = d.get("layer_types")
+    if types is None and isinstance(layers, int):
+        types = gemma3_layer_types(layers, OLMO3_GLOBAL_EVERY)
+    local = _rope_parameters(d, "sliding_attention")
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_parameters.sliding_attention of type {local['rope_type']!r} is "
+                         "not supported (OLMo 3's windowed layers run plain RoPE)")
+    return {"layer_types": types,
+            "rope_local_theta": local.get("rope_theta", _rope_theta(d, "full_attention", 1e4))}
 
 
 def gemma3_layer_types(layers: int, global_every: int = GEMMA3_GLOBAL_EVERY) -> list[str]:

@@ -29,7 +29,9 @@ from tqdm import tqdm
 
 from braid.files import ModelLoadError, cache_root
 from braid.models.config import (
+    GEMMA3_GLOBAL_EVERY,
     GEMMA3_LOCAL_ROPE_THETA,
+    OLMO3_GLOBAL_EVERY,
     SLIDING_WINDOW_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
@@ -67,7 +69,8 @@ _GEMMA3_LAYER_NAMES = _LAYER_NAMES | {"ffn_norm": "pre_feedforward_layernorm"}
 # OLMo 2's norms after attention and after the MLP (it has none before them)
 _OLMO2_LAYER_NAMES = _LAYER_NAMES | {"attn_post_norm": "post_attention_layernorm",
                                      "ffn_post_norm": "post_feedforward_layernorm"}
-LAYER_NAMES = {"gemma3": _GEMMA3_LAYER_NAMES, "olmo2": _OLMO2_LAYER_NAMES}  # else _LAYER_NAMES
+LAYER_NAMES = {"gemma3": _GEMMA3_LAYER_NAMES, "olmo2": _OLMO2_LAYER_NAMES,  # else _LAYER_NAMES
+               "olmo3": _OLMO2_LAYER_NAMES}
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -226,10 +229,12 @@ def config_from_metadata(
     if "token_embd.weight" not in shapes:
         raise ModelLoadError(f"GGUF {source} has no token_embd.weight tensor")
     rope_scaling = _rope_scaling(meta, arch, key, source, rope_tensors or {})
+    # llama.cpp writes OLMo 3 as olmo2 with a window
+    family = "olmo3" if arch == "olmo2" and meta.get("olmo2.attention.sliding_window") else arch
     try:
         hidden, heads = int(key("embedding_length")), _single_int(key("attention.head_count"))
         return ModelConfig(
-            architecture=arch,
+            architecture=family,
             # The embedding's rows, which may exceed the token list (padding rows), size it.
             vocab_size=shapes["token_embd.weight"][0],
             hidden_size=hidden,
@@ -249,13 +254,14 @@ def config_from_metadata(
             rope_scaling=rope_scaling,
             # (0: none, as llama.cpp writes Phi-4-mini's)
             sliding_window=(meta.get(f"{arch}.attention.sliding_window") or None
-                            if arch in SLIDING_WINDOW_ARCHITECTURES else None),
+                            if family in SLIDING_WINDOW_ARCHITECTURES else None),
             partial_rotary_factor=_partial_rotary(key, hidden, heads),
             **(_gemma3_fields(meta, hidden, heads) if arch == "gemma3" else {}),
             # llama.cpp's SmolLM3: every fourth layer without RoPE, as transformers' default
             no_rope_layers=([int((i + 1) % 4 != 0) for i in range(int(key("block_count")))]
                             if arch == "smollm3" else None),
             **(_granite_fields(meta, source) if arch == "granite" else {}),
+            **(_olmo3_fields(meta) if family == "olmo3" else {}),
         )
     except ModelLoadError:  # a missing key, named already
         raise
@@ -340,18 +346,33 @@ def _granite_fields(meta: dict[str, Any], source: Path) -> dict[str, Any]:
     return fields
 
 
+def _layer_types(meta: dict[str, Any], arch: str, global_every: int) -> list[str]:
+    """Each layer windowed or global: as the file lists them (llama.cpp's
+    sliding_window_pattern, a flag per layer or a period), else every `global_every`-th
+    global (what llama.cpp fixes for the family)."""
+    layers = int(meta[f"{arch}.block_count"])
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list) and len(pattern) == layers:
+        return ["sliding_attention" if p else "full_attention" for p in pattern]
+    if isinstance(pattern, int) and pattern > 0:
+        return gemma3_layer_types(layers, pattern)
+    return gemma3_layer_types(layers, global_every)
+
+
+def _olmo3_fields(meta: dict[str, Any]) -> dict[str, Any]:
+    """OLMo 3 in llama.cpp's olmo2 file: its layer types (every fourth global by default) and
+    its windowed layers' RoPE (freq_base_swa, else the model's, unscaled)."""
+    base = meta.get("olmo2.rope.freq_base_swa", meta.get("olmo2.rope.freq_base", 10000.0))
+    return {"layer_types": _layer_types(meta, "olmo2", OLMO3_GLOBAL_EVERY),
+            "rope_local_theta": _f32_to_float(base)}
+
+
 def _gemma3_fields(meta: dict[str, Any], hidden: int, heads: int) -> dict[str, Any]:
     """What llama.cpp fixes for Gemma 3 rather than storing: every sixth layer global (unless
     the file lists the windowed layers), RoPE base 10,000 in the window, scores scaled by
     1 / sqrt(head size), except the 27B model's 1 / sqrt(hidden / heads)."""
     layers = int(meta["gemma3.block_count"])
-    pattern = meta.get("gemma3.attention.sliding_window_pattern")  # (llama.cpp's set_swa_pattern)
-    if isinstance(pattern, list) and len(pattern) == layers:
-        types = ["sliding_attention" if p else "full_attention" for p in pattern]
-    elif isinstance(pattern, int) and pattern > 0:
-        types = gemma3_layer_types(layers, pattern)
-    else:
-        types = gemma3_layer_types(layers)
+    types = _layer_types(meta, "gemma3", GEMMA3_GLOBAL_EVERY)
     head_dim = int(meta.get("gemma3.attention.key_length", hidden // max(heads, 1)))
     cap = meta.get("gemma3.final_logit_softcapping")
     return {"layer_types": types,

@@ -718,7 +718,7 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.gemma:
             shapes |= {p + "pre_feedforward_layernorm.weight": (h,),
                        p + "post_feedforward_layernorm.weight": (h,)}
-        if cfg.architecture == "olmo2":  # q and k normalised whole; no norm before a sub-layer
+        if cfg.olmo:  # q and k normalised whole; no norm before a sub-layer
             del shapes[p + "input_layernorm.weight"]
             shapes |= {p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,),
                        p + "post_feedforward_layernorm.weight": (h,)}

@@ -391,7 +391,7 @@ def gguf_names(hf_weights: dict[str, torch.Tensor], arch: str = "qwen2"
     Phi-3 and Gemma 3: no rope permutation; Gemma's norms stored as 1 + weight)."""
     names = gguf_loader.LAYER_NAMES.get(arch, gguf_loader._LAYER_NAMES)
     layer = {v: k for k, v in names.items()}
-    if arch == "olmo2":
+    if arch in ("olmo2", "olmo3"):
         layer["post_attention_layernorm"] = "attn_post_norm"
     layer["mlp.gate_up_proj"] = "ffn_up"  # Phi-3's gate and up, one tensor
     top = {v: k for k, v in gguf_loader._GLOBAL_NAMES.items()}
@@ -408,7 +408,8 @@ def gguf_names(hf_weights: dict[str, torch.Tensor], arch: str = "qwen2"
     return out
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma3", "smollm3", "granite", "olmo2"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma3", "smollm3", "granite", "olmo2",
+                                  "olmo3"])
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "q8_0"])
 def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch: str,
                                                               quantized: bool) -> None:
@@ -418,16 +419,16 @@ def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch
     `gemma3.attention.sliding_window_pattern`, `post_attention_norm` / `post_ffw_norm`,
     norms stored as 1 + weight) and SmolLM3 (q/k permuted as Llama's, its fourth layer without
     RoPE as llama.cpp fixes it), Granite (permuted too; its four multipliers under llama.cpp's
-    keys) and OLMo 2 (q and k normalised whole, `attn_post_norm` / `ffn_post_norm`), written
-    as llama.cpp writes them: logits equal to
-    transformers' on the same weights up to float32 rounding; with the projections stored as
-    Q8_0 (run on the kernels), transformers' on those weights' values up to the int8
+    keys) and OLMo 2 (q and k normalised whole, `attn_post_norm` / `ffn_post_norm`; OLMo 3
+    as an olmo2 file with a window and its pattern), written as llama.cpp writes them: logits
+    equal to transformers' on the same weights up to float32 rounding; with the projections
+    stored as Q8_0 (run on the kernels), transformers' on those weights' values up to the int8
     activations' rounding."""
     from braid.models.build import load_model
     from tests.models.test_qwen2 import PagedRun
     from tests.tiny import hf_model, tiny_config
 
-    window = {"phi3": 200, "gemma3": 4}.get(arch)  # (Gemma's shorter than the prompt)
+    window = {"phi3": 200, "gemma3": 4, "olmo3": 4}.get(arch)  # (shorter than the prompt)
     overrides: dict = {}
     if arch == "gemma3":
         overrides = {"query_pre_attn_scalar": HEAD_DIM}  # llama.cpp's
@@ -453,7 +454,7 @@ def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch
             blocks, qtype = tensors[name]
             tensors[name] = (llama_cpp_permute(blocks, heads), qtype)
     extra = {"sliding_window": window} if window else {}
-    if arch == "gemma3":
+    if arch in ("gemma3", "olmo3"):
         extra["sliding_window_pattern"] = [True, False]
     if arch == "smollm3":
         extra["block_count"] = 4
@@ -461,7 +462,7 @@ def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch
         extra |= {"embedding_scale": cfg.embedding_multiplier, "logit_scale": cfg.logits_scaling,
                   "residual_scale": cfg.residual_multiplier,
                   "attention_scale": cfg.attention_multiplier}
-    path = write_gguf(tmp_path / f"{arch}.gguf", arch, tensors,
+    path = write_gguf(tmp_path / f"{arch}.gguf", "olmo2" if arch == "olmo3" else arch, tensors,
                       hparams(key_length=HEAD_DIM, value_length=HEAD_DIM, **extra))
     model, _ = load_model(str(path))
     assert model.config.architecture == arch

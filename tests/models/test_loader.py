@@ -199,6 +199,10 @@ def test_broken_folder_files_are_load_errors_naming_them(tmp_path: Path) -> None
                                "short_factor": [1.0, 1.1, 1.2, 1.1, 1.3, 1.0]}}),
     ("SmolLM3", {"no_rope_layer_interval": 2, "pad_token_id": None}),  # layer 2: no RoPE
     ("Olmo2", {"pad_token_id": None}),  # norms after the sub-layers, q and k normed whole
+    ("Olmo3", {"pad_token_id": None, "sliding_window": 4,  # OLMo 2's layers, windowed and
+               "layer_types": ["sliding_attention", "full_attention"],  # global; YaRN in the
+               "rope_scaling": {"rope_type": "yarn", "factor": 4.0,  # global ones only
+                                "original_max_position_embeddings": 4}}),
 ])
 def test_a_folder_saved_by_transformers_gives_its_logits(tmp_path: Path, family: str,
                                                         extra: dict) -> None:
@@ -226,7 +230,9 @@ def test_a_folder_saved_by_transformers_gives_its_logits(tmp_path: Path, family:
     assert model.config.head_dim == extra.get("head_dim", 16)
     assert model.config.max_context == 256
     assert model.config.sliding_window == extra.get("sliding_window")
-    assert model.config.long_rope == ("rope_scaling" in extra)
+    scaling = extra.get("rope_scaling", {})
+    assert model.config.long_rope == (scaling.get("type") == "longrope")
+    assert (model.config.rope_scaling or {}).get("rope_type") == scaling.get("rope_type")
     assert model.config.rotary_dim == int(model.config.head_dim
                                           * extra.get("partial_rotary_factor", 1))
     assert [model.config.rotates(i) for i in range(2)] == (

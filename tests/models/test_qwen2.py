@@ -74,7 +74,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 ARCHITECTURES = ["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite",
-                 "ministral", "olmo2"]
+                 "ministral", "olmo2", "olmo3"]
 
 
 @pytest.fixture(params=[(arch, packed) for packed in (False, True) for arch in ARCHITECTURES],
@@ -279,7 +279,7 @@ def test_packed_bfloat16_matches_reference() -> None:
     assert (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean() >= 0.9
 
 
-@pytest.mark.parametrize("arch", ["mistral", "phi3", "gemma3", "ministral"])
+@pytest.mark.parametrize("arch", ["mistral", "phi3", "gemma3", "ministral", "olmo3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["row-kernel", "sdpa"])
 def test_sliding_window_layers_attend_inside_their_window(arch: str, dtype: torch.dtype
                                                           ) -> None:

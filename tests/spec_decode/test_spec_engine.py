@@ -579,15 +579,15 @@ def test_each_request_drafts_and_verifies_by_one_rule() -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "smollm3", "gemma3", "granite",
-                                    "mistral", "ministral", "olmo2"])
+                                    "mistral", "ministral", "olmo2", "olmo3"])
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_other_families_speculate_losslessly(method: str, family: str) -> None:
     """Every family but Qwen2's (the other tests' tiny model): Llama, Qwen3 (q and k heads
     normalised before RoPE), Phi-3 (fused weights; as Phi-4-mini, LongRoPE and 3/4 of each
     head turned), SmolLM3 (a layer without RoPE), Gemma 3
     Mistral and Ministral (layers in a window of 8, shorter than the prompts; Mistral's blocks
-    before it given back), Granite (its multipliers) and OLMo 2 (norms after its sub-layers)
-    through the whole engine: greedy
+    before it given back), Granite (its multipliers) and OLMo 2 / 3 (norms after its
+    sub-layers; OLMo 3 windowed and global layers) through the whole engine: greedy
     speculation, by
     prompt lookup and by a draft of the same family with other weights, gives the tokens of
     no speculation, with chunked prefill and preemption (40 blocks of 4 tokens)."""
