@@ -13,8 +13,9 @@ min_tokens, as the target's greedy token is ("greedy"), or for requests that sam
 from the draft's own distribution after the request's penalties and filters: with the keyed
 number the target's draw at that output position uses ("coupled"), or with a stream of its
 own ("independent"); `SpecConfig.draft_sampling_for` picks per request. The q rows of
-requests verified by rejection sampling stay here, by request id, for the window that
-verifies them (the executor hands them to its sampler), as vLLM keeps them in its worker.
+requests verified by rejection sampling stay here, by request id, until the executor hands
+them to its sampler for the window that verifies them (`take_probs`: only those of the
+drafts this model drew in its last call), as vLLM keeps them in its worker.
 """
 
 from __future__ import annotations
@@ -88,13 +89,15 @@ class DraftWorker:
         # the target's: min_tokens suppresses them, and a row its constraints leave no token
         # takes the first, in draft rows as in the target's
         self.eos_token_ids = eos_token_ids
-        self.probs: dict[str, torch.Tensor] = {}  # the last call's q [k, V], by request id
+        # The last call's drafts and the q [k, V] they were drawn from, by request id, until
+        # the executor hands them on (`take_probs`)
+        self.pending: dict[str, tuple[list[int], torch.Tensor]] = {}
 
     def propose(self, spans: list[DraftSpan], requests: Mapping[str, WorkerRequest],
                 grammars: Mapping[str, Any]) -> DraftResult:
-        """Each span's drafts; the q rows of those that keep them replace `probs`.
+        """Each span's drafts; the q rows of those that keep them replace `pending`.
         `grammars`: the live grammar of each request that has one (by id)."""
-        self.probs = {}
+        self.pending = {}
         result = DraftResult([[] for _ in spans], [])
         if not spans:
             return result
@@ -115,9 +118,19 @@ class DraftWorker:
                 result.drafts[i].append(token)
                 if (q := probs[row]) is not None and spans[i].keeps_q:
                     q_rows[i].append(q)
-        self.probs = {s.request_id: torch.stack(q) for s, q in zip(spans, q_rows, strict=True)
-                      if q}
+        self.pending = {s.request_id: (list(d), torch.stack(q))
+                        for s, d, q in zip(spans, result.drafts, q_rows, strict=True) if q}
         return result
+
+    def take_probs(self, drafts: Mapping[str, list[int]]) -> dict[str, torch.Tensor]:
+        """The q rows of the drafts the next step verifies: those of the last call, for each
+        request whose drafts are the ones this model drew (all or the first of them, where a
+        grammar cut them); none twice. A request drafting from another source (a prompt
+        lookup, its grammar's forced tokens), or in a round that did not call the draft
+        model, gets none: its drafts are one-hot."""
+        pending, self.pending = self.pending, {}
+        return {rid: q for rid, (drawn, q) in pending.items()
+                if (final := drafts.get(rid)) and drawn[: len(final)] == list(final)}
 
     def _run(self, queries: list[QuerySpan], spans: list[DraftSpan], rows: list[_Row],
              drafted: list[list[int]], grammars: Mapping[str, Any], result: DraftResult

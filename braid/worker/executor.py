@@ -113,8 +113,7 @@ class InProcessExecutor(Executor):
         return self.draft.propose(spans, self.requests, grammars)
 
     def set_drafts(self, drafts: Mapping[str, list[int]], cuts: Mapping[str, int]) -> None:
-        probs = {} if self.draft is None else self.draft.probs
-        self.sampler.set_draft_probs({rid: q for rid, q in probs.items() if drafts.get(rid)},
+        self.sampler.set_draft_probs({} if self.draft is None else self.draft.take_probs(drafts),
                                      drafts, cuts)
 
     @property

@@ -159,3 +159,40 @@ def test_a_pickled_step_gives_what_the_in_process_step_gives(
     assert len(new) == len(set(new)) and set(got) <= set(new)
     assert set(inner.requests) <= {f"{name}-2" for name in requests()}
     assert not set(inner.requests) & set(engine.executor.steps[-1].finished)
+
+
+def test_the_draft_s_q_rows_go_only_to_the_drafts_it_drew_in_its_last_call() -> None:
+    """Rejection sampling needs the q rows a draft was drawn from, and only those: a request
+    whose next drafts come from elsewhere (a prompt lookup, forced tokens), or a round in
+    which the draft model did not run, verifies one-hot drafts. Stale rows attached to a
+    lookup's drafts verified them against the wrong q (not lossless): it passed every other
+    test, so this one asks the executor directly."""
+    from braid.worker.draft import DraftSpan
+    from braid.worker.runner import QuerySpan
+    from braid.worker.step import WorkerRequest
+
+    engine = spec_engine("draft_model", 3, verification="rejection",
+                         draft_sampling="independent")
+    executor = engine.executor
+    assert isinstance(executor, InProcessExecutor)
+    params = SamplingParams(temperature=0.8)
+    executor.requests["a"] = WorkerRequest([5, 6, 7, 8], params, seed=3)
+
+    def propose() -> list[int]:
+        span = DraftSpan("a", QuerySpan([5, 6, 7, 8], 0, [0, 1, 2], 1), 3, "independent",
+                         keeps_q=True, shaped=False)
+        return executor.propose_drafts([span], {}).drafts[0]
+
+    drawn = propose()
+    executor.set_drafts({"a": drawn}, {})
+    q = executor.sampler.draft_probs["a"]
+    assert q.shape[0] == 3 and torch.allclose(q.sum(-1), torch.ones(3))
+    executor.set_drafts({"a": [9, 10, 11]}, {})  # a lookup's drafts, the model not called
+    assert "a" not in executor.sampler.draft_probs
+    drawn = propose()
+    executor.set_drafts({"a": drawn[:1]}, {})  # cut by a grammar: its first row still serves
+    assert "a" in executor.sampler.draft_probs
+    propose()
+    other = [t + 1 for t in drawn]
+    executor.set_drafts({"a": other}, {})  # the model drew, the request took other drafts
+    assert "a" not in executor.sampler.draft_probs
