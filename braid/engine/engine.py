@@ -76,6 +76,7 @@ class LLMEngine:
         self.executor = InProcessExecutor(config, model, num_blocks, kv_dtype,
                                           self.outputs.eos_token_ids)
         self.step_inputs = StepInputs(self.blocks, model.config.vocab_size)
+        self.executor.grammar_of = lambda rid: getattr(self.requests.get(rid), "grammar", None)
         self.runner = self.executor.runner  # the target's (engine/process.py reads its cache)
         self.speculator = make_speculator(config, self.executor, self.scheduler, draft_model,
                                           tokenizer, self.step_inputs.unsent)

@@ -76,9 +76,7 @@ class DraftModelProposer(Proposer):
                                         self.blocks.block_table(r.request_id), 1),
                 ks[i], self._draws(r), self._keeps_q(r), _shaped(r), self.unsent(r)))
             self.computed[r.request_id] = r.num_tokens
-        result = self.executor.propose_drafts(
-            spans, {r.request_id: r.grammar for i in active
-                    if (r := requests[i]).grammar is not None})
+        result = self.executor.propose_drafts(spans)
         proposal.forwards = result.forwards
         for i, drafts in zip(active, result.drafts, strict=True):
             r = requests[i]

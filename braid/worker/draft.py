@@ -21,7 +21,7 @@ drafts this model drew in its last call), as vLLM keeps them in its worker.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,9 +94,9 @@ class DraftWorker:
         self.pending: dict[str, tuple[list[int], torch.Tensor]] = {}
 
     def propose(self, spans: list[DraftSpan], requests: Mapping[str, WorkerRequest],
-                grammars: Mapping[str, Any]) -> DraftResult:
+                grammar_of: Callable[[str], Any]) -> DraftResult:
         """Each span's drafts; the q rows of those that keep them replace `pending`.
-        `grammars`: the live grammar of each request that has one (by id)."""
+        `grammar_of`: a request's live grammar by id (None: none)."""
         self.pending = {}
         result = DraftResult([[] for _ in spans], [])
         if not spans:
@@ -113,7 +113,7 @@ class DraftWorker:
                                      spans[i].query.block_table, 1) for i in active]
             tokens, probs = self._run(queries, [spans[i] for i in active],
                                       [rows[i] for i in active],
-                                      [result.drafts[i] for i in active], grammars, result)
+                                      [result.drafts[i] for i in active], grammar_of, result)
             for row, (i, token) in enumerate(zip(active, tokens, strict=True)):
                 result.drafts[i].append(token)
                 if (q := probs[row]) is not None and spans[i].keeps_q:
@@ -133,7 +133,7 @@ class DraftWorker:
                 if (final := drafts.get(rid)) and drawn[: len(final)] == list(final)}
 
     def _run(self, queries: list[QuerySpan], spans: list[DraftSpan], rows: list[_Row],
-             drafted: list[list[int]], grammars: Mapping[str, Any], result: DraftResult
+             drafted: list[list[int]], grammar_of: Callable[[str], Any], result: DraftResult
              ) -> tuple[list[int], list[torch.Tensor | None]]:
         """The next draft token of each query's request (after its `drafted` tokens) and the
         q row it was drawn from (None for an argmax); the forward's size and time go to
@@ -144,26 +144,27 @@ class DraftWorker:
         if self.coarse_head and all(s.draws == "greedy" and not s.shaped for s in spans):
             tokens = self.runner.execute_greedy(inp)
         else:
-            tokens = self._pick(self.runner.execute(inp), spans, rows, drafted, grammars, probs)
+            tokens = self._pick(self.runner.execute(inp), spans, rows, drafted, grammar_of,
+                                probs)
         result.forwards.append(DraftForward(inp.input_ids.numel(), len(queries),
                                             time.perf_counter() - start))
         return tokens.tolist(), probs
 
     def _pick(self, logits: torch.Tensor, spans: list[DraftSpan], rows: list[_Row],
-              drafted: list[list[int]], grammars: Mapping[str, Any],
+              drafted: list[list[int]], grammar_of: Callable[[str], Any],
               probs: list[torch.Tensor | None]) -> torch.Tensor:
         """Each row's draft token from the draft's logits [R, V], as its span's draws say; the
         q rows sampled tokens were drawn from go into `probs`."""
         tokens = logits.argmax(dim=-1)
         shaped = [i for i, s in enumerate(spans) if s.draws == "greedy" and s.shaped]
         if shaped:  # the target's argmax sees the grammar, penalties and bias: so does ours
-            meta = self._metadata(shaped, spans, rows, drafted, grammars, logits)
+            meta = self._metadata(shaped, spans, rows, drafted, grammar_of, logits)
             tokens[shaped] = apply_penalties(logits[shaped], meta).argmax(dim=-1)
         sampled = [i for i, s in enumerate(spans) if s.draws != "greedy"]
         if sampled:
             # the target's sampling rows at these positions: keyed in the target's stream for
             # coupled draws, in the draft's own for independent ones
-            meta = self._metadata(sampled, spans, rows, drafted, grammars, logits,
+            meta = self._metadata(sampled, spans, rows, drafted, grammar_of, logits,
                                   [SAMPLE if spans[i].draws == "coupled" else DRAFT
                                    for i in sampled])
             picked, q = sample_rows(logits[sampled], meta)
@@ -174,12 +175,13 @@ class DraftWorker:
         return tokens
 
     def _metadata(self, picked: list[int], spans: list[DraftSpan], rows: list[_Row],
-                  drafted: list[list[int]], grammars: Mapping[str, Any], logits: torch.Tensor,
+                  drafted: list[list[int]], grammar_of: Callable[[str], Any],
+                  logits: torch.Tensor,
                   stream: int | list[int] = SAMPLE) -> SamplingMetadata:
         """The target's sampling rows for rows `picked` of this forward (after their
         drafts)."""
         vocab = logits.shape[-1]
-        masks = [None if (g := grammars.get(spans[i].request_id)) is None
+        masks = [None if (g := grammar_of(spans[i].request_id)) is None
                  else bitmask_after(g, drafted[i], vocab) for i in picked]
         pairs: list[tuple[SamplingRow, list[int]]] = [(rows[i], drafted[i]) for i in picked]
         return rows_metadata(pairs, vocab, logits.device, self.eos_token_ids, stream,

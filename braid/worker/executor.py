@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -38,13 +38,9 @@ class Executor(ABC):
         """Run `model` as the draft model (its own KV cache on the target's block layout)."""
 
     @abstractmethod
-    def propose_drafts(self, spans: list[DraftSpan], grammars: Mapping[str, Any]
-                       ) -> DraftResult:
+    def propose_drafts(self, spans: list[DraftSpan]) -> DraftResult:
         """The draft model's drafts for each span (DraftWorker.propose); the q rows of
-        sampled ones stay here until `set_drafts`. `grammars`: each span's request's live
-        grammar, by request id, where it has one (objects of the engine's: an executor in
-        another process would draft those requests without them, a draft the target's
-        grammar then cuts, never a wrong token)."""
+        sampled ones stay here until `set_drafts`."""
 
     @abstractmethod
     def set_drafts(self, drafts: Mapping[str, list[int]], cuts: Mapping[str, int]) -> None:
@@ -83,6 +79,10 @@ class InProcessExecutor(Executor):
         self.block_size, self.num_blocks = config.block_size, num_blocks
         self.eos_token_ids = eos_token_ids
         self.draft: DraftWorker | None = None
+        # A request's live grammar by id (None: none), for the draft's rows: the engine's
+        # objects, which only an executor in its process can read (one elsewhere drafts such
+        # requests unconstrained: drafts the target's grammar then cuts, never wrong tokens)
+        self.grammar_of: Callable[[str], Any] = lambda request_id: None
 
     def execute(self, step: StepInput) -> StepResult:
         self._take_in(step)
@@ -107,10 +107,9 @@ class InProcessExecutor(Executor):
         self.draft = DraftWorker(model, self.num_blocks, self.block_size, self.runner.device,
                                  spec, kv_dtype, self.eos_token_ids)
 
-    def propose_drafts(self, spans: list[DraftSpan], grammars: Mapping[str, Any]
-                       ) -> DraftResult:
+    def propose_drafts(self, spans: list[DraftSpan]) -> DraftResult:
         assert self.draft is not None, "no draft model (start_draft)"
-        return self.draft.propose(spans, self.requests, grammars)
+        return self.draft.propose(spans, self.requests, self.grammar_of)
 
     def set_drafts(self, drafts: Mapping[str, list[int]], cuts: Mapping[str, int]) -> None:
         self.sampler.set_draft_probs({} if self.draft is None else self.draft.take_probs(drafts),

@@ -64,11 +64,10 @@ class PicklingExecutor(Executor):
     def start_draft(self, model: CausalLM, spec: SpecConfig, kv_dtype: torch.dtype) -> None:
         self.inner.start_draft(model, spec, kv_dtype)
 
-    def propose_drafts(self, spans: list[DraftSpan], grammars: Mapping[str, Any]
-                       ) -> DraftResult:
+    def propose_drafts(self, spans: list[DraftSpan]) -> DraftResult:
         spans = across(spans)
         self.draft_calls.append(spans)
-        return across(self.inner.propose_drafts(spans, grammars))  # (grammars: live objects)
+        return across(self.inner.propose_drafts(spans))
 
     def set_drafts(self, drafts: Mapping[str, list[int]], cuts: Mapping[str, int]) -> None:
         self.inner.set_drafts(*across((dict(drafts), dict(cuts))))
@@ -181,7 +180,7 @@ def test_the_draft_s_q_rows_go_only_to_the_drafts_it_drew_in_its_last_call() -> 
     def propose() -> list[int]:
         span = DraftSpan("a", QuerySpan([5, 6, 7, 8], 0, [0, 1, 2], 1), 3, "independent",
                          keeps_q=True, shaped=False)
-        return executor.propose_drafts([span], {}).drafts[0]
+        return executor.propose_drafts([span]).drafts[0]
 
     drawn = propose()
     executor.set_drafts({"a": drawn}, {})
