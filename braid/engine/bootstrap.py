@@ -29,6 +29,7 @@ from braid.worker.memory import (
 )
 
 if TYPE_CHECKING:
+    from braid.core.scheduler import Scheduler
     from braid.models.interface import CausalLM
 
 logger = logging.getLogger("braid")
@@ -194,3 +195,17 @@ def check_memory(config: EngineConfig, weight_and_kv_bytes: tuple[int, int]) -> 
                          "included) take {:.1f} GiB, which does not")
     # the weights are resident by now, the caches not yet
     warn_beyond_available(kv, flag, available_memory())
+
+
+def make_scheduler(config: EngineConfig, num_blocks: int, vocab_size: int) -> Scheduler:
+    """The scheduler over a block manager of `num_blocks` KV blocks, as the config asks."""
+    from braid.core.block_manager import BlockManager
+    from braid.core.scheduler import Scheduler
+    from braid.worker.step import max_scored_rows
+
+    assert config.max_num_batched_tokens is not None
+    return Scheduler(
+        BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
+        config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill,
+        priority=config.scheduling_policy == "priority",
+        max_scored_rows=max_scored_rows(vocab_size))

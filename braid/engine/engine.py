@@ -9,19 +9,19 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from braid.config import EngineConfig
-from braid.core.block_manager import BlockManager
 from braid.core.request import Request
-from braid.core.scheduler import Scheduler, SchedulerOutput
+from braid.core.scheduler import SchedulerOutput
 from braid.core.stats import EngineStats
 from braid.engine.bootstrap import (
     check_memory,
     eos_token_ids,
     load_target,
+    make_scheduler,
     sampling_defaults,
     set_threads,
 )
 from braid.engine.grammars import GrammarGate
-from braid.engine.input import InputProcessor, RequestError
+from braid.engine.input import InputProcessor, RequestError, refusal
 from braid.engine.isolation import run_step
 from braid.engine.output import OutputProcessor, PromptScorers
 from braid.engine.step_input import StepInputs
@@ -35,7 +35,6 @@ from braid.structured.manager import StructuredOutputManager
 from braid.tokenizer import Tokenizer
 from braid.worker.executor import InProcessExecutor
 from braid.worker.memory import kv_cache_blocks
-from braid.worker.step import max_scored_rows
 from braid.worker.step_io import StepResult
 
 __all__ = ["LLMEngine", "RequestError"]
@@ -64,13 +63,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         kv_dtype = config.kv_dtype(model.dtype, model.quant_type is not None)
         num_blocks = kv_cache_blocks(config, model.config, kv_dtype)
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        assert config.max_num_batched_tokens is not None
-        self.scheduler = Scheduler(
-            self.blocks, config.max_num_batched_tokens, config.max_num_seqs,
-            config.enable_chunked_prefill, priority=config.scheduling_policy == "priority",
-            max_scored_rows=max_scored_rows(model.config.vocab_size),
-        )
+        self.scheduler = make_scheduler(config, num_blocks, model.config.vocab_size)
+        self.blocks = self.scheduler.blocks
         self.outputs = OutputProcessor(tokenizer, eos_token_ids(model, tokenizer),
                                        config.max_model_len or 0)
         self.executor = InProcessExecutor(config, model, num_blocks, kv_dtype,
@@ -123,14 +117,7 @@ class LLMEngine:
     def add_requests(self, requests: Sequence[tuple]) -> list[Exception | None]:
         """Add each (`add_request`'s arguments, in order): per request None, or the error that
         refused it (the others are added all the same)."""
-        return [self._refusal(args) for args in requests]
-
-    def _refusal(self, args: tuple) -> Exception | None:
-        try:
-            self.add_request(*args)
-        except Exception as e:
-            return e
-        return None
+        return [refusal(self.add_request, args) for args in requests]
 
     def abort_requests(self, request_ids: Sequence[str]) -> list[RequestOutput | None]:
         return [self.abort(request_id) for request_id in request_ids]

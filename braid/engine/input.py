@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable
 
 from braid.bad_words import BadWordIndex
 from braid.config import EngineConfig
@@ -18,6 +19,15 @@ from braid.tokenizer import Tokenizer
 
 class RequestError(ValueError):
     """A request the engine cannot serve (too long, bad ids); the message names the field."""
+
+
+def refusal(add: Callable[..., object], args: tuple) -> Exception | None:
+    """None where `add(*args)` took the request, else the error that refused it."""
+    try:
+        add(*args)
+    except Exception as e:
+        return e
+    return None
 
 
 def with_bad_words(params: SamplingParams, tokenizer: Tokenizer | None) -> SamplingParams:
