@@ -48,7 +48,7 @@ def make_speculator(cfg: EngineConfig, executor: InProcessExecutor, scheduler: S
         draft = draft or _load_draft(cfg, tokenizer)
         check_draft(cfg, executor.runner.model.config, draft.config)
         executor.start_draft(draft, spec, cfg.kv_dtype(draft.dtype, draft.quant_type is not None))
-        proposer = DraftModelProposer(executor, draft.config, scheduler.blocks, spec, unsent)
+        proposer = DraftModelProposer(executor, draft.config, scheduler.blocks, unsent)
     assert cfg.max_model_len is not None
     speculator = Speculator(spec, proposer, cfg.max_model_len,
                             None if cfg.target_itl_ms is None else cfg.target_itl_ms / 1e3)

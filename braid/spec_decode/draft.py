@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from braid.config import SpecConfig
 from braid.core.block_manager import BlockManager
 from braid.core.request import Request
 from braid.models.config import ModelConfig
@@ -39,12 +38,10 @@ class DraftModelProposer(Proposer):
     needs_kv_slots = True  # drafts 1..k-1 get KV at positions num_tokens..num_tokens+k-2
 
     def __init__(self, executor: Executor, config: ModelConfig, blocks: BlockManager,
-                 spec: SpecConfig | None = None,
                  unsent: Callable[[Request], list[int]] = lambda req: []) -> None:
         self.executor = executor  # it runs the draft model (Executor.start_draft)
         self.config = config  # the draft model's
         self.blocks = blocks
-        self.spec = spec  # how each request's drafts are drawn and verified (None: greedy)
         self.unsent = unsent  # a request's outputs the worker has not been sent yet
         self.computed: dict[str, int] = {}  # draft KV is valid for positions < computed
         self.last: dict[str, _Proposal] = {}
@@ -74,7 +71,7 @@ class DraftModelProposer(Proposer):
             spans.append(DraftSpan(
                 r.request_id, QuerySpan(r.token_ids(start, r.num_tokens), start,
                                         self.blocks.block_table(r.request_id), 1),
-                ks[i], self._draws(r), self._keeps_q(r), _shaped(r), self.unsent(r)))
+                ks[i], self.unsent(r)))
             self.computed[r.request_id] = r.num_tokens
         result = self.executor.propose_drafts(spans)
         proposal.forwards = result.forwards
@@ -85,14 +82,6 @@ class DraftModelProposer(Proposer):
             if drafts:
                 self.last[r.request_id] = _Proposal(r.num_tokens, drafts)
         return proposal
-
-    def _draws(self, req: Request) -> str:
-        """"greedy", "coupled" or "independent"."""
-        return "greedy" if self.spec is None else self.spec.draft_sampling_for(req.sampling_params)
-
-    def _keeps_q(self, req: Request) -> bool:
-        return self.spec is not None and self.spec.verification_for(
-            req.sampling_params) == "rejection"
 
     def lag(self, req: Request) -> int:
         return req.num_tokens - min(self._valid_prefix(req, keep=True), req.num_tokens - 1)
@@ -112,9 +101,3 @@ class DraftModelProposer(Proposer):
                     len(actual))
         return last.start + same
 
-
-def _shaped(req: Request) -> bool:
-    """Whether the request's greedy token may not be the model's plain argmax."""
-    p = req.sampling_params
-    return (req.grammar is not None or p.shapes_logits
-            or req.num_output_tokens < p.min_tokens)  # its ends are still suppressed

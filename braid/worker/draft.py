@@ -53,9 +53,6 @@ class DraftSpan:
     request_id: str
     query: QuerySpan  # its catch-up: tokens, first position, block table, 1 logits row
     k: int  # drafts to make (>= 1)
-    draws: str  # "greedy", "coupled" or "independent"
-    keeps_q: bool  # verified by rejection sampling: its q rows are kept
-    shaped: bool  # its greedy token may not be the model's plain argmax (grammar, penalties)
     new_output_ids: list[int] = field(default_factory=list)  # outputs the worker lacks
 
 
@@ -68,13 +65,16 @@ class DraftResult:
 @dataclass(slots=True)
 class _Row:
     """A drafting request as its sampling rows read it (a SamplingRow): the worker's record
-    with the outputs it has not been sent yet."""
+    with the outputs it has not been sent yet, and how its drafts are drawn."""
 
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     seed: int
     constraints: RequestConstraints
+    draws: str  # "greedy", "coupled" or "independent" (SpecConfig.draft_sampling_for)
+    keeps_q: bool  # verified by rejection sampling: its q rows are kept
+    shaped: bool  # its greedy token may not be the model's plain argmax (grammar, penalties)
 
 
 class DraftWorker:
@@ -89,6 +89,7 @@ class DraftWorker:
         # the target's: min_tokens suppresses them, and a row its constraints leave no token
         # takes the first, in draft rows as in the target's
         self.eos_token_ids = eos_token_ids
+        self.spec = spec  # how each request's drafts are drawn and verified (None: greedy)
         # The last call's drafts and the q [k, V] they were drawn from, by request id, until
         # the executor hands them on (`take_probs`)
         self.pending: dict[str, tuple[list[int], torch.Tensor]] = {}
@@ -101,7 +102,7 @@ class DraftWorker:
         result = DraftResult([[] for _ in spans], [])
         if not spans:
             return result
-        rows = [_row(requests[s.request_id], s) for s in spans]
+        rows = [self._row(requests[s.request_id], s, grammar_of) for s in spans]
         q_rows: list[list[torch.Tensor]] = [[] for _ in spans]
         active = list(range(len(spans)))
         queries = [s.query for s in spans]
@@ -116,11 +117,23 @@ class DraftWorker:
                                       [result.drafts[i] for i in active], grammar_of, result)
             for row, (i, token) in enumerate(zip(active, tokens, strict=True)):
                 result.drafts[i].append(token)
-                if (q := probs[row]) is not None and spans[i].keeps_q:
+                if (q := probs[row]) is not None and rows[i].keeps_q:
                     q_rows[i].append(q)
         self.pending = {s.request_id: (list(d), torch.stack(q))
                         for s, d, q in zip(spans, result.drafts, q_rows, strict=True) if q}
         return result
+
+    def _row(self, req: WorkerRequest, span: DraftSpan, grammar_of: Callable[[str], Any]
+             ) -> _Row:
+        params = req.sampling_params
+        outputs = (req.output_token_ids + span.new_output_ids if span.new_output_ids
+                   else req.output_token_ids)
+        spec = self.spec
+        return _Row(params, req.prompt_token_ids, outputs, req.seed, req.constraints,
+                    "greedy" if spec is None else spec.draft_sampling_for(params),
+                    spec is not None and spec.verification_for(params) == "rejection",
+                    (grammar_of(span.request_id) is not None or params.shapes_logits
+                     or len(outputs) < params.min_tokens))  # (its ends still suppressed)
 
     def take_probs(self, drafts: Mapping[str, list[int]]) -> dict[str, torch.Tensor]:
         """The q rows of the drafts the next step verifies: those of the last call, for each
@@ -141,7 +154,7 @@ class DraftWorker:
         start = time.perf_counter()
         probs: list[torch.Tensor | None] = [None] * len(spans)
         inp = self.runner.build_input(queries)
-        if self.coarse_head and all(s.draws == "greedy" and not s.shaped for s in spans):
+        if self.coarse_head and all(r.draws == "greedy" and not r.shaped for r in rows):
             tokens = self.runner.execute_greedy(inp)
         else:
             tokens = self._pick(self.runner.execute(inp), spans, rows, drafted, grammar_of,
@@ -156,16 +169,16 @@ class DraftWorker:
         """Each row's draft token from the draft's logits [R, V], as its span's draws say; the
         q rows sampled tokens were drawn from go into `probs`."""
         tokens = logits.argmax(dim=-1)
-        shaped = [i for i, s in enumerate(spans) if s.draws == "greedy" and s.shaped]
+        shaped = [i for i, r in enumerate(rows) if r.draws == "greedy" and r.shaped]
         if shaped:  # the target's argmax sees the grammar, penalties and bias: so does ours
             meta = self._metadata(shaped, spans, rows, drafted, grammar_of, logits)
             tokens[shaped] = apply_penalties(logits[shaped], meta).argmax(dim=-1)
-        sampled = [i for i, s in enumerate(spans) if s.draws != "greedy"]
+        sampled = [i for i, r in enumerate(rows) if r.draws != "greedy"]
         if sampled:
             # the target's sampling rows at these positions: keyed in the target's stream for
             # coupled draws, in the draft's own for independent ones
             meta = self._metadata(sampled, spans, rows, drafted, grammar_of, logits,
-                                  [SAMPLE if spans[i].draws == "coupled" else DRAFT
+                                  [SAMPLE if rows[i].draws == "coupled" else DRAFT
                                    for i in sampled])
             picked, q = sample_rows(logits[sampled], meta)
             assert q is not None  # every sampled row is a random one
@@ -188,8 +201,3 @@ class DraftWorker:
                              allowed_rows(masks, vocab, logits.device),
                              [rows[i].constraints for i in picked])
 
-
-def _row(req: WorkerRequest, span: DraftSpan) -> _Row:
-    return _Row(req.sampling_params, req.prompt_token_ids,
-                req.output_token_ids + span.new_output_ids if span.new_output_ids
-                else req.output_token_ids, req.seed, req.constraints)

@@ -178,8 +178,7 @@ def test_the_draft_s_q_rows_go_only_to_the_drafts_it_drew_in_its_last_call() -> 
     executor.requests["a"] = WorkerRequest([5, 6, 7, 8], params, seed=3)
 
     def propose() -> list[int]:
-        span = DraftSpan("a", QuerySpan([5, 6, 7, 8], 0, [0, 1, 2], 1), 3, "independent",
-                         keeps_q=True, shaped=False)
+        span = DraftSpan("a", QuerySpan([5, 6, 7, 8], 0, [0, 1, 2], 1), 3)
         return executor.propose_drafts([span]).drafts[0]
 
     drawn = propose()
