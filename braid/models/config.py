@@ -429,17 +429,10 @@ def _rope_scaling(d: dict[str, Any], layer_type: str | None = None) -> dict[str,
 
 def _gemma3_fields(d: dict[str, Any]) -> dict[str, Any]:
     """Gemma 3's own config.json keys (transformers' Gemma3TextConfig, older and newer)."""
-    layers = d.get("num_hidden_layers")
-    types = d.get("layer_types")
-    if types is None and isinstance(layers, int):
-        every = d.get("sliding_window_pattern", GEMMA3_GLOBAL_EVERY)
-        if not isinstance(every, int) or every < 1:
-            raise ValueError(f"sliding_window_pattern must be an integer >= 1, got {every!r}")
-        types = gemma3_layer_types(layers, every)
-    local = _rope_parameters(d, "sliding_attention")
-    if local.get("rope_type", "default") != "default":
-        raise ValueError(f"rope_parameters.sliding_attention of type {local['rope_type']!r} is "
-                         "not supported (Gemma 3's local layers run plain RoPE)")
+    every = d.get("sliding_window_pattern", GEMMA3_GLOBAL_EVERY)
+    if d.get("layer_types") is None and (not isinstance(every, int) or every < 1):
+        raise ValueError(f"sliding_window_pattern must be an integer >= 1, got {every!r}")
+    types, local = _windowed_layers(d, every, "Gemma 3")
     return {"layer_types": types,
             "rope_local_theta": d.get("rope_local_base_freq",
                                       local.get("rope_theta", GEMMA3_LOCAL_ROPE_THETA)),
@@ -448,18 +441,26 @@ def _gemma3_fields(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _olmo3_fields(d: dict[str, Any]) -> dict[str, Any]:
-    """OLMo 3's layer types (every fourth layer global unless listed) and its windowed layers'
-    RoPE: rope_theta, unscaled (transformers' sliding_attention parameters)."""
+    """OLMo 3's layer types and its windowed layers' RoPE: rope_theta, unscaled."""
+    types, local = _windowed_layers(d, OLMO3_GLOBAL_EVERY, "OLMo 3")
+    return {"layer_types": types,
+            "rope_local_theta": local.get("rope_theta", _rope_theta(d, "full_attention", 1e4))}
+
+
+def _windowed_layers(d: dict[str, Any], global_every: int, family: str
+                     ) -> tuple[Any, dict[str, Any]]:
+    """A family with windowed and global layers: the layer types (config.json's, else every
+    `global_every`-th global) and its windowed layers' RoPE parameters (transformers'
+    sliding_attention ones), which must be plain."""
     layers = d.get("num_hidden_layers")
     types = d.get("layer_types")
     if types is None and isinstance(layers, int):
-        types = gemma3_layer_types(layers, OLMO3_GLOBAL_EVERY)
+        types = gemma3_layer_types(layers, global_every)
     local = _rope_parameters(d, "sliding_attention")
     if local.get("rope_type", "default") != "default":
         raise ValueError(f"rope_parameters.sliding_attention of type {local['rope_type']!r} is "
-                         "not supported (OLMo 3's windowed layers run plain RoPE)")
-    return {"layer_types": types,
-            "rope_local_theta": local.get("rope_theta", _rope_theta(d, "full_attention", 1e4))}
+                         f"not supported ({family}'s windowed layers run plain RoPE)")
+    return types, local
 
 
 def gemma3_layer_types(layers: int, global_every: int = GEMMA3_GLOBAL_EVERY) -> list[str]:
