@@ -425,8 +425,6 @@ def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch
     stored as Q8_0 (run on the kernels), transformers' on those weights' values up to the int8
     activations' rounding."""
     from braid.models.build import load_model
-    from tests.models.test_qwen2 import PagedRun
-    from tests.tiny import hf_model, tiny_config
 
     window = {"phi3": 200, "gemma3": 4, "olmo3": 4}.get(arch)  # (shorter than the prompt)
     overrides: dict = {}
@@ -434,25 +432,7 @@ def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch
         overrides = {"query_pre_attn_scalar": HEAD_DIM}  # llama.cpp's
     elif arch == "smollm3":
         overrides = {"num_hidden_layers": 4, "no_rope_layers": [1, 1, 1, 0]}
-    cfg = tiny_config(arch, vocab_size=len(tiny_vocab()), hidden_size=HIDDEN,
-                      intermediate_size=FFN, num_attention_heads=HEADS,
-                      num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rope_theta=1e6,
-                      rms_norm_eps=1e-5, tie_word_embeddings=True, sliding_window=window,
-                      **overrides)
-    hf = hf_model(cfg, seed=3)
-    tensors = {}
-    for name, t in gguf_names(dict(hf.state_dict()), arch).items():
-        array = t.numpy()
-        if quantized and array.ndim == 2 and "token_embd" not in name:
-            blocks = quantize(array, Q.Q8_0)
-            tensors[name] = (blocks, Q.Q8_0)
-            t.copy_(torch.from_numpy(dequantize(blocks, Q.Q8_0)))  # the reference's weight
-        else:
-            tensors[name] = (array, None)
-        if arch in ("smollm3", "granite") and (".attn_q." in name or ".attn_k." in name):
-            heads = HEADS if ".attn_q." in name else KV_HEADS
-            blocks, qtype = tensors[name]
-            tensors[name] = (llama_cpp_permute(blocks, heads), qtype)
+    cfg, hf = tiny_family(arch, rope_theta=1e6, sliding_window=window, **overrides)
     extra = {"sliding_window": window} if window else {}
     if arch in ("gemma3", "olmo3"):
         extra["sliding_window_pattern"] = [True, False]
@@ -462,28 +442,22 @@ def test_a_gguf_of_another_family_gives_transformers_logits(tmp_path: Path, arch
         extra |= {"embedding_scale": cfg.embedding_multiplier, "logit_scale": cfg.logits_scaling,
                   "residual_scale": cfg.residual_multiplier,
                   "attention_scale": cfg.attention_multiplier}
-    path = write_gguf(tmp_path / f"{arch}.gguf", "olmo2" if arch == "olmo3" else arch, tensors,
-                      hparams(key_length=HEAD_DIM, value_length=HEAD_DIM, **extra))
+    path = llama_cpp_file(tmp_path / f"{arch}.gguf", hf, arch, quantized,
+                          permuted=arch in ("smollm3", "granite"), **extra)
     model, _ = load_model(str(path))
     assert model.config.architecture == arch
     assert model.config.qk_norm == (arch in ("qwen3", "gemma3"))
     assert model.config.no_rope_layers == cfg.no_rope_layers
     assert model.config.max_context == 512 and model.config.sliding_window == window
     assert (model.quant_type is not None) == quantized
-    ids = [3, 200, 17, 17, 90, 41, 5, 260]
-    with torch.no_grad():
-        expected = hf(torch.tensor([ids])).logits[0]
-    got = PagedRun(model).step({"a": ids})["a"]
-    if quantized:
-        assert ((got - expected).norm() / expected.norm()).item() < 2e-2
-    else:
-        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    assert_logits(model, hf, [3, 200, 17, 17, 90, 41, 5, 260], quantized)
 
 
 def llama_cpp_file(path: Path, hf, arch: str, quantized: bool, extra_tensors: dict | None = None,
-                   **keys: object) -> Path:
+                   permuted: bool = False, **keys: object) -> Path:
     """`hf`'s weights as llama.cpp writes a GGUF of `arch` (Q8_0 projections where
-    `quantized`, whose values `hf` then takes), with `keys` beside the tiny hparams."""
+    `quantized`, whose values `hf` then takes; q and k rows in llama.cpp's Llama order where
+    `permuted`; OLMo 3 as an olmo2 file), with `keys` beside the tiny hparams."""
     tensors: dict = {}
     for name, t in gguf_names(dict(hf.state_dict()), arch).items():
         array = t.numpy()
@@ -492,17 +466,23 @@ def llama_cpp_file(path: Path, hf, arch: str, quantized: bool, extra_tensors: di
             t.copy_(torch.from_numpy(dequantize(tensors[name][0], Q.Q8_0)))
         else:
             tensors[name] = (array, None)
-    return write_gguf(path, arch, tensors | (extra_tensors or {}),
+        if permuted and (".attn_q." in name or ".attn_k." in name):
+            blocks, qtype = tensors[name]
+            tensors[name] = (llama_cpp_permute(blocks, HEADS if ".attn_q." in name
+                                               else KV_HEADS), qtype)
+    return write_gguf(path, "olmo2" if arch == "olmo3" else arch,
+                      tensors | (extra_tensors or {}),
                       hparams(key_length=HEAD_DIM, value_length=HEAD_DIM, **keys))
 
 
 def tiny_family(arch: str, **overrides: object):  # -> (ModelConfig, transformers model)
     from tests.tiny import hf_model, tiny_config
 
-    cfg = tiny_config(arch, vocab_size=len(tiny_vocab()), hidden_size=HIDDEN,
-                      intermediate_size=FFN, num_attention_heads=HEADS,
-                      num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rope_theta=1e4,
-                      rms_norm_eps=1e-5, tie_word_embeddings=True, **overrides)
+    cfg = tiny_config(arch, **{"vocab_size": len(tiny_vocab()), "hidden_size": HIDDEN,
+                               "intermediate_size": FFN, "num_attention_heads": HEADS,
+                               "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+                               "rope_theta": 1e4, "rms_norm_eps": 1e-5,
+                               "tie_word_embeddings": True} | overrides)
     return cfg, hf_model(cfg, seed=3)
 
 
