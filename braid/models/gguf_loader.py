@@ -233,6 +233,8 @@ def config_from_metadata(
     family = "olmo3" if arch == "olmo2" and meta.get("olmo2.attention.sliding_window") else arch
     try:
         hidden, heads = int(key("embedding_length")), _single_int(key("attention.head_count"))
+        # (no heads: the config's own check names the key)
+        head_dim = int(key("attention.key_length", hidden // max(heads, 1)))
         return ModelConfig(
             architecture=family,
             # The embedding's rows, which may exceed the token list (padding rows), size it.
@@ -242,8 +244,7 @@ def config_from_metadata(
             num_hidden_layers=int(key("block_count")),
             num_attention_heads=heads,
             num_key_value_heads=_single_int(key("attention.head_count_kv", heads)),
-            # (no heads: the config's own check names the key)
-            head_dim=int(key("attention.key_length", hidden // max(heads, 1))),
+            head_dim=head_dim,
             rms_norm_eps=_f32_to_float(key("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=_f32_to_float(key("rope.freq_base", 10000.0)),
             max_position_embeddings=int(key("context_length", 32768)),
@@ -255,8 +256,9 @@ def config_from_metadata(
             # (0: none, as llama.cpp writes Phi-4-mini's)
             sliding_window=(meta.get(f"{arch}.attention.sliding_window") or None
                             if family in SLIDING_WINDOW_ARCHITECTURES else None),
-            partial_rotary_factor=_partial_rotary(key, hidden, heads),
-            **(_gemma3_fields(meta, hidden, heads) if arch == "gemma3" else {}),
+            # the fraction of a head RoPE turns (Phi-4-mini's rope.dimension_count)
+            partial_rotary_factor=int(key("rope.dimension_count", head_dim)) / max(head_dim, 1),
+            **(_gemma3_fields(meta, hidden, heads, head_dim) if arch == "gemma3" else {}),
             # llama.cpp's SmolLM3: every fourth layer without RoPE, as transformers' default
             no_rope_layers=([int((i + 1) % 4 != 0) for i in range(int(key("block_count")))]
                             if arch == "smollm3" else None),
@@ -288,10 +290,11 @@ def _rope_scaling(meta: dict[str, Any], arch: str, key: Callable[..., Any], sour
     if scaling in (None, "none"):
         return None
     factor = {"rope_type": scaling, "factor": _f32_to_float(key("rope.scaling.factor"))}
-    return factor | _yarn_fields(meta, arch, source) if scaling == "yarn" else factor
+    return factor | _yarn_fields(meta, arch, key, source) if scaling == "yarn" else factor
 
 
-def _yarn_fields(meta: dict[str, Any], arch: str, source: Path) -> dict[str, Any]:
+def _yarn_fields(meta: dict[str, Any], arch: str, key: Callable[..., Any], source: Path
+                 ) -> dict[str, Any]:
     """YaRN's original context and betas under llama.cpp's keys. Its attention factor, log
     multiplier and extrapolation factor (DeepSeek's and other files', where llama.cpp's
     meaning differs from transformers') are refused, named."""
@@ -300,22 +303,11 @@ def _yarn_fields(meta: dict[str, Any], arch: str, source: Path) -> dict[str, Any
                 name == "yarn_ext_factor" and meta[f"{arch}.rope.scaling.{name}"] == 1):
             raise ModelLoadError(f"GGUF {source}: {arch}.rope.scaling.{name} is not supported "
                                  "(braid runs YaRN as transformers' rope_scaling spells it)")
-    original = meta.get(f"{arch}.rope.scaling.original_context_length")
-    if original is None:
-        raise ModelLoadError(f"GGUF {source} lacks metadata key "
-                             f"{arch}.rope.scaling.original_context_length (YaRN's)")
-    return {"original_max_position_embeddings": int(original),
+    return {"original_max_position_embeddings": int(key("rope.scaling.original_context_length",
+                                                        None)),
             **{beta: _f32_to_float(meta[f"{arch}.rope.scaling.yarn_{beta}"])
                for beta in ("beta_fast", "beta_slow")
                if f"{arch}.rope.scaling.yarn_{beta}" in meta}}
-
-
-def _partial_rotary(key: Callable[..., Any], hidden: int, heads: int) -> float:
-    """The fraction of a head RoPE turns: rope.dimension_count of the head size (1 where the
-    file leaves it out)."""
-    head_dim = int(key("attention.key_length", hidden // max(heads, 1)))
-    dims = int(key("rope.dimension_count", head_dim))
-    return 1.0 if dims == head_dim else dims / head_dim
 
 
 def _long_rope(rope_tensors: dict[str, list[float]], key: Callable[..., Any],
@@ -367,13 +359,13 @@ def _olmo3_fields(meta: dict[str, Any]) -> dict[str, Any]:
             "rope_local_theta": _f32_to_float(base)}
 
 
-def _gemma3_fields(meta: dict[str, Any], hidden: int, heads: int) -> dict[str, Any]:
+def _gemma3_fields(meta: dict[str, Any], hidden: int, heads: int, head_dim: int
+                   ) -> dict[str, Any]:
     """What llama.cpp fixes for Gemma 3 rather than storing: every sixth layer global (unless
     the file lists the windowed layers), RoPE base 10,000 in the window, scores scaled by
     1 / sqrt(head size), except the 27B model's 1 / sqrt(hidden / heads)."""
     layers = int(meta["gemma3.block_count"])
     types = _layer_types(meta, "gemma3", GEMMA3_GLOBAL_EVERY)
-    head_dim = int(meta.get("gemma3.attention.key_length", hidden // max(heads, 1)))
     cap = meta.get("gemma3.final_logit_softcapping")
     return {"layer_types": types,
             "rope_local_theta": _f32_to_float(meta.get("gemma3.rope.freq_base_swa",
