@@ -7,7 +7,7 @@ logprobs) slowed every stream's steps several times over. In a process of its ow
 has its own interpreter and the two share only the cores, which the OS divides fairly.
 
 `EngineProcess` is the server's side: the calls of `LLMEngine` the server's engine loop makes
-(braid/server/engine_loop.py's `EngineLike`). The engine's side (`_EngineSide`) steps on its
+(braid/server/engine_loop.py's `EngineLike`). The engine's side (`EngineSide`) steps on its
 own while it has work, as vLLM's engine core does: it sends each step's outputs unasked and
 reads the server's calls (adds and aborts, in batches) between steps, so a server whose
 threads are busy delays only its own reading, never the steps. Every message carries the
@@ -18,7 +18,6 @@ as pickles (plain records; prompt logprobs as `PackedLogprobs`); a RequestError 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import itertools
 import logging
@@ -29,6 +28,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -36,7 +36,7 @@ from typing import Any
 
 from braid.config import EngineConfig
 from braid.core.stats import EngineStats
-from braid.engine.cores import CoreShare
+from braid.engine.cores import CoreShare, cpu_seconds
 from braid.outputs import RequestOutput
 from braid.sampling_params import RequestOutputKind, SamplingParams
 from braid.spec_decode.speculator import SpeculatorFigures
@@ -82,17 +82,26 @@ class EngineDied(RuntimeError):
 
 
 class EngineProcess:
-    def __init__(self, config: EngineConfig) -> None:
+    """The engine in a child process of this machine, reached through two pipes. `cores`:
+    the CPUs it may run on (a replica's share); `label`: how its log lines name it."""
+
+    def __init__(self, config: EngineConfig, cores: list[int] | None = None,
+                 label: str | None = None) -> None:
         context = multiprocessing.get_context("spawn")  # no fork of a threaded process
         # one pipe each way: the engine's side reads calls in a thread of their own, so a
         # large call and a large step's outputs never wait on each other
         calls, self._calls = context.Pipe(duplex=False)
         self._conn, outputs = context.Pipe(duplex=False)
-        self._process = context.Process(target=_serve, args=(config, calls, outputs),
-                                        name="braid-engine", daemon=True)
+        self._process = context.Process(target=_serve, args=(config, calls, outputs, cores,
+                                                             label),
+                                        name=f"braid-{label or 'engine'}", daemon=True)
         self._process.start()
         calls.close()
         outputs.close()
+        self._start()
+
+    def _start(self) -> None:
+        """The client's state, once the engine is reachable: its info is the first message."""
         self._steps: deque[tuple[bool, Any]] = deque()  # step messages not yet returned
         self._recent: deque = deque(maxlen=EngineStats(num_kv_blocks=0).num_recent)
         self.info: EngineInfo = self._receive()[2]
@@ -145,7 +154,7 @@ class EngineProcess:
         came yet). A failed step raises here, after the outputs of the steps before it."""
         if not self._steps:
             self._next_message()
-        while self._conn.poll(0):
+        while self._has_message():
             self._next_message()
         outputs: list[RequestOutput] = []
         while self._steps:
@@ -187,7 +196,10 @@ class EngineProcess:
         return dataclasses.replace(whole, outputs=[copy])
 
     def log_idle_stats(self) -> None:
-        """Nothing: the engine's process writes its idle stats line itself."""
+        """Nothing to write (the engine's process writes its idle stats line itself); an
+        engine process that died while idle is noticed here (EngineDied)."""
+        if not self._process.is_alive():
+            raise EngineDied(f"the engine process ended (exit code {self._process.exitcode})")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._steps) or self._load.has_unfinished
@@ -215,7 +227,7 @@ class EngineProcess:
     def speculation_figures(self) -> SpeculatorFigures | None:
         return self._load.speculation
 
-    # ---- the pipe -----------------------------------------------------------------------
+    # ---- the transport: pipes here, a Ray actor's calls in braid/engine/ray_engine.py ------
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with contextlib.suppress(OSError, EngineDied):
@@ -224,12 +236,32 @@ class EngineProcess:
         if self._process.is_alive():
             self._process.kill()
 
-    def _call(self, name: str, *args: Any) -> Any:
-        """Send a call and wait for its answer; step messages that come first are kept."""
+    def kill(self) -> None:
+        """End the engine at once, as a crash would (the tests of a replica's death)."""
+        self._process.kill()
+
+    def _put(self, message: tuple) -> None:
         try:
-            self._calls.send((name, *args))
+            self._calls.send(message)
         except OSError:
             raise EngineDied("the engine process is gone") from None
+
+    def _has_message(self) -> bool:
+        return self._conn.poll(0)
+
+    def _get(self) -> tuple:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            self._process.join(1.0)  # its exit code, once reaped
+            code = self._process.exitcode
+            raise EngineDied(f"the engine process ended (exit code {code})") from None
+
+    # ---- messages ---------------------------------------------------------------------
+
+    def _call(self, name: str, *args: Any) -> Any:
+        """Send a call and wait for its answer; step messages that come first are kept."""
+        self._put((name, *args))
         while True:
             kind, ok, value = self._next_message()
             if kind == "answer":
@@ -248,23 +280,39 @@ class EngineProcess:
         return kind, ok, value
 
     def _receive(self) -> Any:
-        try:
-            message = self._conn.recv()
-        except (EOFError, OSError):
-            code = self._process.exitcode
-            raise EngineDied(f"the engine process ended (exit code {code})") from None
+        message = self._get()
         kind, ok, value, _ = message
         if kind == "info" and not ok:
             raise value
         return message
 
 
-def _serve(config: EngineConfig, calls: Connection, conn: Connection) -> None:
+def _serve(config: EngineConfig, calls: Connection, conn: Connection,
+           cores: list[int] | None = None, label: str | None = None) -> None:
     """The engine process: build the engine, then step and answer calls until told to stop."""
     _follow_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the server's to handle
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
+    if cores:
+        os.sched_setaffinity(0, cores)
+    tag = f"[{label}] " if label else ""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {tag}%(message)s",
                         stream=sys.stderr)
+    engine, info = build_engine(config)
+    _send(conn, info)
+    if engine is None:
+        return
+    inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+    outbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+    threading.Thread(target=_read_calls, args=(calls, inbox), name="braid-calls",
+                     daemon=True).start()
+    threading.Thread(target=_write_messages, args=(conn, outbox), name="braid-outputs",
+                     daemon=True).start()
+    EngineSide(engine, inbox, outbox, os.getppid()).run()
+
+
+def build_engine(config: EngineConfig) -> tuple[Any, tuple]:
+    """The engine and the first message to the server (its info); no engine, and the error
+    as the message, where the config or the load failed."""
     from braid import heap
     from braid.engine.engine import LLMEngine
 
@@ -272,29 +320,26 @@ def _serve(config: EngineConfig, calls: Connection, conn: Connection) -> None:
     try:
         engine = LLMEngine(config)
     except BaseException as e:  # a config or load error: the server reports it
-        _send(conn, ("info", False, _portable(e), None))
-        return
-    _send(conn, ("info", True, _info(engine), None))
-    _EngineSide(engine, calls, conn).run()
+        return None, ("info", False, _portable(e), None)
+    return engine, ("info", True, _info(engine), None)
 
 
-class _EngineSide:
+class EngineSide:
     """The engine's loop in its process: step while there is work, answer calls between
-    steps, write the idle stats line and give freed memory back when there is none."""
+    steps, write the idle stats line and give freed memory back when there is none. Calls
+    come in through `inbox`, messages go out through `outbox` (pipes' threads or a Ray
+    actor's methods carry them). `server_pid`: the server's process where it shares this
+    machine's cores (`CoreShare`), else None."""
 
-    def __init__(self, engine: Any, calls: Connection, conn: Connection) -> None:
-        self.engine, self.conn = engine, conn
-        self.inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+    def __init__(self, engine: Any, inbox: queue.SimpleQueue[tuple],
+                 outbox: queue.SimpleQueue[tuple], server_pid: int | None) -> None:
+        self.engine, self.inbox, self.outbox = engine, inbox, outbox
         self.steps_sent = 0  # the stats' steps sent so far
         self.worked = False  # steps since the heap was last trimmed
         import torch
 
-        self.cores = CoreShare(os.getppid(), torch.get_num_threads(), torch.set_num_threads)
-        self.outbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-        threading.Thread(target=_read_calls, args=(calls, self.inbox), name="braid-calls",
-                         daemon=True).start()
-        threading.Thread(target=_write_messages, args=(conn, self.outbox),
-                         name="braid-outputs", daemon=True).start()
+        self.cores = CoreShare(server_pid or 0, torch.get_num_threads(), torch.set_num_threads,
+                               read=cpu_seconds if server_pid else _unknown)
 
     def run(self) -> None:
         from braid import heap
@@ -411,13 +456,28 @@ def _info(engine: Any) -> EngineInfo:
                       str(cache.dtype).removeprefix("torch."), cache.nbytes)
 
 
+def _unknown(pid: int) -> None:
+    """No server's CPU time to read: its process is on another machine or unknown."""
+    return None
+
+
 def _send(conn: Connection, message: tuple) -> None:
     with contextlib.suppress(OSError, ValueError):  # the server is gone (the reader sees it)
         conn.send(message)
 
 
+PARENT_CHECK_S = 0.5
+
+
 def _follow_parent() -> None:
-    """SIGKILL when the server's process dies, however it dies (Linux's PR_SET_PDEATHSIG)."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    """End when the server's process dies, however it dies. (Linux's PR_SET_PDEATHSIG would
+    follow the server's thread that started this process, not the process: a replica started
+    from a passing thread would die with it.)"""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="braid-follow-parent", daemon=True).start()

@@ -26,7 +26,8 @@ from braid import __version__, heap
 from braid.config import ConfigError, EngineConfig, config_from_args
 from braid.core.stats import GrammarStats
 from braid.engine.bootstrap import check_before_loading
-from braid.engine.process import EngineProcess
+from braid.engine.process import EngineInfo, EngineProcess
+from braid.engine.router import RouterConfig, make_router
 from braid.sampling_params import is_int
 from braid.server.bodies import (
     json_lists,
@@ -37,6 +38,8 @@ from braid.server.bodies import (
     validate,
 )
 from braid.server.engine_loop import AsyncEngine, ShuttingDown
+from braid.server.replicas import Replicas, StartEngine, engine_starter, start_engines
+from braid.server.args import router_config
 from braid.server.errors import bad_request, install_error_handlers, validation_error
 from braid.server.metrics import ServerMetrics
 from braid.server.middleware import ApiKeyAuth, BodyReads, BodySizeLimit
@@ -234,16 +237,27 @@ def run_server(args: argparse.Namespace) -> int:
                           "other; give one")
     sock = _bind(args.host, args.port)  # before the load: a busy port fails in a second
     tokenizer = _served_tokenizer(config, args.chat_template)
-    engine = EngineProcess(config)  # loads the models in its own process
+    routing = router_config(args)
+    start = engine_starter(config, args.data_parallel_size, args.distributed_executor_backend)
+    engines = start_engines(start, args.data_parallel_size)  # each loads the models
     try:
-        return _serve(args, sock, engine, tokenizer)
+        return _serve(args, sock, engines, _Replicating(start, routing), tokenizer)
     finally:
-        engine.shutdown()
+        for engine in engines:
+            engine.shutdown()
 
 
-def _serve(args: argparse.Namespace, sock: socket.socket, engine: EngineProcess,
-           tokenizer: Tokenizer) -> int:
-    info = engine.info
+@dataclass(frozen=True)
+class _Replicating:
+    """How replicas are started again and requests routed among them."""
+
+    start: StartEngine
+    routing: RouterConfig
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket, engines: list[EngineProcess],
+           replicating: _Replicating, tokenizer: Tokenizer) -> int:
+    info = engines[0].info
     config = info.config
     names = list(dict.fromkeys(args.served_model_name or [config.model]))  # each name once
     metrics = ServerMetrics(names[0], cache_config={
@@ -251,8 +265,9 @@ def _serve(args: argparse.Namespace, sock: socket.socket, engine: EngineProcess,
         "cache_dtype": info.kv_cache_dtype,
         "num_gpu_blocks": info.num_kv_blocks,  # vLLM's name for the cache's blocks
         "enable_prefix_caching": config.enable_prefix_caching,
-        "kv_cache_gib": f"{info.kv_cache_bytes / 2**30:.4g}"})  # the target's, as allocated
-    ctx = _context(args, engine, tokenizer, metrics, names)
+        "kv_cache_gib": f"{info.kv_cache_bytes / 2**30:.4g}"},  # the target's, as allocated
+        replica=0 if len(engines) > 1 else None)
+    ctx = _context(args, _front(args, engines, replicating, metrics), info, tokenizer, names)
     app = create_app(ctx, metrics, AppOptions(
         args.max_request_bytes, args.api_key, args.enable_docs, tuple(args.allowed_origins),
         tuple(args.allowed_methods), tuple(args.allowed_headers), args.allow_credentials,
@@ -272,8 +287,23 @@ def _serve(args: argparse.Namespace, sock: socket.socket, engine: EngineProcess,
     logging.getLogger("uvicorn.error").info(
         "Uvicorn running on %s://%s:%d (Press CTRL+C to quit)",
         "https" if args.ssl_certfile else "http", f"[{host}]" if ":" in host else host, port)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if isinstance(ctx.engine, Replicas):
+            ctx.engine.shutdown()  # the replicas' engines now, restarted ones included
     return 0 if server.started else 1
+
+
+def _front(args: argparse.Namespace, engines: list[EngineProcess], replicating: _Replicating,
+           metrics: ServerMetrics) -> AsyncEngine | Replicas:
+    """What the server sends requests to: the one engine's loop, or the replicas'."""
+    if len(engines) == 1 and args.distributed_executor_backend == "mp":
+        return AsyncEngine(engines[0], metrics, args.enable_log_requests)
+    info = engines[0].info
+    router = make_router(replicating.routing, len(engines), info.config.block_size,
+                         info.num_kv_blocks)
+    return Replicas(engines, router, metrics, replicating.start, args.enable_log_requests)
 
 
 def _set_up_process() -> None:
@@ -302,17 +332,15 @@ def _served_tokenizer(config: EngineConfig, chat_template: str | None) -> Tokeni
     return tokenizer
 
 
-def _context(args: argparse.Namespace, engine: EngineProcess, tokenizer: Tokenizer,
-             metrics: ServerMetrics, names: list[str]) -> ServerContext:
-    info = engine.info
+def _context(args: argparse.Namespace, engine: AsyncEngine | Replicas, info: EngineInfo,
+             tokenizer: Tokenizer, names: list[str]) -> ServerContext:
     config = info.config
     assert config.max_model_len is not None
     # the server's own grammar engine: requests' grammars are checked here, off the engine
     grammars = StructuredOutputManager(tokenizer, info.vocab_size, info.eos_token_ids,
                                        GrammarStats())
     grammars.warm_up()  # its tokenizer view, before any request
-    return ServerContext(AsyncEngine(engine, metrics, args.enable_log_requests),
-                         tokenizer, names,
+    return ServerContext(engine, tokenizer, names,
                          config.max_model_len, args.max_waiting_requests,
                          trust_request_chat_template=args.trust_request_chat_template,
                          default_sampling=info.default_sampling,

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from braid.config import positive_int
+from braid.engine.router import ROUTER_POLICIES, RouterConfig
 from braid.server.reasoning import PARSERS as REASONING_PARSERS
 
 
@@ -87,6 +88,37 @@ def _string_list(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings, e.g. "
                                          f"'[\"a\", \"b\"]', got {text!r}")
     return value
+
+
+def _add_replica_args(parser: argparse.ArgumentParser) -> None:
+    d = RouterConfig()
+    group = parser.add_argument_group("replicas (docs/scaling.md)")
+    group.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
+                       help="engine replicas behind the one endpoint (vLLM's), each with its "
+                            "own model and KV cache and its share of the cores")
+    group.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
+                       help="where replicas run: local processes (mp), or Ray actors on the "
+                            "nodes of the Ray cluster this machine belongs to (ray)")
+    group.add_argument("--router-policy", choices=list(ROUTER_POLICIES), default=d.policy,
+                       help="how a request picks its replica: the one holding most of its "
+                            "prompt's prefix unless the loads are imbalanced (prefix_aware), "
+                            "the least loaded, or in turn")
+    group.add_argument("--router-cache-threshold", type=float, default=d.cache_threshold,
+                       help="prefix_aware: the share of a prompt's blocks a replica must hold "
+                            "to be chosen for its cache (else the least loaded)")
+    group.add_argument("--router-balance-abs-threshold", type=int,
+                       default=d.balance_abs_threshold,
+                       help="prefix_aware: loads count as imbalanced when the busiest "
+                            "replica has more than this many requests over the idlest ...")
+    group.add_argument("--router-balance-rel-threshold", type=float,
+                       default=d.balance_rel_threshold,
+                       help="... and more than this many times as many")
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    """The RouterConfig of the flags (a ValueError naming the flag where one is invalid)."""
+    return RouterConfig(args.router_policy, args.router_cache_threshold,
+                        args.router_balance_abs_threshold, args.router_balance_rel_threshold)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -180,6 +212,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     for name in ("--tensor-parallel-size", "--pipeline-parallel-size"):
         group.add_argument(name, type=_one, default=1,
                            help="accepted for vLLM command lines: 1 (one model on one machine)")
+    _add_replica_args(parser)
     group.add_argument("--enable-log-requests", action="store_true",
                        help="log each request as it arrives (its prompt and sampling "
                             "parameters) and as it ends (vLLM's)")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import queue
 import threading
@@ -79,6 +78,7 @@ class _Add:
     admitted: asyncio.Future[None]
     priority: int = 0
     group: str | None = None
+    rerouted: bool = False  # moved from a replica that died after admitting it
 
 
 @dataclass(slots=True)
@@ -109,15 +109,23 @@ class EngineSnapshot:
     num_adds: int = 0  # requests the engine thread has added (or refused) so far
 
 
+# Called on the engine thread when the engine died, with the requests it never answered
+# (added but without output yet, or not yet added): the replicas route them elsewhere.
+OnDeath = Callable[[list[_Add]], None]
+
+
 class AsyncEngine:
     def __init__(self, engine: EngineLike, metrics: ServerMetrics | None = None,
-                 log_requests: bool = False) -> None:
+                 log_requests: bool = False, on_death: OnDeath | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self.log_requests = log_requests  # --enable-log-requests: a line as each one ends
+        self.on_death = on_death
         self.snapshot = EngineSnapshot()
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._queues: dict[str, OutputQueue] = {}  # engine thread only
+        self._unanswered: dict[str, _Add] = {}  # added, no output yet (engine thread only)
+        self._left: list[_Command] = []  # taken from the inbox, not yet applied
         self._num_sent = 0  # requests sent to the engine thread so far (event loop only)
         self._num_applied = 0  # of those, added or refused so far (engine thread only)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -139,6 +147,11 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def load(self) -> int:
+        """Requests in flight: running, waiting, and sent but not yet added."""
+        return self.snapshot.num_running + self.num_waiting
 
     @property
     def num_waiting(self) -> int:
@@ -170,6 +183,16 @@ class AsyncEngine:
         self._num_sent += len(requests)
         return self._await_admission([r[0] for r in requests], futures)
 
+    def resubmit(self, adds: list[_Add]) -> None:
+        """Requests another replica's engine took and never answered (event loop only)."""
+        for add in adds:
+            self._inbox.put(add)
+        self._num_sent += len(adds)
+
+    def record_admitted(self, num_prompts: int, n: int, max_tokens: list[int]) -> None:
+        if self.metrics is not None:
+            self.metrics.record_admitted(num_prompts, n, max_tokens)
+
     async def _await_admission(self, request_ids: list[str],
                                futures: list[asyncio.Future[None]]
                                ) -> list[BaseException | None]:
@@ -193,11 +216,28 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self._loop_forever()
-        except BaseException:
-            logger.exception("the engine loop crashed; failing every request")
-            for request_id in list(self._queues):
-                self._deliver_failure(request_id, RuntimeError("the engine loop crashed"))
+        except BaseException as e:
+            died = isinstance(e, EngineDied)
+            logger.exception("the engine %s; failing its requests",
+                             "died" if died else "loop crashed")
+            self._give_up(e if died else RuntimeError("the engine loop crashed"))
             raise
+
+    def _give_up(self, error: BaseException) -> None:
+        """The engine is gone: its unanswered requests go to `on_death` (or fail), the rest
+        fail with `error`."""
+        unanswered = list(self._unanswered.values())
+        for command in [*self._left, *self._take_commands(block=False)]:
+            if isinstance(command, _Add):
+                unanswered.append(command)
+        if self.on_death is not None:
+            for add in unanswered:
+                self._queues.pop(add.request_id, None)
+            self.on_death(unanswered)
+        else:
+            self._call_soon(_settle_all, [(a.admitted, error) for a in unanswered])
+        for request_id in list(self._queues):
+            self._deliver_failure(request_id, error)
 
     def _loop_forever(self) -> None:
         worked = False  # since the heap was last trimmed
@@ -230,31 +270,45 @@ class AsyncEngine:
 
     def _apply(self, commands: list[_Command]) -> bool:
         """Apply commands in order; False once asked to stop. Admissions are settled after
-        the snapshot counts the new requests, so `num_waiting` never misses them."""
+        the snapshot counts the new requests, so `num_waiting` never misses them. Until a
+        command is applied it stays in `_left`: where the engine dies meanwhile, the adds
+        there are among those it never answered."""
         settled: list[tuple[asyncio.Future[None], BaseException | None]] = []
         running = True
-        # runs of adds and of aborts go to the engine as one call each (one message for an
-        # engine in its own process)
-        for kind, run in itertools.groupby(commands, type):
-            batch = list(run)
-            if kind is _Add:
-                adds = [c for c in batch if isinstance(c, _Add)]
-                settled += zip([a.admitted for a in adds], self._add(adds), strict=True)
-                self._num_applied += len(adds)
-            elif kind is _Abort:
-                self._abort([c.request_id for c in batch if isinstance(c, _Abort)])
-            elif kind is _FailAll:
-                for c in batch:
-                    if isinstance(c, _FailAll):
-                        self._abort_all(c.error)
-            else:
-                self._abort_all(ShuttingDown("server shutting down"))
-                running = False
-                break
-        self._publish()
-        if settled:
-            self._call_soon(_settle_all, settled)
+        self._left = commands
+        try:
+            # runs of adds and of aborts go to the engine as one call each (one message for
+            # an engine in its own process)
+            while self._left and running:
+                kind = type(self._left[0])
+                n = next((i for i, c in enumerate(self._left) if type(c) is not kind),
+                         len(self._left))
+                settled += self._apply_run(kind, self._left[:n])
+                running = kind is not _Stop
+                self._left = self._left[n:]
+            self._publish()
+        finally:
+            if settled:
+                self._call_soon(_settle_all, settled)
         return running
+
+    def _apply_run(self, kind: type, run: list[_Command]
+                   ) -> list[tuple[asyncio.Future[None], BaseException | None]]:
+        """Apply a run of commands of one kind; the admissions it settles."""
+        if kind is _Add:
+            adds = [c for c in run if isinstance(c, _Add)]
+            errors = self._add(adds)
+            self._num_applied += len(adds)
+            return list(zip([a.admitted for a in adds], errors, strict=True))
+        if kind is _Abort:
+            self._abort([c.request_id for c in run if isinstance(c, _Abort)])
+        elif kind is _FailAll:
+            for c in run:
+                if isinstance(c, _FailAll):
+                    self._abort_all(c.error)
+        else:
+            self._abort_all(ShuttingDown("server shutting down"))
+        return []
 
     def _add(self, adds: list[_Add]) -> list[BaseException | None]:
         """Add each; per request None or its error (reported to its handler only)."""
@@ -262,18 +316,26 @@ class AsyncEngine:
             errors: list[BaseException | None] = list(self.engine.add_requests([
                 (a.request_id, a.prompt, a.params, a.arrival_time, a.priority, a.group)
                 for a in adds]))
-        except Exception as e:  # the call itself failed (the engine died): each request's
+        except EngineDied:
+            raise  # the requests go to `on_death` with the rest (they are still in `_left`)
+        except Exception as e:  # the call itself failed: each request's
             errors = [e] * len(adds)
         for add, error in zip(adds, errors, strict=True):
             if error is None:
                 self._queues[add.request_id] = add.queue
+                self._unanswered[add.request_id] = add
+            elif add.rerouted:  # its handler was told it was admitted: it waits for outputs
+                self._call_soon(_put_all, [(add.queue, RequestFailed(add.request_id, error))])
         return errors
 
     def _abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._queues.pop(request_id, None)
+            self._unanswered.pop(request_id, None)
         try:
             outs = self.engine.abort_requests(request_ids)
+        except EngineDied:
+            raise
         except Exception:
             logger.exception("aborting requests %s failed", request_ids)
             return
@@ -310,6 +372,7 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         batch = []
         for out in outputs:
+            self._unanswered.pop(out.request_id, None)
             if out.finished and self.log_requests:
                 _log_finished(out, "finished")
             target = (self._queues.pop(out.request_id, None) if out.finished

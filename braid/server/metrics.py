@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -54,14 +55,33 @@ class _Seen:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, cache_config: dict[str, object] | None = None) -> None:
+    """One engine's series. With several replicas (`for_replica`) every replica's recorder
+    writes the same metric families, its series told apart by a `replica` label; the series
+    the front end records (admitted requests' parameters) carry no such label."""
+
+    def __init__(self, model_name: str, cache_config: dict[str, object] | None = None,
+                 replica: int | None = None) -> None:
         """cache_config: the KV cache's settings, vLLM's cache_config_info labels."""
         self.registry = CollectorRegistry()
-        self._model = model_name
+        self._families: dict[str, Any] = {}
+        self.model_name, self._replica = model_name, replica
         if cache_config is not None:
             Gauge("braid:cache_config_info", "Information of the KV cache's configuration",
                   list(cache_config), registry=self.registry).labels(
                       *map(str, cache_config.values())).set(1)
+        self._build()
+
+    def for_replica(self, replica: int) -> ServerMetrics:
+        """A fresh recorder of `replica`'s series in this one's registry (a restarted
+        replica's engine counts from zero again: its recorder starts over, the counters
+        it adds to go on)."""
+        other = object.__new__(ServerMetrics)
+        other.registry, other._families = self.registry, self._families
+        other.model_name, other._replica = self.model_name, replica
+        other._build()
+        return other
+
+    def _build(self) -> None:
         self._build_gauges()
         self._build_counters()
         self._build_histograms()
@@ -73,25 +93,30 @@ class ServerMetrics:
         self._tracked: dict[str, _Tracked] = {}
 
     def _labels(self) -> list[str]:
-        return ["model_name"]
+        return ["model_name"] + ([] if self._replica is None else ["replica"])
+
+    def _values(self) -> list[str]:
+        return [self.model_name] + ([] if self._replica is None else [str(self._replica)])
+
+    def family(self, kind: type, name: str, doc: str, labels: list[str], **kw: Any) -> Any:
+        """The registry's metric `name`, made on first use (replicas share it)."""
+        if name not in self._families:
+            self._families[name] = kind(name, doc, labels, registry=self.registry, **kw)
+        return self._families[name]
 
     def _build_gauges(self) -> None:
-        r, lb = self.registry, self._labels()
-        self.running = Gauge("braid:num_requests_running", "Requests in the running batch",
-                             lb, registry=r).labels(self._model)
-        self.waiting = Gauge("braid:num_requests_waiting", "Requests waiting to be scheduled",
-                             lb, registry=r).labels(self._model)
-        self.kv_usage = Gauge("braid:kv_cache_usage_perc", "KV cache usage (1 = 100%)",
-                              lb, registry=r).labels(self._model)
-        self.prefix_cache_hit_rate = Gauge(
-            "braid:prefix_cache_hit_rate", "Prompt tokens found cached / looked up, since start",
-            lb, registry=r).labels(self._model)
+        self.running = self._gauge("braid:num_requests_running", "Requests in the running batch")
+        self.waiting = self._gauge("braid:num_requests_waiting",
+                                   "Requests waiting to be scheduled")
+        self.kv_usage = self._gauge("braid:kv_cache_usage_perc", "KV cache usage (1 = 100%)")
+        self.prefix_cache_hit_rate = self._gauge(
+            "braid:prefix_cache_hit_rate", "Prompt tokens found cached / looked up, since start")
 
     def _gauge(self, name: str, doc: str) -> Gauge:
-        return Gauge(name, doc, self._labels(), registry=self.registry).labels(self._model)
+        return self.family(Gauge, name, doc, self._labels()).labels(*self._values())
 
     def _counter(self, name: str, doc: str) -> Counter:
-        return Counter(name, doc, self._labels(), registry=self.registry).labels(self._model)
+        return self.family(Counter, name, doc, self._labels()).labels(*self._values())
 
     def _build_counters(self) -> None:
         self.prompt_tokens = self._counter(
@@ -119,16 +144,19 @@ class ServerMetrics:
                                            "Token masks computed for grammar-constrained rows")
         self.grammar_mask_time = self._counter("braid:structured_output_mask_seconds",
                                                "Time spent computing grammar token masks")
-        self.accepted_per_pos = Counter(
-            "braid:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position",
-            [*self._labels(), "position"], registry=self.registry)
-        self.request_success = Counter(
-            "braid:request_success", "Finished requests by finish reason",
-            [*self._labels(), "finished_reason"], registry=self.registry)
+        self.accepted_per_pos = self.family(
+            Counter, "braid:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by position", [*self._labels(), "position"])
+        self.request_success = self.family(
+            Counter, "braid:request_success", "Finished requests by finish reason",
+            [*self._labels(), "finished_reason"])
 
-    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-        return Histogram(name, doc, self._labels(), buckets=buckets,
-                         registry=self.registry).labels(self._model)
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...],
+                   front: bool = False) -> Histogram:
+        """front: a series of the front end's (no replica label)."""
+        labels, values = (["model_name"], [self.model_name]) if front else (self._labels(),
+                                                                         self._values())
+        return self.family(Histogram, name, doc, labels, buckets=buckets).labels(*values)
 
     def _build_histograms(self) -> None:
         self.ttft = self._histogram("braid:time_to_first_token_seconds",
@@ -158,10 +186,11 @@ class ServerMetrics:
             _LATENCY_BUCKETS)
         self.request_params_n = self._histogram(
             "braid:request_params_n", "n (choices per prompt) of each admitted request's "
-            "prompts", _N_BUCKETS)
+            "prompts", _N_BUCKETS, front=True)
         self.request_params_max_tokens = self._histogram(
             "braid:request_params_max_tokens", "max_tokens of each admitted engine request "
-            "(where unset, what the model length leaves after the prompt)", _TOKEN_BUCKETS)
+            "(where unset, what the model length leaves after the prompt)", _TOKEN_BUCKETS,
+            front=True)
         self.time_per_output_token = self._histogram(
             "braid:request_time_per_output_token_seconds",
             "Decode time over the tokens after the first, per finished request", _ITL_BUCKETS)
@@ -252,7 +281,7 @@ class ServerMetrics:
             if pos == len(self._accepted_per_pos):
                 self._accepted_per_pos.append(0)
             if value > self._accepted_per_pos[pos]:
-                self.accepted_per_pos.labels(self._model, str(pos)).inc(
+                self.accepted_per_pos.labels(*self._values(), str(pos)).inc(
                     value - self._accepted_per_pos[pos])
                 self._accepted_per_pos[pos] = value
 
@@ -277,7 +306,7 @@ class ServerMetrics:
     def record_finished(self, out: RequestOutput) -> None:
         self._tracked.pop(out.request_id, None)
         reason = out.outputs[0].finish_reason or "abort"
-        self.request_success.labels(self._model, reason).inc()
+        self.request_success.labels(*self._values(), reason).inc()
         if reason == "abort":
             return
         m = out.metrics

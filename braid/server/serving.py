@@ -15,13 +15,14 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from braid.engine.input import RequestError, with_bad_words, with_prediction
+from braid.engine.process import EngineDied
 from braid.outputs import RequestOutput
 from braid.sampling_params import SamplingParams, StructuredOutputsParams, choice_seed
 from braid.server.bodies import INLINE_BYTES, json_response, off_loop
@@ -32,13 +33,16 @@ from braid.server.responses import ChoiceState, Delta, usage
 from braid.structured.manager import StructuredOutputManager
 from braid.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from braid.server.replicas import Replicas
+
 logger = logging.getLogger("braid.server")
 DISCONNECT_POLL_S = 0.5
 
 
 @dataclass
 class ServerContext:
-    engine: AsyncEngine
+    engine: AsyncEngine | Replicas
     tokenizer: Tokenizer
     model_names: list[str]
     max_model_len: int
@@ -352,10 +356,9 @@ async def submit(ctx: ServerContext, job: Job, prompt_field: str = "prompt",
     if errors:
         abort_unfinished(ctx, job)
         raise _admission_error(errors[0], prompt_field)
-    if ctx.engine.metrics is not None:
-        ctx.engine.metrics.record_admitted(len(job.prompts), len(job.choices) // len(job.prompts), [
-            ctx.max_model_len - len(job.prompts[c.prompt_index]) if p.max_tokens is None
-            else p.max_tokens for c, p in zip(job.choices, job.params, strict=True)])
+    ctx.engine.record_admitted(len(job.prompts), len(job.choices) // len(job.prompts), [
+        ctx.max_model_len - len(job.prompts[c.prompt_index]) if p.max_tokens is None
+        else p.max_tokens for c, p in zip(job.choices, job.params, strict=True)])
     if ctx.log_requests:
         _log_received(ctx, job)
 
@@ -391,7 +394,8 @@ async def outputs(job: Job) -> AsyncIterator[tuple[ChoiceState, RequestOutput]]:
     while job.unfinished:
         item = await job.queue.get()
         if isinstance(item, RequestFailed):
-            status = 503 if isinstance(item.error, ShuttingDown) else 500
+            # the server going down, or the replica's engine that ran it: the client may retry
+            status = 503 if isinstance(item.error, ShuttingDown | EngineDied) else 500
             raise EngineFailure(f"{type(item.error).__name__}: {item.error}", status)
         yield job.choice(item.request_id), item if job.view is None else job.view(item)
 
