@@ -24,13 +24,24 @@ def scrape(base_url: str, timeout_s: float = 10.0) -> dict[str, float] | None:
 
 
 def parse(text: str) -> dict[str, float]:
+    """Sample name (with its labels but model_name) -> value. A series of one of several
+    replicas counts under its own name and, summed with the other replicas', under the name
+    without the replica label (so the figures of one engine and of replicas read alike)."""
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
-                              if k != "model_name")
-            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+            labels = {k: v for k, v in sample.labels.items() if k != "model_name"}
+            values[_key(sample.name, labels)] = sample.value
+            if "replica" in labels:
+                del labels["replica"]
+                total = _key(sample.name, labels)
+                values[total] = values.get(total, 0.0) + sample.value
     return values
+
+
+def _key(name: str, labels: dict[str, str]) -> str:
+    text = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+    return f"{name}{{{text}}}" if text else name
 
 
 def spec_figures(before: dict[str, float] | None,

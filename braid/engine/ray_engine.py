@@ -79,6 +79,13 @@ def join_cluster() -> Any:
     return ray
 
 
+def leave_cluster() -> None:
+    """Disconnect (and end the local cluster where `join_cluster` started one)."""
+    import ray
+
+    ray.shutdown()
+
+
 class RayEngine(EngineProcess):
     def __init__(self, config: EngineConfig, label: str | None = None) -> None:
         ray = join_cluster()
@@ -117,4 +124,5 @@ class RayEngine(EngineProcess):
         try:
             return self._ray.get(ref, timeout=timeout)
         except self._ray.exceptions.RayActorError as e:
-            raise EngineDied(f"the engine's Ray actor died: {e}") from None
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise EngineDied(f"the engine's Ray actor died: {first}") from None

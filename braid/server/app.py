@@ -292,6 +292,10 @@ def _serve(args: argparse.Namespace, sock: socket.socket, engines: list[EnginePr
     finally:
         if isinstance(ctx.engine, Replicas):
             ctx.engine.shutdown()  # the replicas' engines now, restarted ones included
+        if args.distributed_executor_backend == "ray":
+            from braid.engine.ray_engine import leave_cluster
+
+            leave_cluster()
     return 0 if server.started else 1
 
 

@@ -221,7 +221,8 @@ class AsyncEngine:
             logger.exception("the engine %s; failing its requests",
                              "died" if died else "loop crashed")
             self._give_up(e if died else RuntimeError("the engine loop crashed"))
-            raise
+            if not died:
+                raise
 
     def _give_up(self, error: BaseException) -> None:
         """The engine is gone: its unanswered requests go to `on_death` (or fail), the rest

@@ -35,6 +35,7 @@ from braid.server.metrics import ServerMetrics
 logger = logging.getLogger("braid.server")
 
 RESTART_BACKOFF_S = (1.0, 30.0)  # the wait after a failed start: first, and at most
+RESTART_JOIN_S = 120.0  # how long a shutdown waits for a replica's start under way
 
 StartEngine = Callable[[int], Any]  # replica index -> its engine (EngineLike, with shutdown)
 
@@ -64,6 +65,7 @@ class Replicas:
             ["model_name", "replica"])
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
+        self._restarts: list[threading.Thread] = []
 
     # ---- what the server calls (event loop) ---------------------------------------------
 
@@ -80,8 +82,10 @@ class Replicas:
                 replica.front.stop(timeout)
 
     def shutdown(self) -> None:
-        """End the engines (after `stop`)."""
+        """End the engines (after `stop`), once the starts under way have ended."""
         self._stopping = True
+        for thread in self._restarts:
+            thread.join(RESTART_JOIN_S)
         for replica in self.replicas:
             replica.engine.shutdown()
 
@@ -164,8 +168,10 @@ class Replicas:
                      "" if self._stopping else "; starting it again")
         self._reroute(unanswered)
         if not self._stopping:
-            threading.Thread(target=self._restart, args=(replica,), daemon=True,
-                             name=f"braid-restart-{index}").start()
+            thread = threading.Thread(target=self._restart, args=(replica,), daemon=True,
+                                      name=f"braid-restart-{index}")
+            self._restarts.append(thread)
+            thread.start()
 
     def _reroute(self, adds: list[_Add]) -> None:
         for add in adds:
@@ -193,6 +199,9 @@ class Replicas:
                 time.sleep(wait)
                 wait = min(2 * wait, RESTART_BACKOFF_S[1])
                 continue
+            if self._stopping:
+                engine.shutdown()
+                return
             replica.restarts += 1
             logger.info("replica %d is back (restart %d)", replica.index, replica.restarts)
             self._call_soon(self._bring_up, replica, engine)
@@ -214,8 +223,9 @@ def engine_starter(config: EngineConfig, size: int, backend: str) -> StartEngine
     threads = config.num_threads or max(1, len(cores) // size)
     config = dataclasses.replace(config, num_threads=threads)
     if backend == "ray":
-        from braid.engine.ray_engine import RayEngine
+        from braid.engine.ray_engine import RayEngine, join_cluster
 
+        join_cluster()  # once, before the replicas start side by side
         return lambda i: RayEngine(config, label=f"replica {i}")
     share = len(cores) // size if size > 1 else 0  # pinned where each gets its threads' cores
 
