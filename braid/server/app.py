@@ -29,6 +29,7 @@ from braid.engine.bootstrap import check_before_loading
 from braid.engine.process import EngineInfo, EngineProcess
 from braid.engine.router import RouterConfig, make_router
 from braid.sampling_params import is_int
+from braid.server.args import router_config
 from braid.server.bodies import (
     json_lists,
     json_response,
@@ -38,8 +39,6 @@ from braid.server.bodies import (
     validate,
 )
 from braid.server.engine_loop import AsyncEngine, ShuttingDown
-from braid.server.replicas import Replicas, StartEngine, engine_starter, start_engines
-from braid.server.args import router_config
 from braid.server.errors import bad_request, install_error_handlers, validation_error
 from braid.server.metrics import ServerMetrics
 from braid.server.middleware import ApiKeyAuth, BodyReads, BodySizeLimit
@@ -53,6 +52,7 @@ from braid.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from braid.server.replicas import Replicas, StartEngine, engine_starter, start_engines
 from braid.server.serving import ServerContext, check_fan_out, check_model
 from braid.server.serving_chat import (
     check_template_fields,
@@ -446,7 +446,7 @@ class _Server(uvicorn.Server):
     same way at once and gives them a moment to say so, where uvicorn alone cancels them
     mid-response with a traceback each."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, reads: BodyReads,
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine | Replicas, reads: BodyReads,
                  deadline_s: float) -> None:
         super().__init__(config)
         self.engine = engine

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -209,10 +210,8 @@ class Replicas:
 
     def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop closed: the server is gone
             self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop closed: the server is gone
-            pass
 
 
 def engine_starter(config: EngineConfig, size: int, backend: str) -> StartEngine:
