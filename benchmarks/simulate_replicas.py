@@ -232,8 +232,10 @@ def calibrate(model: str, path: Path) -> None:
     for batch, prompt_len in ((1, 2048), (4, 256), (16, 256), (32, 128), (64, 64)):
         prompts = [[(b * 977 + i * 13) % 30_000 + 100 for i in range(prompt_len)]
                    for b in range(batch)]
+        steps = stats.num_steps
         llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-        for s in list(stats.recent)[-200:]:
+        new = min(stats.num_steps - steps, len(stats.recent))
+        for s in list(stats.recent)[len(stats.recent) - new:]:
             tokens = s.num_prefill_tokens + s.num_decode_tokens
             if s.num_prefill_tokens == 0:
                 attention = s.num_context_tokens + s.num_decode_tokens

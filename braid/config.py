@@ -249,6 +249,10 @@ class EngineConfig:
         "top_logprobs, prompt_logprobs), as vLLM's; -1: the whole vocabulary")
     seed: int = _opt(0, "seed of the engine's random generator (unseeded requests)")
     num_threads: int | None = _opt(None, "torch CPU threads (default: the cores available)")
+    pipeline_parallel_size: int = _opt(
+        1, "processes the decoder layers are split over (pipeline stages on this machine, "
+        "passing hidden states with torch.distributed; each holds its share of the layers "
+        "and of the KV cache: docs/scaling.md)")
     speculative_config: dict[str, Any] | None = _opt(
         None, "speculative decoding as JSON, e.g. "
         '\'{"method": "draft_model", "num_speculative_tokens": 3}\'', json=True)
@@ -269,7 +273,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self._check_types()
-        self._check_positive("max_num_seqs", "block_size", "kv_cache_gib")
+        self._check_positive("max_num_seqs", "block_size", "kv_cache_gib",
+                             "pipeline_parallel_size")
         self._check_positive_or_none("max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                                      "num_threads")
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)

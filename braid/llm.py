@@ -32,14 +32,14 @@ class LLM:
     def __init__(self, model: str = DEFAULT_TARGET, **engine_options: Any) -> None:
         """`engine_options` are EngineConfig's fields. vLLM's options that change nothing
         on one CPU are accepted so vLLM scripts run unchanged: `trust_remote_code` and
-        `enforce_eager` (as `braid serve` takes them), `tensor_parallel_size` and
-        `pipeline_parallel_size` of 1, and `gpu_memory_utilization` (ignored: `kv_cache_gib`
-        sizes the KV cache)."""
+        `enforce_eager` (as `braid serve` takes them), `tensor_parallel_size` of 1, and
+        `gpu_memory_utilization` (ignored: `kv_cache_gib` sizes the KV cache).
+        `pipeline_parallel_size` splits the layers over processes (docs/scaling.md; end
+        them with `shutdown()`)."""
         for name in _VLLM_NO_OPS:
             engine_options.pop(name, None)
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if engine_options.pop(name, 1) != 1:
-                raise ValueError(f"{name} must be 1: braid runs one model on one machine")
+        if engine_options.pop("tensor_parallel_size", 1) != 1:
+            raise ValueError("tensor_parallel_size must be 1: braid has no tensor parallelism")
         if engine_options.pop("gpu_memory_utilization", None) is not None:
             logger.info("gpu_memory_utilization is ignored: braid runs on the CPU, and "
                         "kv_cache_gib sizes the KV cache")
@@ -58,6 +58,10 @@ class LLM:
         """What generate and chat use without sampling_params: SamplingParams' defaults, with
         the model's generation_config.json recommendations over them (as vLLM)."""
         return SamplingParams(**self.engine.default_sampling)
+
+    def shutdown(self) -> None:
+        """End the processes the engine started (a pipeline's later stages)."""
+        self.engine.shutdown()
 
     def generate(
         self,

@@ -69,7 +69,7 @@ def _per_position(before: dict[str, float], after: dict[str, float]) -> list[int
     prefix = f"{_SPEC}num_accepted_tokens_per_pos_total{{position="
     counts: dict[int, int] = {}
     for key, value in after.items():
-        if key.startswith(prefix):
+        if key.startswith(prefix) and "replica=" not in key:  # the replicas' sum
             counts[int(key[len(prefix):-1])] = int(value - before.get(key, 0.0))
     return [counts.get(i, 0) for i in range(max(counts) + 1)] if counts else []
 
@@ -80,7 +80,7 @@ def _chosen_k(before: dict[str, float], after: dict[str, float]) -> dict[str, in
     prefix = f"{_SPEC}chosen_k_bucket{{le="
     cumulative: dict[float, float] = {}
     for key, value in after.items():
-        if key.startswith(prefix) and not key.endswith("+Inf}"):
+        if key.startswith(prefix) and not key.endswith("+Inf}") and "replica=" not in key:
             cumulative[float(key[len(prefix):-1])] = value - before.get(key, 0.0)
     dist: dict[str, int] = {}
     below = 0.0

@@ -29,8 +29,11 @@ from braid.worker.memory import (
 )
 
 if TYPE_CHECKING:
+    import torch
+
     from braid.core.scheduler import Scheduler
     from braid.models.interface import CausalLM
+    from braid.worker.executor import InProcessExecutor
 
 logger = logging.getLogger("braid")
 
@@ -181,6 +184,17 @@ def load_target(config: EngineConfig, draft: bool) -> Target:
     elif tokenizer is None:
         warn_without_tokenizer(config.model, checked.folder)
     return Target(model, tokenizer, defaults)
+
+
+def make_executor(config: EngineConfig, model: CausalLM, num_blocks: int,
+                  kv_dtype: torch.dtype, eos_token_ids: frozenset[int]) -> InProcessExecutor:
+    """This process's executor: the whole model, or a pipeline's first stage
+    (--pipeline-parallel-size) with the later stages in processes of their own."""
+    from braid.worker.executor import InProcessExecutor
+    from braid.worker.pipeline import PipelineExecutor
+
+    kind = PipelineExecutor if config.pipeline_parallel_size > 1 else InProcessExecutor
+    return kind(config, model, num_blocks, kv_dtype, eos_token_ids)
 
 
 def check_memory(config: EngineConfig, weight_and_kv_bytes: tuple[int, int]) -> None:

@@ -16,6 +16,7 @@ from braid.engine.bootstrap import (
     check_memory,
     eos_token_ids,
     load_target,
+    make_executor,
     make_scheduler,
     sampling_defaults,
     set_threads,
@@ -33,7 +34,6 @@ from braid.spec_decode.cost_model import step_work
 from braid.spec_decode.speculator import SpeculatorFigures
 from braid.structured.manager import StructuredOutputManager
 from braid.tokenizer import Tokenizer
-from braid.worker.executor import InProcessExecutor
 from braid.worker.memory import kv_cache_blocks
 from braid.worker.step_io import StepResult
 
@@ -67,8 +67,8 @@ class LLMEngine:
         self.blocks = self.scheduler.blocks
         self.outputs = OutputProcessor(tokenizer, eos_token_ids(model, tokenizer),
                                        config.max_model_len or 0)
-        self.executor = InProcessExecutor(config, model, num_blocks, kv_dtype,
-                                          self.outputs.eos_token_ids)
+        self.executor = make_executor(config, model, num_blocks, kv_dtype,
+                                      self.outputs.eos_token_ids)
         self.step_inputs = StepInputs(self.blocks, model.config.vocab_size)
         self.executor.grammar_of = lambda rid: getattr(self.requests.get(rid), "grammar", None)
         self.runner = self.executor.runner  # the target's (engine/process.py reads its cache)
@@ -142,6 +142,10 @@ class LLMEngine:
         self.speculator.finish(req)
         self.scorers.finish(req)
         self.step_inputs.forget(req.request_id)
+
+    def shutdown(self) -> None:
+        """End what the executor started (a pipeline's stage processes)."""
+        self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished

@@ -92,9 +92,11 @@ class EngineProcess:
         # large call and a large step's outputs never wait on each other
         calls, self._calls = context.Pipe(duplex=False)
         self._conn, outputs = context.Pipe(duplex=False)
+        # not a daemon: a pipeline's stages are its children (it ends with the server all
+        # the same: `shutdown`, else its watch of its parent)
         self._process = context.Process(target=_serve, args=(config, calls, outputs, cores,
                                                              label),
-                                        name=f"braid-{label or 'engine'}", daemon=True)
+                                        name=f"braid-{label or 'engine'}", daemon=False)
         self._process.start()
         calls.close()
         outputs.close()
@@ -361,6 +363,7 @@ class EngineSide:
                     calls.append(self.inbox.get_nowait())
             for name, *args in calls:
                 if name == "stop":
+                    engine.shutdown()
                     return
                 self._answer(name, args)
             if engine.has_unfinished_requests():

@@ -94,8 +94,12 @@ class RayEngine(EngineProcess):
         # threads: its torch threads, the calls' and receives' (max_concurrency)
         self._actor = _actor_class().options(
             num_cpus=config.threads, max_concurrency=4, name=None).remote(config, label)
-        self._pending.append(self._ray_get(self._actor.info.remote()))
-        self._start()
+        try:
+            self._pending.append(self._ray_get(self._actor.info.remote()))
+            self._start()
+        except BaseException:  # its load failed: the actor goes with it
+            self.kill()
+            raise
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with contextlib.suppress(Exception):

@@ -38,8 +38,19 @@ class CausalLM(Protocol):
     def add_coarse_head(self) -> bool:
         """Set up a cheaper two-stage LM head for greedy_tokens; False where it has none."""
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """Attend over this paged cache [layers, 2, slots, KV heads, head dim]."""
+    def bind_kv_cache(self, kv_cache: torch.Tensor, layers: range | None = None) -> None:
+        """Attend over this paged cache [layers, 2, slots, KV heads, head dim] (`layers`:
+        the decoder layers it holds, a pipeline stage's; default all)."""
+
+    def forward_layers(self, x: torch.Tensor, positions: torch.Tensor,
+                       attn_metadata: AttentionMetadata, layers: range) -> torch.Tensor:
+        """Hidden states [T, hidden] through the decoder layers `layers`."""
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the first layer's input [T, hidden]."""
+
+    def keep_layers(self, layers: range) -> None:
+        """Free the decoder layers outside `layers` (a pipeline stage's)."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> None:
         """Weights by their Hugging Face names; a missing or unknown one is an error."""

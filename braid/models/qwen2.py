@@ -384,6 +384,17 @@ def compiled_projections(attn: Attention, mlp: MLP) -> tuple[list[Segments], lis
     return segments, [m.out_features for m in parts]
 
 
+class DroppedLayer(nn.Module):
+    """A decoder layer another pipeline stage runs."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, *args: object) -> torch.Tensor:
+        raise RuntimeError(f"decoder layer {self.index} runs on another pipeline stage")
+
+
 class Qwen2ForCausalLM(nn.Module):
     """Qwen2 (QKV bias) or Llama (no bias) causal LM; `forward` returns hidden states and
     `compute_logits` projects only the rows the caller needs.
@@ -422,7 +433,7 @@ class Qwen2ForCausalLM(nn.Module):
         # Quantized layers run as single compiled calls where they can (see `_fused_layers`);
         # False keeps the modules' forward (tests compare the two).
         self.fuse_layers = True
-        self._fused: list[object] | None = None
+        self._fused: dict[int, object] | None = None  # compiled layers by index
 
     @property
     def dtype(self) -> torch.dtype:
@@ -433,20 +444,34 @@ class Qwen2ForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden] (before the final norm)."""
-        x = self.embed(input_ids)
+        return self.forward_layers(self.embed(input_ids), positions, attn_metadata,
+                                   range(len(self.layers)))
+
+    def forward_layers(self, x: torch.Tensor, positions: torch.Tensor,
+                       attn_metadata: AttentionMetadata, layers: range) -> torch.Tensor:
+        """Hidden states [T, hidden] through the decoder layers `layers` (all of them, or a
+        pipeline stage's share)."""
         ropes = self._layer_ropes(positions)
-        fused = self._fused_layers(x, attn_metadata)
+        fused = self._fused_layers(x, attn_metadata, layers)
         if fused is not None:
-            for layer, f, rope in zip(self.layers, fused, ropes, strict=True):
-                attn = cast(DecoderLayer, layer).self_attn  # attribute: get_submodule is slow
+            for i in layers:
+                attn = cast(DecoderLayer, self.layers[i]).self_attn  # get_submodule is slow
                 meta = attn_metadata.windowed(attn.window)
-                x = f.forward(x, attn.k_cache, attn.v_cache, *rope,  # type: ignore[attr-defined]
-                              meta.slot_mapping, meta.kv_slots, meta.row_seq, meta.row_len,
-                              meta.row_start)
+                x = fused[i].forward(x, attn.k_cache, attn.v_cache,  # type: ignore[attr-defined]
+                                     *ropes[i], meta.slot_mapping, meta.kv_slots, meta.row_seq,
+                                     meta.row_len, meta.row_start)
             return x
-        for layer, rope in zip(self.layers, ropes, strict=True):
-            x = layer(x, rope, attn_metadata)
+        for i in layers:
+            x = self.layers[i](x, ropes[i], attn_metadata)
         return x
+
+    def keep_layers(self, layers: range) -> None:
+        """Drop the decoder layers outside `layers` (a pipeline stage keeps its own: their
+        weights are freed; running another one is an error)."""
+        for i in range(len(self.layers)):
+            if i not in layers:
+                self.layers[i] = DroppedLayer(i)
+        self._fused = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input tokens' embeddings [T, hidden] (times Granite's embedding_multiplier)."""
@@ -468,7 +493,8 @@ class Qwen2ForCausalLM(nn.Module):
                 else local if local is not None and cfg.layer_window(i) is not None
                 else rope for i in range(len(self.layers))]
 
-    def _fused_layers(self, x: torch.Tensor, meta: AttentionMetadata) -> list[object] | None:
+    def _fused_layers(self, x: torch.Tensor, meta: AttentionMetadata, layers: range
+                      ) -> dict[int, object] | None:
         """The layers as compiled calls, where every operation has its compiled form:
         quantized weights, float32 activations on the CPU, a KV cache the kernels read
         (float32, float16 or bfloat16) and the row-by-row attention's metadata; None
@@ -476,14 +502,18 @@ class Qwen2ForCausalLM(nn.Module):
         if (not self.fuse_layers or self.quant_type is None or meta.kv_slots is None
                 or not hasattr(self.layer_class, "fused")  # (OLMo 2's layer has none)
                 or x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous()
-                or cast(DecoderLayer, self.layers[0]).self_attn.k_cache.dtype
+                or not layers
+                or cast(DecoderLayer, self.layers[layers[0]]).self_attn.k_cache.dtype
                 not in KV_CACHE_DTYPES):
             return None
         ops = quant_ops()
         if ops is None:
             return None
         if self._fused is None:
-            self._fused = [cast(DecoderLayer, layer).fused(ops) for layer in self.layers]
+            self._fused = {}
+        for i in layers:
+            if i not in self._fused:
+                self._fused[i] = cast(DecoderLayer, self.layers[i]).fused(ops)
         return self._fused
 
     def compute_logits(self, hidden: torch.Tensor, num_ids: int | None = None) -> torch.Tensor:
@@ -583,12 +613,13 @@ class Qwen2ForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack()
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """kv_cache [num_layers, 2, num_slots, KVH, D]; each layer gets views of its slice."""
-        for i, layer in enumerate(self.layers):
-            attn = layer.get_submodule("self_attn")
-            attn.k_cache = kv_cache[i, 0]
-            attn.v_cache = kv_cache[i, 1]
+    def bind_kv_cache(self, kv_cache: torch.Tensor, layers: range | None = None) -> None:
+        """kv_cache [len(layers), 2, num_slots, KVH, D] (default: every layer); each of
+        `layers` gets views of its slice."""
+        for j, i in enumerate(range(len(self.layers)) if layers is None else layers):
+            attn = self.layers[i].get_submodule("self_attn")
+            attn.k_cache = kv_cache[j, 0]
+            attn.v_cache = kv_cache[j, 1]
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> None:

@@ -209,9 +209,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpu-memory-utilization", type=float, default=None,
                        help="accepted for vLLM command lines and ignored: braid runs on the "
                             "CPU, and --kv-cache-gib sizes the KV cache")
-    for name in ("--tensor-parallel-size", "--pipeline-parallel-size"):
-        group.add_argument(name, type=_one, default=1,
-                           help="accepted for vLLM command lines: 1 (one model on one machine)")
+    group.add_argument("--tensor-parallel-size", type=_one, default=1,
+                       help="accepted for vLLM command lines: 1 (no tensor parallelism)")
     _add_replica_args(parser)
     group.add_argument("--enable-log-requests", action="store_true",
                        help="log each request as it arrives (its prompt and sampling "

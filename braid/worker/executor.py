@@ -71,9 +71,12 @@ class Executor(ABC):
 
 class InProcessExecutor(Executor):
     def __init__(self, config: EngineConfig, model: CausalLM, num_blocks: int,
-                 kv_dtype: torch.dtype, eos_token_ids: frozenset[int]) -> None:
+                 kv_dtype: torch.dtype, eos_token_ids: frozenset[int],
+                 runner: ModelRunner | None = None) -> None:
+        """runner: the target's (default: a ModelRunner of `model`; a pipeline's)."""
         device = torch.device(config.device)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, device, kv_dtype)
+        self.runner = runner or ModelRunner(model, num_blocks, config.block_size, device,
+                                            kv_dtype)
         self.sampler = StepSampler(device, eos_token_ids, config.spec_config)
         self.requests: dict[str, WorkerRequest] = {}  # by request id, until it finishes
         self.block_size, self.num_blocks = config.block_size, num_blocks

@@ -43,20 +43,22 @@ class ModelRunner:
 
     def __init__(
         self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
-        kv_dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | None = None, layers: range | None = None,
     ) -> None:
-        """kv_dtype: the cache's element type (None: the model's activation dtype)."""
+        """kv_dtype: the cache's element type (None: the model's activation dtype); layers:
+        the decoder layers it runs and caches (a pipeline stage's; default all)."""
         cfg = model.config
         self.model = model
         self.device = device
         self.block_size = block_size
+        self.layers = range(cfg.num_hidden_layers) if layers is None else layers
         self.logit_ids: int | None = None  # score only token ids below this (None: all)
         dtype = kv_dtype or model.dtype
-        shape = (cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads,
+        shape = (len(self.layers), 2, num_blocks * block_size, cfg.num_key_value_heads,
                  cfg.head_dim)
         self.kv_cache = (huge_page_zeros(shape, dtype) if torch.device(device).type == "cpu"
                          else torch.zeros(shape, dtype=dtype, device=device))
-        model.bind_kv_cache(self.kv_cache)
+        model.bind_kv_cache(self.kv_cache, self.layers)
         kernel_isa()  # build or load the kernels now, not in the first request's step
 
     @property
@@ -93,12 +95,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor:
         """-> logits [R, vocab] float32 at inp.logits_indices only."""
-        hidden = self.model.forward(inp.input_ids, inp.positions, inp.attn_metadata)
-        return self.model.compute_logits(hidden[inp.logits_indices], self.logit_ids)
+        return self.model.compute_logits(self.hidden_rows(inp), self.logit_ids)
 
     @torch.inference_mode()
     def execute_greedy(self, inp: ModelInput) -> torch.Tensor:
         """-> the argmax token id [R] at inp.logits_indices (CausalLM.greedy_tokens:
         through the coarse LM head where the model has one)."""
+        return self.model.greedy_tokens(self.hidden_rows(inp), self.logit_ids)
+
+    def hidden_rows(self, inp: ModelInput) -> torch.Tensor:
+        """The last layer's hidden states at inp.logits_indices [R, hidden] (a pipeline's
+        runner gets them from its last stage)."""
         hidden = self.model.forward(inp.input_ids, inp.positions, inp.attn_metadata)
-        return self.model.greedy_tokens(hidden[inp.logits_indices], self.logit_ids)
+        return hidden[inp.logits_indices]

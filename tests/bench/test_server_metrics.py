@@ -48,3 +48,23 @@ def test_no_speculation_counters_means_no_figures() -> None:
     zeros = scrape(drafts=0, drafted=0, accepted=0, pos0=0, pos1=0, k0=0, k2=0)
     spec = spec_figures(zeros, zeros)
     assert spec is not None and spec["acceptance_rate"] is None and spec["chosen_k"] == {}
+
+
+def test_replicas_series_read_as_their_sum() -> None:
+    """Each replica's series under its own name, and summed under the name without the
+    replica label: the figures of replicas read as one engine's."""
+    def two(values: dict[str, int]) -> str:
+        lines = TEMPLATE.format(**values).splitlines()
+        return "\n".join(line if line.startswith("#") else "\n".join(
+            line.replace('model_name="m"', f'model_name="m",replica="{r}"') for r in "01")
+            for line in lines) + "\n"
+
+    values = dict(drafts=2, drafted=6, accepted=3, pos0=2, pos1=1, k0=1, k2=2)
+    before = parse(two({k: 0 for k in values}))
+    after = parse(two(values))
+    assert after['braid:spec_decode_num_drafts_total{replica=1}'] == 2
+    figures = spec_figures(before, after)
+    assert figures is not None
+    assert figures["num_drafts"] == 4 and figures["acceptance_rate"] == 0.5
+    assert figures["accepted_per_position"] == [4, 2]
+    assert figures["chosen_k"] == {"0": 2, "2": 2}

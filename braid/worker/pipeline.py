@@ -1,0 +1,153 @@
+"""Pipeline parallelism (`--pipeline-parallel-size P`): the decoder layers split over P
+processes that pass each step's hidden states on with torch.distributed (gloo on the CPU;
+the same calls take NCCL on GPUs).
+
+Rank 0 is the engine's executor: it holds the scheduler's side, the embedding, the first
+stage's layers, the final norm and LM head, the sampler and the draft model. Each forward it
+sends the batch (`ModelInput`: ids, positions, attention metadata) to every stage
+(`broadcast_object_list`), runs the embedding and its layers, and sends the hidden states
+[T, hidden] to rank 1; each later rank runs its layers over its own KV cache (its layers'
+share of every block) and sends on; the last rank sends back only the rows whose logits
+the forward needs, and rank 0 scores and samples them as one process would. The kernels are
+batch invariant and hidden states cross in full precision, so the output is the one
+process's, token for token.
+
+Stages run one after another: there is no micro-batching yet (vLLM's virtual engines), so a
+step costs the whole model's compute plus P - 1 transfers of [T, hidden] and one of
+[rows, hidden], and P processes buy memory (each holds its share of the layers and of the
+KV cache after loading; each loads the whole file first, so the peak is one model), not
+speed. The stages are local processes (MASTER_ADDR 127.0.0.1).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from braid.config import ConfigError, EngineConfig
+from braid.models.interface import CausalLM
+from braid.worker.executor import InProcessExecutor
+from braid.worker.runner import ModelInput, ModelRunner
+
+logger = logging.getLogger("braid")
+
+TIMEOUT = datetime.timedelta(minutes=10)  # a stage that stops answering fails the step
+
+
+def stage_layers(num_layers: int, size: int, rank: int) -> range:
+    """Rank's share of the decoder layers: contiguous, as even as they divide, the earlier
+    ranks one more where they do not (rank 0 also embeds, scores and samples)."""
+    if not 1 <= size <= num_layers:
+        raise ConfigError(f"--pipeline-parallel-size {size}: between 1 and the model's "
+                         f"{num_layers} layers")
+    base, extra = divmod(num_layers, size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
+
+
+class PipelineRunner(ModelRunner):
+    """The first stage's runner: each forward goes through every stage (`hidden_rows`), so
+    everything that runs the target (steps, the cost model's warm-up) runs the pipeline."""
+
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
+                 device: torch.device, kv_dtype: torch.dtype, size: int) -> None:
+        layers = stage_layers(model.config.num_hidden_layers, size, 0)
+        model.keep_layers(layers)
+        super().__init__(model, num_blocks, block_size, device, kv_dtype, layers)
+        self.size = size
+
+    def hidden_rows(self, inp: ModelInput) -> torch.Tensor:
+        dist.broadcast_object_list([inp], src=0)
+        model = self.model
+        hidden = model.forward_layers(model.embed(inp.input_ids), inp.positions,
+                                      inp.attn_metadata, self.layers)
+        dist.send(hidden.contiguous(), dst=1)
+        rows = torch.empty(len(inp.logits_indices), model.config.hidden_size,
+                           dtype=hidden.dtype)
+        dist.recv(rows, src=self.size - 1)
+        return rows
+
+
+class PipelineExecutor(InProcessExecutor):
+    """The engine's executor over P stages: this process is the first (PipelineRunner), the
+    others are processes it starts and ends."""
+
+    def __init__(self, config: EngineConfig, model: CausalLM, num_blocks: int,
+                 kv_dtype: torch.dtype, eos_token_ids: frozenset[int]) -> None:
+        size = config.pipeline_parallel_size
+        num_layers = model.config.num_hidden_layers
+        stage_layers(num_layers, size, 0)  # a ConfigError before any process starts
+        address = f"tcp://127.0.0.1:{_free_port()}"
+        context = multiprocessing.get_context("spawn")
+        self.stages = [context.Process(
+            target=_stage_main, name=f"braid-stage-{rank}", daemon=True,
+            args=(config, rank, address, num_blocks, kv_dtype,
+                  stage_layers(num_layers, size, rank))) for rank in range(1, size)]
+        for stage in self.stages:
+            stage.start()
+        dist.init_process_group("gloo", init_method=address, rank=0, world_size=size,
+                                timeout=TIMEOUT)
+        dist.barrier()  # every stage has loaded
+        runner = PipelineRunner(model, num_blocks, config.block_size,
+                                torch.device(config.device), kv_dtype, size)
+        super().__init__(config, model, num_blocks, kv_dtype, eos_token_ids, runner)
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.broadcast_object_list([None], src=0)
+            dist.destroy_process_group()
+        for stage in self.stages:
+            stage.join(10)
+            if stage.is_alive():
+                stage.kill()
+
+
+def _stage_main(config: EngineConfig, rank: int, address: str, num_blocks: int,
+                kv_dtype: torch.dtype, layers: range) -> None:
+    """A later stage: load the model, keep `layers`, then run them for every forward rank 0
+    broadcasts until it broadcasts None."""
+    from braid.engine.bootstrap import set_threads
+    from braid.models.build import load_model
+
+    set_threads(config.threads)
+    model, _ = load_model(config.model, config.torch_dtype, config.device, config.quantization,
+                          with_tokenizer=False, max_model_len=config.max_model_len)
+    model.keep_layers(layers)
+    runner = ModelRunner(model, num_blocks, config.block_size, torch.device(config.device),
+                         kv_dtype, layers)
+    dist.init_process_group("gloo", init_method=address, rank=rank,
+                            world_size=config.pipeline_parallel_size, timeout=TIMEOUT)
+    dist.barrier()
+    last = rank == config.pipeline_parallel_size - 1
+    while True:
+        message: list[Any] = [None]
+        dist.broadcast_object_list(message, src=0)
+        if message[0] is None:
+            break
+        _run_stage(runner, message[0], rank, last)
+    dist.destroy_process_group()
+
+
+@torch.inference_mode()
+def _run_stage(runner: ModelRunner, inp: ModelInput, rank: int, last: bool) -> None:
+    model = runner.model
+    hidden = torch.empty(len(inp.input_ids), model.config.hidden_size, dtype=model.dtype)
+    dist.recv(hidden, src=rank - 1)
+    hidden = model.forward_layers(hidden, inp.positions, inp.attn_metadata, runner.layers)
+    if last:
+        dist.send(hidden[inp.logits_indices].contiguous(), dst=0)
+    else:
+        dist.send(hidden.contiguous(), dst=rank + 1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
