@@ -510,9 +510,11 @@ def test_vllm_script_idioms(tmp_path, capsys) -> None:
               trust_remote_code=True, enforce_eager=True, tensor_parallel_size=1,
               pipeline_parallel_size=1, gpu_memory_utilization=0.5)
     assert llm.llm_engine is llm.engine and isinstance(llm.engine, braid.LLMEngine)
-    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-        with pytest.raises(ValueError, match=f"{name} must be 1"):
-            LLM(folder, **{name: 2})
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
+        LLM(folder, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="--pipeline-parallel-size 9: between 1 and the "
+                                         "model's 2 layers"):
+        LLM(folder, pipeline_parallel_size=9)
     params = SamplingParams(temperature=0, max_tokens=3, n=3, ignore_eos=True)
     out = llm.generate(["a", "b"], params, lora_request=None)
     assert all(c.finished() for o in out for c in o.outputs)

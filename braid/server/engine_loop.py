@@ -228,9 +228,13 @@ class AsyncEngine:
         """The engine is gone: its unanswered requests go to `on_death` (or fail), the rest
         fail with `error`."""
         unanswered = list(self._unanswered.values())
+        aborted = set()
         for command in [*self._left, *self._take_commands(block=False)]:
             if isinstance(command, _Add):
                 unanswered.append(command)
+            elif isinstance(command, _Abort):
+                aborted.add(command.request_id)
+        unanswered = [a for a in unanswered if a.request_id not in aborted]
         if self.on_death is not None:
             for add in unanswered:
                 self._queues.pop(add.request_id, None)

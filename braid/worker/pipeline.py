@@ -112,10 +112,9 @@ def _stage_main(config: EngineConfig, rank: int, address: str, num_blocks: int,
                 kv_dtype: torch.dtype, layers: range) -> None:
     """A later stage: load the model, keep `layers`, then run them for every forward rank 0
     broadcasts until it broadcasts None."""
-    from braid.engine.bootstrap import set_threads
     from braid.models.build import load_model
 
-    set_threads(config.threads)
+    torch.set_num_threads(config.threads)
     model, _ = load_model(config.model, config.torch_dtype, config.device, config.quantization,
                           with_tokenizer=False, max_model_len=config.max_model_len)
     model.keep_layers(layers)
