@@ -323,3 +323,21 @@ def _actor_pids(server: ServerProcess) -> list[int]:
                 if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::_EngineActor"):
                     found.append(pid)
     return sorted(found)
+
+
+def test_a_pipeline_server_answers_as_one_process_and_ends_its_stages(
+        server: ServerProcess, tiny_model_dir: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`--pipeline-parallel-size 2` behind the server: the engine process starts its second
+    stage, the answers are one process's, and SIGTERM ends both."""
+    staged = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("pipeline"), *ENGINE_FLAGS,
+                           "--pipeline-parallel-size", "2")
+    try:
+        engines = _engine_pids(staged)
+        stages = [pid for engine in engines for pid in child_pids(engine)
+                  if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        assert len(engines) == 1 and len(stages) == 1
+        assert _texts(staged.url, PROMPTS) == _texts(server.url, PROMPTS)
+    finally:
+        assert staged.stop() == 0, staged.log()
+    assert not any(Path(f"/proc/{pid}").exists() for pid in engines + stages)
