@@ -115,6 +115,8 @@ OnDeath = Callable[[list[_Add]], None]
 
 
 class AsyncEngine:
+    down_message = "the engine is not running; the server needs a restart"
+
     def __init__(self, engine: EngineLike, metrics: ServerMetrics | None = None,
                  log_requests: bool = False, on_death: OnDeath | None = None) -> None:
         self.engine = engine

@@ -50,6 +50,8 @@ class Replica:
 
 
 class Replicas:
+    down_message = "no replica is running (they are being started again); retry later"
+
     def __init__(self, engines: list[Any], router: Router, metrics: ServerMetrics,
                  start_engine: StartEngine, log_requests: bool = False) -> None:
         self.router, self.metrics = router, metrics
