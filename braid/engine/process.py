@@ -28,7 +28,6 @@ import queue
 import signal
 import sys
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -40,6 +39,7 @@ from braid.engine.cores import CoreShare, cpu_seconds
 from braid.outputs import RequestOutput
 from braid.sampling_params import RequestOutputKind, SamplingParams
 from braid.spec_decode.speculator import SpeculatorFigures
+from braid.worker.lifetime import follow_parent
 
 logger = logging.getLogger("braid")
 
@@ -292,7 +292,7 @@ class EngineProcess:
 def _serve(config: EngineConfig, calls: Connection, conn: Connection,
            cores: list[int] | None = None, label: str | None = None) -> None:
     """The engine process: build the engine, then step and answer calls until told to stop."""
-    _follow_parent()
+    follow_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the server's to handle
     if cores:
         os.sched_setaffinity(0, cores)
@@ -468,19 +468,3 @@ def _send(conn: Connection, message: tuple) -> None:
     with contextlib.suppress(OSError, ValueError):  # the server is gone (the reader sees it)
         conn.send(message)
 
-
-PARENT_CHECK_S = 0.5
-
-
-def _follow_parent() -> None:
-    """End when the server's process dies, however it dies. (Linux's PR_SET_PDEATHSIG would
-    follow the server's thread that started this process, not the process: a replica started
-    from a passing thread would die with it.)"""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(PARENT_CHECK_S)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="braid-follow-parent", daemon=True).start()

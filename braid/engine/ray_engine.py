@@ -36,15 +36,23 @@ class _EngineActor:
         self.inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self.outbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         engine, self.first = build_engine(config)
+        self.thread: threading.Thread | None = None
         if engine is not None:
             side = EngineSide(engine, self.inbox, self.outbox, server_pid=None)
-            threading.Thread(target=side.run, name="braid-engine", daemon=True).start()
+            self.thread = threading.Thread(target=_run_or_die, args=(side,),
+                                           name="braid-engine", daemon=True)
+            self.thread.start()
 
     def info(self) -> tuple:
         return self.first
 
     def call(self, message: tuple) -> None:
         self.inbox.put(message)
+
+    def join(self, timeout: float) -> None:
+        """Wait for the engine's loop to end (after a stop call)."""
+        if self.thread is not None:
+            self.thread.join(timeout)
 
     def receive(self) -> list[tuple]:
         try:
@@ -55,6 +63,19 @@ class _EngineActor:
             while True:
                 messages.append(self.outbox.get_nowait())
         return messages
+
+
+def _run_or_die(side: EngineSide) -> None:
+    """The engine's loop; where it crashes the actor ends, as a process would (the server
+    sees a dead actor and restarts the replica) instead of an actor that answers nothing."""
+    import logging
+    import os
+
+    try:
+        side.run()
+    except BaseException:
+        logging.getLogger("braid").exception("the engine's loop crashed")
+        os._exit(1)
 
 
 def _actor_class() -> Any:
@@ -102,8 +123,9 @@ class RayEngine(EngineProcess):
             raise
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # the loop ends, the engine's shutdown with it
             self._ray_get(self._actor.call.remote(("stop",)), timeout)
+            self._ray_get(self._actor.join.remote(timeout), timeout + 5)
         self.kill()
 
     def kill(self) -> None:

@@ -165,7 +165,8 @@ class AsyncEngine:
         return s.num_waiting + self._num_sent - s.num_adds
 
     def add_all(self, requests: list[tuple[str, list[int], SamplingParams]], out: OutputQueue,
-                arrival_time: float | None = None, priority: int = 0, group: str | None = None
+                arrival_time: float | None = None, priority: int = 0, group: str | None = None,
+                abort: Callable[[str], None] | None = None
                 ) -> Awaitable[list[BaseException | None]]:
         """Add requests (id, prompt ids, params) whose outputs go to `out`. They count in
         `num_waiting` from this call on (not from the first await), so a caller that checked
@@ -183,7 +184,18 @@ class AsyncEngine:
                                  group))
             futures.append(admitted)
         self._num_sent += len(requests)
-        return self._await_admission([r[0] for r in requests], futures)
+        return self._await_admission([r[0] for r in requests], futures, abort or self.abort)
+
+    def left_behind(self) -> tuple[list[_Add], list[str]]:
+        """After the engine died: the adds and aborts sent to it since its thread last
+        looked (event loop only)."""
+        adds, aborts = [], []
+        for command in self._take_commands(block=False):
+            if isinstance(command, _Add):
+                adds.append(command)
+            elif isinstance(command, _Abort):
+                aborts.append(command.request_id)
+        return adds, aborts
 
     def resubmit(self, adds: list[_Add]) -> None:
         """Requests another replica's engine took and never answered (event loop only)."""
@@ -196,13 +208,15 @@ class AsyncEngine:
             self.metrics.record_admitted(num_prompts, n, max_tokens)
 
     async def _await_admission(self, request_ids: list[str],
-                               futures: list[asyncio.Future[None]]
-                               ) -> list[BaseException | None]:
+                               futures: list[asyncio.Future[None]],
+                               abort: Callable[[str], None]) -> list[BaseException | None]:
+        """`abort`: how a cancelled handler's requests are aborted (the replicas': a request
+        may have moved to another replica meanwhile)."""
         try:
             results = await asyncio.gather(*futures, return_exceptions=True)
         except asyncio.CancelledError:
             for request_id in request_ids:
-                self.abort(request_id)  # applied after the adds: the inbox is FIFO
+                abort(request_id)  # applied after the adds: the inbox is FIFO
             raise
         return [r if isinstance(r, BaseException) else None for r in results]
 

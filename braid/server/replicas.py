@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import os
@@ -109,7 +108,7 @@ class Replicas:
         parts = []
         for run in _by_prompt(requests):
             front = self._route(run[0][1], len(run))
-            parts.append(front.add_all(run, out, arrival, priority, group))
+            parts.append(front.add_all(run, out, arrival, priority, group, abort=self.abort))
         return _joined(parts)
 
     def abort(self, request_id: str) -> None:
@@ -155,17 +154,24 @@ class Replicas:
         replica.engine = engine
         index = replica.index
 
+        front = AsyncEngine(engine, self.metrics.for_replica(index), self.log_requests)
+
         def died(unanswered: list[_Add]) -> None:  # the replica's engine thread
-            self._call_soon(self._on_death, index, unanswered)
+            self._call_soon(self._on_death, index, front, unanswered)
 
-        replica.front = AsyncEngine(engine, self.metrics.for_replica(index), self.log_requests,
-                                    on_death=died)
-        replica.front.start()
+        front.on_death = died
+        replica.front = front
+        front.start()
 
-    def _on_death(self, index: int, unanswered: list[_Add]) -> None:
+    def _on_death(self, index: int, front: AsyncEngine, unanswered: list[_Add]) -> None:
         replica = self.replicas[index]
         replica.front = None
         self.router.forget(index)
+        if front.metrics is not None:
+            front.metrics.set_load(0, 0, 0.0)
+        # what was sent to it after its thread gave up: aborts apply to the moved requests
+        late, aborts = front.left_behind()
+        unanswered = [a for a in unanswered + late if a.request_id not in set(aborts)]
         logger.error("replica %d's engine died: %d request(s) it had not answered go to the "
                      "other replicas%s", index, len(unanswered),
                      "" if self._stopping else "; starting it again")
@@ -202,18 +208,21 @@ class Replicas:
                 time.sleep(wait)
                 wait = min(2 * wait, RESTART_BACKOFF_S[1])
                 continue
-            if self._stopping:
-                engine.shutdown()
+            if self._stopping or not self._call_soon(self._bring_up, replica, engine):
+                engine.shutdown()  # the server is going: nobody would end it
                 return
             replica.restarts += 1
             logger.info("replica %d is back (restart %d)", replica.index, replica.restarts)
-            self._call_soon(self._bring_up, replica, engine)
             return
 
-    def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
+    def _call_soon(self, fn: Callable[..., None], *args: Any) -> bool:
+        """False where the event loop closed (the server is gone)."""
         assert self._loop is not None
-        with contextlib.suppress(RuntimeError):  # the loop closed: the server is gone
+        try:
             self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            return False
+        return True
 
 
 def engine_starter(config: EngineConfig, size: int, backend: str) -> StartEngine:

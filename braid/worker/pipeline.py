@@ -15,8 +15,9 @@ process's, token for token.
 Stages run one after another: there is no micro-batching yet (vLLM's virtual engines), so a
 step costs the whole model's compute plus P - 1 transfers of [T, hidden] and one of
 [rows, hidden], and P processes buy memory (each holds its share of the layers and of the
-KV cache after loading; each loads the whole file first, so the peak is one model), not
-speed. The stages are local processes (MASTER_ADDR 127.0.0.1).
+KV cache after loading; the stages load the whole file one after another and drop the
+others' layers, so the peak is the first stage's share and one model), not speed. The
+stages are local processes (127.0.0.1).
 """
 
 from __future__ import annotations
@@ -33,11 +34,14 @@ import torch.distributed as dist
 from braid.config import ConfigError, EngineConfig
 from braid.models.interface import CausalLM
 from braid.worker.executor import InProcessExecutor
+from braid.worker.lifetime import follow_parent
 from braid.worker.runner import ModelInput, ModelRunner
 
 logger = logging.getLogger("braid")
 
-TIMEOUT = datetime.timedelta(minutes=10)  # a stage that stops answering fails the step
+# Later stages wait for the next forward as long as the engine idles; a stage that dies
+# closes its connections, which fails the step at once, so no timeout is needed for that
+TIMEOUT = datetime.timedelta(days=365)
 
 
 def stage_layers(num_layers: int, size: int, rank: int) -> range:
@@ -61,16 +65,26 @@ class PipelineRunner(ModelRunner):
         model.keep_layers(layers)
         super().__init__(model, num_blocks, block_size, device, kv_dtype, layers)
         self.size = size
+        self.broken: str | None = None  # why the pipeline broke
 
     def hidden_rows(self, inp: ModelInput) -> torch.Tensor:
-        dist.broadcast_object_list([inp], src=0)
+        """The forward through every stage. One that fails leaves the stages out of step
+        with this one (or one of them is gone): the pipeline is broken for good, and every
+        later forward says so at once instead of waiting on the others."""
+        if self.broken is not None:
+            raise RuntimeError(f"the pipeline broke: {self.broken}")
         model = self.model
         hidden = model.forward_layers(model.embed(inp.input_ids), inp.positions,
-                                      inp.attn_metadata, self.layers)
-        dist.send(hidden.contiguous(), dst=1)
-        rows = torch.empty(len(inp.logits_indices), model.config.hidden_size,
-                           dtype=hidden.dtype)
-        dist.recv(rows, src=self.size - 1)
+                                      inp.attn_metadata, self.layers)  # (may fail alone)
+        try:
+            dist.broadcast_object_list([inp], src=0)
+            dist.send(hidden.contiguous(), dst=1)
+            rows = torch.empty(len(inp.logits_indices), model.config.hidden_size,
+                               dtype=hidden.dtype)
+            dist.recv(rows, src=self.size - 1)
+        except Exception as e:
+            self.broken = f"{type(e).__name__}: {e}"
+            raise
         return rows
 
 
@@ -82,7 +96,7 @@ class PipelineExecutor(InProcessExecutor):
                  kv_dtype: torch.dtype, eos_token_ids: frozenset[int]) -> None:
         size = config.pipeline_parallel_size
         num_layers = model.config.num_hidden_layers
-        stage_layers(num_layers, size, 0)  # a ConfigError before any process starts
+        model.keep_layers(stage_layers(num_layers, size, 0))  # (a ConfigError first)
         address = f"tcp://127.0.0.1:{_free_port()}"
         context = multiprocessing.get_context("spawn")
         self.stages = [context.Process(
@@ -93,14 +107,17 @@ class PipelineExecutor(InProcessExecutor):
             stage.start()
         dist.init_process_group("gloo", init_method=address, rank=0, world_size=size,
                                 timeout=TIMEOUT)
-        dist.barrier()  # every stage has loaded
+        for _ in range(1, size):
+            dist.barrier()  # the stages load one after another (a peak of one whole model)
         runner = PipelineRunner(model, num_blocks, config.block_size,
                                 torch.device(config.device), kv_dtype, size)
         super().__init__(config, model, num_blocks, kv_dtype, eos_token_ids, runner)
 
     def shutdown(self) -> None:
+        runner = self.runner
         if dist.is_initialized():
-            dist.broadcast_object_list([None], src=0)
+            if isinstance(runner, PipelineRunner) and runner.broken is None:
+                dist.broadcast_object_list([None], src=0)  # the stages' loops end
             dist.destroy_process_group()
         for stage in self.stages:
             stage.join(10)
@@ -112,18 +129,18 @@ def _stage_main(config: EngineConfig, rank: int, address: str, num_blocks: int,
                 kv_dtype: torch.dtype, layers: range) -> None:
     """A later stage: load the model, keep `layers`, then run them for every forward rank 0
     broadcasts until it broadcasts None."""
-    from braid.models.build import load_model
-
+    follow_parent()
     torch.set_num_threads(config.threads)
-    model, _ = load_model(config.model, config.torch_dtype, config.device, config.quantization,
-                          with_tokenizer=False, max_model_len=config.max_model_len)
-    model.keep_layers(layers)
-    runner = ModelRunner(model, num_blocks, config.block_size, torch.device(config.device),
-                         kv_dtype, layers)
-    dist.init_process_group("gloo", init_method=address, rank=rank,
-                            world_size=config.pipeline_parallel_size, timeout=TIMEOUT)
-    dist.barrier()
-    last = rank == config.pipeline_parallel_size - 1
+    size = config.pipeline_parallel_size
+    # joined before loading: a stage that fails to load ends its connections, and the
+    # first stage's wait fails at once
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=size,
+                            timeout=TIMEOUT)
+    for turn in range(1, size):
+        if turn == rank:
+            runner = _load_stage(config, num_blocks, kv_dtype, layers)
+        dist.barrier()
+    last = rank == size - 1
     while True:
         message: list[Any] = [None]
         dist.broadcast_object_list(message, src=0)
@@ -131,6 +148,17 @@ def _stage_main(config: EngineConfig, rank: int, address: str, num_blocks: int,
             break
         _run_stage(runner, message[0], rank, last)
     dist.destroy_process_group()
+
+
+def _load_stage(config: EngineConfig, num_blocks: int, kv_dtype: torch.dtype, layers: range
+                ) -> ModelRunner:
+    from braid.models.build import load_model
+
+    model, _ = load_model(config.model, config.torch_dtype, config.device, config.quantization,
+                          with_tokenizer=False, max_model_len=config.max_model_len)
+    model.keep_layers(layers)
+    return ModelRunner(model, num_blocks, config.block_size, torch.device(config.device),
+                       kv_dtype, layers)
 
 
 @torch.inference_mode()
