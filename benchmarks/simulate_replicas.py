@@ -21,7 +21,7 @@ import argparse
 import heapq
 import json
 import random
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,14 @@ from braid.bench.args import comma_choices
 from braid.bench.datasets import sharegpt_conversations, tokenizer_for
 from braid.bench.sweep_report import machine_info
 from braid.config import DEFAULT_TARGET, comma_list, positive_float, positive_int
-from braid.engine.router import ROUTER_POLICIES, Router, RouterConfig, make_router, prompt_hashes
+from braid.engine.router import (
+    ROUTER_POLICIES,
+    BlockRecord,
+    Router,
+    RouterConfig,
+    make_router,
+    prompt_hashes,
+)
 from braid.spec_decode.cost_model import ForwardCost, attention_work
 
 CALIBRATION = Path("docs/benchmarks/replica_calibration.json")
@@ -64,11 +71,10 @@ class Replica:
 
     def __init__(self, cost: ForwardCost, capacity_blocks: int, budget: int, max_seqs: int
                  ) -> None:
-        self.cost, self.capacity, self.budget, self.max_seqs = cost, capacity_blocks, budget, \
-            max_seqs
+        self.cost, self.budget, self.max_seqs = cost, budget, max_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.cache: OrderedDict[bytes, None] = OrderedDict()
+        self.cache = BlockRecord(capacity_blocks)
         self.stepping = False  # a step is under way or due
 
     @property
@@ -100,12 +106,7 @@ class Replica:
         return end, *self._advance(scheduled, end)
 
     def _admit(self, r: Request) -> None:
-        matched = 0
-        for h in r.hashes:
-            if h not in self.cache:
-                break
-            self.cache.move_to_end(h)
-            matched += 1
+        matched = self.cache.matched(r.hashes, touch=True)
         r.cached = r.computed = min(matched * BLOCK, len(r.prompt) - 1)
 
     def _advance(self, scheduled: list[tuple[Request, int]], end: float
@@ -120,18 +121,11 @@ class Replica:
             if r.first_token is None:
                 r.first_token = end
                 first.append(r)
-                self._publish(r.hashes)
+                self.cache.remember(r.hashes)
             if r.generated >= r.output_len:
                 done.append(r)
         self.running = [r for r in self.running if r not in done]
         return first, done
-
-    def _publish(self, hashes: list[bytes]) -> None:
-        for h in reversed(hashes):
-            self.cache[h] = None
-            self.cache.move_to_end(h)
-        while len(self.cache) > self.capacity:
-            self.cache.popitem(last=False)
 
 
 class Simulation:

@@ -61,6 +61,40 @@ def prompt_hashes(prompt: Sequence[int], block_size: int) -> list[bytes]:
     return hashes
 
 
+class BlockRecord:
+    """Block hashes, least recently used first out past `capacity`: what the router believes
+    a replica caches (and the simulator's replica caches)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self.hashes: OrderedDict[bytes, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    def __contains__(self, h: bytes) -> bool:
+        return h in self.hashes
+
+    def matched(self, hashes: list[bytes], touch: bool = False) -> int:
+        """How many of `hashes`' leading blocks it holds (`touch`: they become recent)."""
+        for n, h in enumerate(hashes):
+            if h not in self.hashes:
+                return n
+            if touch:
+                self.hashes.move_to_end(h)
+        return len(hashes)
+
+    def remember(self, hashes: list[bytes]) -> None:
+        for h in reversed(hashes):  # a prompt's leading blocks go out last: the others need them
+            self.hashes[h] = None
+            self.hashes.move_to_end(h)
+        while len(self.hashes) > self.capacity:
+            self.hashes.popitem(last=False)
+
+    def clear(self) -> None:
+        self.hashes.clear()
+
+
 class Router:
     """Routes among `num_replicas`; `loads[i]` is replica i's requests in flight (running and
     waiting), None while it is down (it gets nothing)."""
@@ -106,15 +140,14 @@ class PrefixAwareRouter(Router):
     def __init__(self, num_replicas: int, block_size: int, capacity_blocks: int,
                  config: RouterConfig = RouterConfig()) -> None:
         super().__init__(num_replicas, block_size)
-        self.capacity, self.config = max(1, capacity_blocks), config
-        # per replica: the block hashes sent there, least recently used first
-        self.records: list[OrderedDict[bytes, None]] = [OrderedDict()
-                                                        for _ in range(num_replicas)]
+        self.config = config
+        # per replica: the block hashes sent there
+        self.records = [BlockRecord(capacity_blocks) for _ in range(num_replicas)]
 
     def route(self, prompt: Sequence[int], loads: Sequence[int | None]) -> Route:
         hashes = prompt_hashes(prompt, self.block_size)
         route = self._choose(hashes, loads)
-        self._remember(route.replica, hashes)
+        self.records[route.replica].remember(hashes)
         return route
 
     def forget(self, replica: int) -> None:
@@ -123,8 +156,8 @@ class PrefixAwareRouter(Router):
     def _choose(self, hashes: list[bytes], loads: Sequence[int | None]) -> Route:
         idlest = self.least_loaded(loads)
         if self._imbalanced(loads):
-            return Route(idlest, "load", self._matched(idlest, hashes))
-        matched = {i: self._matched(i, hashes) for i, load in enumerate(loads)
+            return Route(idlest, "load", self.records[idlest].matched(hashes))
+        matched = {i: self.records[i].matched(hashes) for i, load in enumerate(loads)
                    if load is not None}
         best = max(matched, key=lambda i: (matched[i], -(loads[i] or 0), -i))
         if hashes and matched[best] / len(hashes) >= self.config.cache_threshold:
@@ -136,21 +169,6 @@ class PrefixAwareRouter(Router):
         high, low = max(live), min(live)
         c = self.config
         return high - low > c.balance_abs_threshold and high > c.balance_rel_threshold * low
-
-    def _matched(self, replica: int, hashes: list[bytes]) -> int:
-        record = self.records[replica]
-        for n, h in enumerate(hashes):
-            if h not in record:
-                return n
-        return len(hashes)
-
-    def _remember(self, replica: int, hashes: list[bytes]) -> None:
-        record = self.records[replica]
-        for h in reversed(hashes):  # a prompt's leading blocks go out last: the others need them
-            record[h] = None
-            record.move_to_end(h)
-        while len(record) > self.capacity:
-            record.popitem(last=False)
 
 
 def make_router(config: RouterConfig, num_replicas: int, block_size: int,
