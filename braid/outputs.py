@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from array import array
 from collections.abc import Iterator, Sequence
@@ -57,6 +58,18 @@ class RequestMetrics:
     @property
     def finished_time(self) -> float | None:
         return self.finish_time
+
+    def shifted(self, offset: float) -> RequestMetrics:
+        """The same times read on a clock `offset` seconds ahead (an engine on another
+        machine)."""
+        def move(t: float | None) -> float | None:
+            return None if t is None else t + offset
+
+        return dataclasses.replace(
+            self, arrival_time=self.arrival_time + offset,
+            first_token_time=move(self.first_token_time), finish_time=move(self.finish_time),
+            first_scheduled_time=move(self.first_scheduled_time),
+            last_token_time=move(self.last_token_time))
 
     @property
     def time_in_queue(self) -> float | None:

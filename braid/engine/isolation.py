@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from braid.core.request import Request
 from braid.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from braid.worker.lifetime import ExecutorBroken
 from braid.worker.step_io import StepResult
 
 logger = logging.getLogger("braid")
@@ -30,22 +31,30 @@ def run_step(compute: Compute, scheduler: Scheduler, sched: SchedulerOutput,
     """The step's results, and the requests that fail it alone (the scheduler finished them
     with "error"; the engine releases them). Those that read KV another request of the
     step was computing go back to waiting; every other request gets its result. Where the
-    step ends otherwise (KeyboardInterrupt), the blocks it published are withdrawn and
-    `forget` drops the state of the requests it preempted."""
+    step ends otherwise (KeyboardInterrupt, a broken executor), the blocks it published are
+    withdrawn and `forget` drops the state of the requests it preempted."""
     try:
         return compute(sched), []
-    except Exception:
+    except Exception as e:
+        if isinstance(e, ExecutorBroken):  # no request's fault, and no step can run again
+            _withdraw(scheduler, sched, forget)
+            raise
         logger.exception("engine step failed; running it again in parts to find the "
                          "request that fails it")
     except BaseException:
-        scheduler.discard_published(sched)  # their KV was never written
-        forget(sched)
+        _withdraw(scheduler, sched, forget)
         raise
     scheduler.requeue_dependents(sched)
     result, culprits = isolate(compute, list(sched.scheduled))
     for s in culprits:
         scheduler.fail(s.request, sched)
     return result, [s.request for s in culprits]
+
+
+def _withdraw(scheduler: Scheduler, sched: SchedulerOutput,
+              forget: Callable[[SchedulerOutput], None]) -> None:
+    scheduler.discard_published(sched)  # their KV was never written
+    forget(sched)
 
 
 def isolate(compute: Compute, scheduled: list[ScheduledRequest]

@@ -26,11 +26,14 @@ import os
 import pickle
 import queue
 import signal
+import socket
 import sys
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from braid.config import EngineConfig
@@ -39,7 +42,7 @@ from braid.engine.cores import CoreShare, cpu_seconds
 from braid.outputs import RequestOutput
 from braid.sampling_params import RequestOutputKind, SamplingParams
 from braid.spec_decode.speculator import SpeculatorFigures
-from braid.worker.lifetime import follow_parent
+from braid.worker.lifetime import ExecutorBroken, follow_parent
 
 logger = logging.getLogger("braid")
 
@@ -62,6 +65,7 @@ class EngineInfo:
     num_kv_blocks: int
     kv_cache_dtype: str
     kv_cache_bytes: int
+    clock: tuple[str, float]  # the engine's machine (its boot) and monotonic time when sent
 
 
 @dataclass(slots=True)
@@ -107,6 +111,9 @@ class EngineProcess:
         self._steps: deque[tuple[bool, Any]] = deque()  # step messages not yet returned
         self._recent: deque = deque(maxlen=EngineStats(num_kv_blocks=0).num_recent)
         self.info: EngineInfo = self._receive()[2]
+        # the engine's times are its machine's monotonic clock: this is what to add to read
+        # them on this one's (0 on the same machine)
+        self._clock_offset = clock_offset(self.info.clock)
         self._load = Load(stats=EngineStats(num_kv_blocks=self.info.num_kv_blocks))
         # cumulative requests' outputs so far, by id (None until the first)
         self._whole: dict[str, RequestOutput | None] = {}
@@ -125,13 +132,15 @@ class EngineProcess:
     def add_requests(self, requests: list[AddArgs]) -> list[Exception | None]:
         """Add each, in one message; per request None or what refused it."""
         sent = []
-        for request_id, prompt, params, *rest in requests:
+        for request_id, prompt, params, arrival, *rest in requests:
             if params.output_kind == RequestOutputKind.CUMULATIVE:
                 # the engine sends what is new, this side keeps the whole (a step's message
                 # stays the size of the step, not of the request so far)
                 params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
                 self._whole[request_id] = None
-            sent.append((request_id, prompt, params, *rest))
+            if arrival is not None:
+                arrival -= self._clock_offset
+            sent.append((request_id, prompt, params, arrival, *rest))
         errors: list[Exception | None] = self._call("add", sent)
         for (request_id, *_), error in zip(requests, errors, strict=True):
             if error is not None:
@@ -172,6 +181,8 @@ class EngineProcess:
     def _as_asked(self, delta: RequestOutput) -> RequestOutput:
         """A cumulative request's output from the engine's delta: everything so far."""
         rid = delta.request_id
+        if self._clock_offset and delta.metrics is not None:
+            delta.metrics = delta.metrics.shifted(self._clock_offset)
         if rid not in self._whole:
             return delta
         whole = self._whole[rid]
@@ -309,7 +320,10 @@ def _serve(config: EngineConfig, calls: Connection, conn: Connection,
                      daemon=True).start()
     threading.Thread(target=_write_messages, args=(conn, outbox), name="braid-outputs",
                      daemon=True).start()
-    EngineSide(engine, inbox, outbox, os.getppid()).run()
+    try:
+        EngineSide(engine, inbox, outbox, os.getppid()).run()
+    except ExecutorBroken:
+        sys.exit(1)  # logged where it broke; the server sees the process end
 
 
 def build_engine(config: EngineConfig) -> tuple[Any, tuple]:
@@ -388,6 +402,13 @@ class EngineSide:
         self.worked = True
         try:
             outputs = self.engine.step()
+        except ExecutorBroken:
+            # no step can run again: the engine ends, and the server sees it dead (it
+            # fails what this engine answered, moves the rest and starts a new one)
+            logger.exception("the engine's executor broke; the engine ends")
+            self._drain()
+            self.engine.shutdown()
+            raise
         except Exception as e:
             # The step mixes every scheduled request in one forward, so it cannot be pinned
             # on one of them: end them all here (the server fails them), keep serving.
@@ -397,6 +418,12 @@ class EngineSide:
             self._send("step", False, _portable(e))
             return
         self._send("step", True, outputs)
+
+    def _drain(self, timeout: float = 5.0) -> None:
+        """Wait (a while) until the writer has taken every message queued."""
+        deadline = time.monotonic() + timeout
+        while not self.outbox.empty() and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def _send(self, kind: str, ok: bool, value: Any) -> None:
         """Queue a message for the writer thread: the loop never waits for the server to
@@ -456,7 +483,27 @@ def _info(engine: Any) -> EngineInfo:
     return EngineInfo(engine.config, engine.model_config.vocab_size,
                       engine.outputs.eos_token_ids, engine.default_sampling,
                       engine.max_tokens_cap, engine.max_logprobs(), engine.blocks.num_blocks,
-                      str(cache.dtype).removeprefix("torch."), cache.nbytes)
+                      str(cache.dtype).removeprefix("torch."), cache.nbytes, clock())
+
+
+def clock() -> tuple[str, float]:
+    """This machine's boot (the processes of one boot share one monotonic clock) and its
+    monotonic time now."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}", time.monotonic()
+
+
+def clock_offset(engine_clock: tuple[str, float]) -> float:
+    """What to add to an engine's monotonic times to read them on this machine's clock: 0
+    where it runs on this machine's boot, else the difference its `clock()` showed when
+    sent (the message's transit time included: milliseconds, against times of requests of
+    seconds)."""
+    here, now = clock()
+    there, then = engine_clock
+    return 0.0 if there == here else now - then
 
 
 def _unknown(pid: int) -> None:

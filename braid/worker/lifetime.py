@@ -1,5 +1,6 @@
 """A child process's lifetime tied to its parent's (the engine process to the server's, a
-pipeline stage to the engine's)."""
+pipeline stage to the engine's), and the error that ends an engine whose executor can run
+no more steps."""
 
 from __future__ import annotations
 
@@ -22,3 +23,9 @@ def follow_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="braid-follow-parent", daemon=True).start()
+
+
+class ExecutorBroken(RuntimeError):
+    """The executor cannot run any step again (a pipeline stage is gone): the engine ends, so
+    whatever runs it (the server's replicas) sees a dead engine and starts a new one,
+    instead of failing every later step's requests one by one."""

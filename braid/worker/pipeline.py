@@ -34,7 +34,7 @@ import torch.distributed as dist
 from braid.config import ConfigError, EngineConfig
 from braid.models.interface import CausalLM
 from braid.worker.executor import InProcessExecutor
-from braid.worker.lifetime import follow_parent
+from braid.worker.lifetime import ExecutorBroken, follow_parent
 from braid.worker.runner import ModelInput, ModelRunner
 
 logger = logging.getLogger("braid")
@@ -72,7 +72,7 @@ class PipelineRunner(ModelRunner):
         with this one (or one of them is gone): the pipeline is broken for good, and every
         later forward says so at once instead of waiting on the others."""
         if self.broken is not None:
-            raise RuntimeError(f"the pipeline broke: {self.broken}")
+            raise ExecutorBroken(f"the pipeline broke: {self.broken}")
         model = self.model
         hidden = model.forward_layers(model.embed(inp.input_ids), inp.positions,
                                       inp.attn_metadata, self.layers)  # (may fail alone)
@@ -84,7 +84,7 @@ class PipelineRunner(ModelRunner):
             dist.recv(rows, src=self.size - 1)
         except Exception as e:
             self.broken = f"{type(e).__name__}: {e}"
-            raise
+            raise ExecutorBroken(f"the pipeline broke: {self.broken}") from e
         return rows
 
 

@@ -12,6 +12,7 @@ import pytest
 from braid.engine.engine import LLMEngine
 from braid.sampling_params import SamplingParams, StructuredOutputsParams
 from braid.tokenizer import Tokenizer
+from braid.worker.lifetime import ExecutorBroken
 from tests.engine.test_engine import make_engine
 from tests.spec_decode.test_spec_engine import spec_engine
 from tests.tiny import byte_tokenizer
@@ -101,3 +102,22 @@ def test_a_step_that_fails_for_everyone_fails_everyone(monkeypatch: pytest.Monke
     assert finished(engine)["b"] == reference(None)["b"]
     add_innocents(engine)
     assert finished(engine) == reference(None)
+
+
+def test_a_broken_executor_is_not_blamed_on_a_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An executor that can run no step again (a pipeline stage gone) ends the step with its
+    error at once: no request is run again in parts or failed as the culprit, and the
+    step's blocks are not published."""
+    engine = engine_for(None)
+    add_innocents(engine)
+    calls = []
+
+    def broken(*args: object) -> object:
+        calls.append(args)
+        raise ExecutorBroken("the pipeline broke: a stage is gone")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    with pytest.raises(ExecutorBroken):
+        engine.step()
+    assert len(calls) == 1
+    assert not any(r.is_finished for r in engine.requests.values())

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import queue
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from braid.config import EngineConfig
+from braid.engine import process
 from braid.engine.engine import LLMEngine
 from braid.engine.input import RequestError
-from braid.engine.process import EngineDied, EngineProcess
+from braid.engine.process import EngineDied, EngineProcess, EngineSide, build_engine
 from braid.outputs import Logprob, PackedLogprobs
 from braid.sampling_params import SamplingParams
 from tests.tiny import save_tiny_model
@@ -187,3 +190,74 @@ def test_a_message_that_does_not_pickle_goes_as_a_failure() -> None:
     kind, ok, value, _ = reader.recv()
     assert (kind, ok) == ("answer", False) and "did not pickle" in str(value)
     assert reader.recv() == ("step", True, [], None)
+
+
+SKEW = 1000.0  # how far ahead the other machine's monotonic clock runs
+
+
+class ElsewhereEngine(EngineProcess):
+    """The transport of an engine on another machine (a Ray actor's), played by a thread of
+    this process whose clock the `elsewhere` fixture sets SKEW seconds ahead."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, args=(config,),
+                                        name="braid-elsewhere", daemon=True)
+        self._thread.start()
+        self._start()
+
+    def _serve(self, config: EngineConfig) -> None:
+        engine, first = build_engine(config)
+        self._outbox.put(first)
+        EngineSide(engine, self._inbox, self._outbox, server_pid=None).run()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._inbox.put(("stop",))
+        self._thread.join(timeout)
+
+    def _put(self, message: tuple) -> None:
+        self._inbox.put(message)
+
+    def _has_message(self) -> bool:
+        return not self._outbox.empty()
+
+    def _get(self) -> tuple:
+        return self._outbox.get()
+
+
+@pytest.fixture
+def elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    monotonic, clock = time.monotonic, process.clock
+
+    def far() -> bool:
+        return threading.current_thread().name == "braid-elsewhere"
+
+    monkeypatch.setattr(time, "monotonic", lambda: monotonic() + (SKEW if far() else 0.0))
+    monkeypatch.setattr(process, "clock",
+                        lambda: ("elsewhere", time.monotonic()) if far() else clock())
+
+
+@pytest.mark.usefixtures("elsewhere")
+def test_an_engine_on_another_machines_clock_reports_times_on_this_ones(
+        config: EngineConfig) -> None:
+    """Arrival goes to the engine on its clock, and its times come back on this one's: the
+    server's TTFT, queue and e2e times stay true where the two clocks differ."""
+    engine = ElsewhereEngine(config)
+    try:
+        assert abs(engine._clock_offset + SKEW) < 1.0
+        for _ in range(2):  # a second batch after idle
+            arrival = time.monotonic() - 0.5  # the server took half a second to add it
+            engine.add_request("r", PROMPTS["b"], PARAMS, arrival_time=arrival)
+            outputs = []
+            while engine.has_unfinished_requests():
+                outputs += engine.step()
+            m = outputs[-1].metrics
+            assert abs(m.arrival_time - arrival) < 0.1
+            assert m.first_token_time is not None and m.finish_time is not None
+            assert m.first_scheduled_time is not None
+            # (this side reads them late by the info message's transit: milliseconds)
+            assert arrival + 0.5 <= m.first_scheduled_time <= m.first_token_time
+            assert m.first_token_time <= m.finish_time <= time.monotonic() + 0.25
+    finally:
+        engine.shutdown()

@@ -325,19 +325,30 @@ def _actor_pids(server: ServerProcess) -> list[int]:
     return sorted(found)
 
 
-def test_a_pipeline_server_answers_as_one_process_and_ends_its_stages(
+def test_pipeline_replicas_answer_as_one_process_restart_on_a_lost_stage_and_end_it(
         server: ServerProcess, tiny_model_dir: Path,
         tmp_path_factory: pytest.TempPathFactory) -> None:
-    """`--pipeline-parallel-size 2` behind the server: the engine process starts its second
-    stage, the answers are one process's, and SIGTERM ends both."""
+    """`--pipeline-parallel-size 2` behind the server, two replicas: each engine process
+    starts its second stage, the answers are one process's; a stage killed mid-stream breaks
+    its pipeline, its engine ends and is started again (it failed only what it answered);
+    SIGTERM ends every process."""
     staged = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("pipeline"), *ENGINE_FLAGS,
-                           "--pipeline-parallel-size", "2")
+                           "--pipeline-parallel-size", "2", "--data-parallel-size", "2")
     try:
         engines = _engine_pids(staged)
-        stages = [pid for engine in engines for pid in child_pids(engine)
-                  if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
-        assert len(engines) == 1 and len(stages) == 1
+        assert len(engines) == 2 and len(_stage_pids(engines)) == 2
         assert _texts(staged.url, PROMPTS) == _texts(server.url, PROMPTS)
+        results = _kill_one_mid_stream(staged.url, lambda: _stage_pids(engines))
+        _check_one_replica_failed(results, staged)
+        assert "the engine's executor broke" in staged.log_path.read_text(errors="replace")
+        engines = _engine_pids(staged)
+        stages = _stage_pids(engines)
+        assert len(engines) == 2 and len(stages) == 2
     finally:
         assert staged.stop() == 0, staged.log()
     assert not any(Path(f"/proc/{pid}").exists() for pid in engines + stages)
+
+
+def _stage_pids(engines: list[int]) -> list[int]:
+    return [pid for engine in engines for pid in child_pids(engine)
+            if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
