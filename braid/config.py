@@ -253,6 +253,10 @@ class EngineConfig:
         1, "processes the decoder layers are split over (pipeline stages on this machine, "
         "passing hidden states with torch.distributed; each holds its share of the layers "
         "and of the KV cache: docs/scaling.md)")
+    distributed_executor_backend: str = _opt(
+        "mp", "where replicas (serve --data-parallel-size) and pipeline stages run: local "
+        "processes (mp), or Ray actors on the nodes of the Ray cluster this machine belongs "
+        "to (ray; docs/scaling.md)")
     speculative_config: dict[str, Any] | None = _opt(
         None, "speculative decoding as JSON, e.g. "
         '\'{"method": "draft_model", "num_speculative_tokens": 3}\'', json=True)
@@ -289,6 +293,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in DTYPES:
             raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(DTYPES)}, got "
                               f"{self.kv_cache_dtype!r}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ConfigError("--distributed-executor-backend must be mp or ray, got "
+                              f"{self.distributed_executor_backend!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError("--scheduling-policy must be fcfs or priority, got "
                               f"{self.scheduling_policy!r}")

@@ -17,8 +17,9 @@ import threading
 from collections import deque
 from typing import Any
 
-from braid.config import ConfigError, EngineConfig
+from braid.config import EngineConfig
 from braid.engine.process import EngineDied, EngineProcess, EngineSide, build_engine
+from braid.worker.cluster import join_cluster
 
 RECEIVE_WAIT_S = 1.0  # how long one `receive` waits for a message before returning none
 
@@ -82,29 +83,6 @@ def _actor_class() -> Any:
     import ray
 
     return ray.remote(_EngineActor)
-
-
-def join_cluster() -> Any:
-    """The ray module, connected: to the cluster `ray start` made on this machine where
-    there is one, else to a new local one."""
-    try:
-        import ray
-    except ImportError:
-        raise ConfigError("--distributed-executor-backend ray needs Ray: pip install "
-                          "'braid[ray]'") from None
-    if not ray.is_initialized():
-        try:
-            ray.init(address="auto", log_to_driver=True)
-        except ConnectionError:
-            ray.init(log_to_driver=True)
-    return ray
-
-
-def leave_cluster() -> None:
-    """Disconnect (and end the local cluster where `join_cluster` started one)."""
-    import ray
-
-    ray.shutdown()
 
 
 class RayEngine(EngineProcess):

@@ -238,7 +238,7 @@ def run_server(args: argparse.Namespace) -> int:
     sock = _bind(args.host, args.port)  # before the load: a busy port fails in a second
     tokenizer = _served_tokenizer(config, args.chat_template)
     routing = router_config(args)
-    start = engine_starter(config, args.data_parallel_size, args.distributed_executor_backend)
+    start = engine_starter(config, args.data_parallel_size)
     engines = start_engines(start, args.data_parallel_size)  # each loads the models
     try:
         return _serve(args, sock, engines, _Replicating(start, routing), tokenizer)
@@ -292,8 +292,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, engines: list[EnginePr
     finally:
         if isinstance(ctx.engine, Replicas):
             ctx.engine.shutdown()  # the replicas' engines now, restarted ones included
-        if args.distributed_executor_backend == "ray":
-            from braid.engine.ray_engine import leave_cluster
+        if config.distributed_executor_backend == "ray":
+            from braid.worker.cluster import leave_cluster
 
             leave_cluster()
     return 0 if server.started else 1
@@ -301,7 +301,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, engines: list[EnginePr
 
 def _one_engine(args: argparse.Namespace, engines: list[EngineProcess]) -> bool:
     """One local engine, served as it always was (no replicas' routing, restarts, labels)."""
-    return len(engines) == 1 and args.distributed_executor_backend == "mp"
+    return len(engines) == 1 and engines[0].info.config.distributed_executor_backend == "mp"
 
 
 def _front(args: argparse.Namespace, engines: list[EngineProcess], replicating: _Replicating,

@@ -96,9 +96,6 @@ def _add_replica_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
                        help="engine replicas behind the one endpoint (vLLM's), each with its "
                             "own model and KV cache and its share of the cores")
-    group.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
-                       help="where replicas run: local processes (mp), or Ray actors on the "
-                            "nodes of the Ray cluster this machine belongs to (ray)")
     group.add_argument("--router-policy", choices=list(ROUTER_POLICIES), default=d.policy,
                        help="how a request picks its replica: the one holding most of its "
                             "prompt's prefix unless the loads are imbalanced (prefix_aware), "

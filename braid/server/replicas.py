@@ -225,15 +225,16 @@ class Replicas:
         return True
 
 
-def engine_starter(config: EngineConfig, size: int, backend: str) -> StartEngine:
+def engine_starter(config: EngineConfig, size: int) -> StartEngine:
     """How replica i's engine starts: a local process on its share of this machine's cores
     (`--num-threads` each, by default the cores over the replicas), or a Ray actor asking the
     cluster for that many CPUs."""
     cores = sorted(os.sched_getaffinity(0))
     threads = config.num_threads or max(1, len(cores) // size)
     config = dataclasses.replace(config, num_threads=threads)
-    if backend == "ray":
-        from braid.engine.ray_engine import RayEngine, join_cluster
+    if config.distributed_executor_backend == "ray":
+        from braid.engine.ray_engine import RayEngine
+        from braid.worker.cluster import join_cluster
 
         join_cluster()  # once, before the replicas start side by side
         return lambda i: RayEngine(config, label=f"replica {i}")

@@ -17,15 +17,19 @@ step costs the whole model's compute plus P - 1 transfers of [T, hidden] and one
 [rows, hidden], and P processes buy memory (each holds its share of the layers and of the
 KV cache after loading; the stages load the whole file one after another and drop the
 others' layers, so the peak is the first stage's share and one model), not speed. The
-stages are local processes (127.0.0.1).
+later stages are local processes (127.0.0.1), or with `--distributed-executor-backend ray`
+Ray actors placed where the cluster has their CPUs, other machines included (rank 0 listens
+on its node's address).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import multiprocessing
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,6 +37,7 @@ import torch.distributed as dist
 
 from braid.config import ConfigError, EngineConfig
 from braid.models.interface import CausalLM
+from braid.worker.cluster import connected, join_cluster, wait_placed
 from braid.worker.executor import InProcessExecutor
 from braid.worker.lifetime import ExecutorBroken, follow_parent
 from braid.worker.runner import ModelInput, ModelRunner
@@ -90,46 +95,106 @@ class PipelineRunner(ModelRunner):
 
 class PipelineExecutor(InProcessExecutor):
     """The engine's executor over P stages: this process is the first (PipelineRunner), the
-    others are processes it starts and ends."""
+    others are processes it starts and ends: local ones, or Ray actors wherever the cluster
+    has their CPUs (`--distributed-executor-backend ray`)."""
 
     def __init__(self, config: EngineConfig, model: CausalLM, num_blocks: int,
                  kv_dtype: torch.dtype, eos_token_ids: frozenset[int]) -> None:
         size = config.pipeline_parallel_size
         num_layers = model.config.num_hidden_layers
         model.keep_layers(stage_layers(num_layers, size, 0))  # (a ConfigError first)
-        address = f"tcp://127.0.0.1:{_free_port()}"
-        context = multiprocessing.get_context("spawn")
-        self.stages = [context.Process(
-            target=_stage_main, name=f"braid-stage-{rank}", daemon=True,
-            args=(config, rank, address, num_blocks, kv_dtype,
-                  stage_layers(num_layers, size, rank))) for rank in range(1, size)]
-        for stage in self.stages:
-            stage.start()
-        dist.init_process_group("gloo", init_method=address, rank=0, world_size=size,
-                                timeout=TIMEOUT)
-        for _ in range(1, size):
-            dist.barrier()  # the stages load one after another (a peak of one whole model)
+        self.stages: list[Any] = []
+        self.leave: Callable[[], None] | None = None  # where this joined a Ray cluster
+        try:
+            address = self._start_stages(config, [
+                (rank, num_blocks, kv_dtype, stage_layers(num_layers, size, rank))
+                for rank in range(1, size)])
+            dist.init_process_group("gloo", init_method=address, rank=0, world_size=size,
+                                    timeout=TIMEOUT)
+            for _ in range(1, size):
+                dist.barrier()  # the stages load one after another (a peak of one model)
+        except BaseException:
+            self.shutdown()
+            raise
         runner = PipelineRunner(model, num_blocks, config.block_size,
                                 torch.device(config.device), kv_dtype, size)
         super().__init__(config, model, num_blocks, kv_dtype, eos_token_ids, runner)
 
+    def _start_stages(self, config: EngineConfig, stages: list[tuple]) -> str:
+        """Start the later stages (`stages`: each one's rank, KV blocks, KV dtype and layers);
+        the address rank 0 listens on for them."""
+        if config.distributed_executor_backend == "ray":
+            joined = connected()
+            ray = join_cluster()
+            if not joined:  # an engine in this process (the offline LLM): it leaves at the end
+                self.leave = ray.shutdown
+            address = f"tcp://{ray.util.get_node_ip_address()}:{_free_port('')}"
+            for args in stages:
+                self.stages.append(_RayStage(ray, config, address, args))
+            return address
+        address = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
+        context = multiprocessing.get_context("spawn")
+        for args in stages:
+            self.stages.append(context.Process(
+                target=_stage_main, name=f"braid-stage-{args[0]}", daemon=True,
+                args=(config, address, *args)))
+            self.stages[-1].start()
+        return address
+
     def shutdown(self) -> None:
-        runner = self.runner
+        runner = getattr(self, "runner", None)
         if dist.is_initialized():
             if isinstance(runner, PipelineRunner) and runner.broken is None:
                 dist.broadcast_object_list([None], src=0)  # the stages' loops end
             dist.destroy_process_group()
         for stage in self.stages:
             stage.join(10)
-            if stage.is_alive():
-                stage.kill()
+            stage.kill()  # (one that ended: nothing to do)
+        if self.leave is not None:
+            self.leave()
 
 
-def _stage_main(config: EngineConfig, rank: int, address: str, num_blocks: int,
+class _StageActor:
+    """A later stage as a Ray actor (made one in `_RayStage`)."""
+
+    def ready(self) -> None:
+        """Answers once the actor has its CPUs (placed)."""
+
+    def run(self, config: EngineConfig, address: str, rank: int, num_blocks: int,
+            kv_dtype: torch.dtype, layers: range) -> None:
+        _stage_loop(config, address, rank, num_blocks, kv_dtype, layers)
+
+
+class _RayStage:
+    """A Ray actor running a stage's loop, ended as a process is (join, kill). Ray ends it
+    with the engine's process or actor that started it (its owner)."""
+
+    def __init__(self, ray: Any, config: EngineConfig, address: str, args: tuple) -> None:
+        self.ray = ray
+        self.actor = ray.remote(_StageActor).options(num_cpus=config.threads).remote()
+        wait_placed(ray, self.actor.ready.remote(), f"pipeline stage {args[0]}",
+                    config.threads)
+        self.done = self.actor.run.remote(config, address, *args)
+
+    def join(self, timeout: float) -> None:
+        self.ray.wait([self.done], timeout=timeout)
+
+    def kill(self) -> None:
+        with contextlib.suppress(Exception):
+            self.ray.kill(self.actor)
+
+
+def _stage_main(config: EngineConfig, address: str, rank: int, num_blocks: int,
+                kv_dtype: torch.dtype, layers: range) -> None:
+    """A later stage in a local process: it ends with the engine's."""
+    follow_parent()
+    _stage_loop(config, address, rank, num_blocks, kv_dtype, layers)
+
+
+def _stage_loop(config: EngineConfig, address: str, rank: int, num_blocks: int,
                 kv_dtype: torch.dtype, layers: range) -> None:
     """A later stage: load the model, keep `layers`, then run them for every forward rank 0
     broadcasts until it broadcasts None."""
-    follow_parent()
     torch.set_num_threads(config.threads)
     size = config.pipeline_parallel_size
     # joined before loading: a stage that fails to load ends its connections, and the
@@ -173,8 +238,8 @@ def _run_stage(runner: ModelRunner, inp: ModelInput, rank: int, last: bool) -> N
         dist.send(hidden.contiguous(), dst=rank + 1)
 
 
-def _free_port() -> int:
+def _free_port(host: str) -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 

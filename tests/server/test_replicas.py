@@ -313,14 +313,14 @@ def test_ray_replicas_answer_as_one_engine_and_survive_a_killed_actor(
         assert ray_server.stop() == 0, ray_server.log()
 
 
-def _actor_pids(server: ServerProcess) -> list[int]:
-    """The server's replicas' actor processes (under the Ray cluster it started)."""
+def _actor_pids(server: ServerProcess, kind: bytes = b"ray::_EngineActor") -> list[int]:
+    """The server's actors of `kind` (under the Ray cluster it started): its replicas'."""
     found, parents = [], [server.proc.pid]
     while parents:
         for pid in child_pids(parents.pop()):
             parents.append(pid)
             with contextlib.suppress(OSError):
-                if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::_EngineActor"):
+                if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(kind):
                     found.append(pid)
     return sorted(found)
 
@@ -352,3 +352,19 @@ def test_pipeline_replicas_answer_as_one_process_restart_on_a_lost_stage_and_end
 def _stage_pids(engines: list[int]) -> list[int]:
     return [pid for engine in engines for pid in child_pids(engine)
             if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+
+
+def test_a_ray_engine_runs_its_pipeline_stages_as_actors(
+        server: ServerProcess, tiny_model_dir: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`--distributed-executor-backend ray --pipeline-parallel-size 2`: the engine's actor
+    starts its stage as an actor of its own (a thread each: the local cluster has this
+    machine's 2 CPUs); one process's answers; SIGTERM ends both."""
+    staged = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("ray-pipeline"),
+                           *ENGINE_FLAGS, "--pipeline-parallel-size", "2", "--num-threads", "1",
+                           "--distributed-executor-backend", "ray", timeout_s=180)
+    try:
+        assert len(_actor_pids(staged, b"ray::_StageActor")) == 1
+        assert _texts(staged.url, PROMPTS) == _texts(server.url, PROMPTS)
+    finally:
+        assert staged.stop() == 0, staged.log()

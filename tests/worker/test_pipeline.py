@@ -1,6 +1,7 @@
-"""Pipeline stages (--pipeline-parallel-size) on local processes over gloo: the layers'
-split, and outputs token for token those of one process, greedy and seeded, through chunked
-prefill, preemption, prefix caching and speculation (the draft on the first stage)."""
+"""Pipeline stages (--pipeline-parallel-size) on local processes or Ray actors over gloo:
+the layers' split, and outputs token for token those of one process, greedy and seeded,
+through chunked prefill, preemption, prefix caching and speculation (the draft on the first
+stage); a stage that is gone breaks the pipeline at once."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from braid import LLM, SamplingParams
 from braid.config import ConfigError
+from braid.worker.lifetime import ExecutorBroken
 from braid.worker.pipeline import stage_layers
 from tests.tiny import save_tiny_model
 
@@ -76,3 +78,25 @@ def test_stages_answer_as_one_process(model_dir: Path, one_process: Callable[[st
             config["model"] = str(model_dir)  # the draft runs on the first stage
         options["speculative_config"] = config
     assert _outputs(model_dir, size, **options) == one_process(quantization)
+
+
+def test_stages_as_ray_actors_answer_as_one_process_and_break_when_one_is_gone(
+        model_dir: Path, one_process: Callable[[str], list]) -> None:
+    """`--distributed-executor-backend ray`: the later stage is an actor of the local
+    cluster the engine joins (and leaves at its end); the same tokens as one process. An
+    actor killed breaks the pipeline: the next step raises ExecutorBroken (the engine ends),
+    no request is blamed for it."""
+    ray = pytest.importorskip("ray")
+    assert not ray.is_initialized()
+    assert _outputs(model_dir, 2, distributed_executor_backend="ray") == one_process("auto")
+    assert not ray.is_initialized()
+    llm = LLM(str(model_dir), pipeline_parallel_size=2, distributed_executor_backend="ray",
+              **OPTIONS)
+    try:
+        [stage] = llm.engine.executor.stages  # type: ignore[attr-defined]
+        ray.kill(stage.actor)
+        with pytest.raises(ExecutorBroken, match="the pipeline broke"):
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert not ray.is_initialized()
