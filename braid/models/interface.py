@@ -49,8 +49,9 @@ class CausalLM(Protocol):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> the first layer's input [T, hidden]."""
 
-    def keep_layers(self, layers: range) -> None:
-        """Free the decoder layers outside `layers` (a pipeline stage's)."""
+    def keep_layers(self, layers: range, ends: bool = True) -> None:
+        """Free the decoder layers outside `layers` (a pipeline stage's), and without `ends`
+        the embedding and LM head (a later stage's)."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> None:
         """Weights by their Hugging Face names; a missing or unknown one is an error."""

@@ -385,14 +385,14 @@ def compiled_projections(attn: Attention, mlp: MLP) -> tuple[list[Segments], lis
 
 
 class DroppedLayer(nn.Module):
-    """A decoder layer another pipeline stage runs."""
+    """A part (a decoder layer, the embedding, the LM head) another pipeline stage runs."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, what: str) -> None:
         super().__init__()
-        self.index = index
+        self.what = what
 
     def forward(self, *args: object) -> torch.Tensor:
-        raise RuntimeError(f"decoder layer {self.index} runs on another pipeline stage")
+        raise RuntimeError(f"{self.what} runs on another pipeline stage")
 
 
 class Qwen2ForCausalLM(nn.Module):
@@ -465,12 +465,17 @@ class Qwen2ForCausalLM(nn.Module):
             x = self.layers[i](x, ropes[i], attn_metadata)
         return x
 
-    def keep_layers(self, layers: range) -> None:
+    def keep_layers(self, layers: range, ends: bool = True) -> None:
         """Drop the decoder layers outside `layers` (a pipeline stage keeps its own: their
-        weights are freed; running another one is an error)."""
+        weights are freed; running another one is an error); without `ends` (a later stage:
+        the first embeds the tokens and scores the rows) the embedding and LM head too."""
         for i in range(len(self.layers)):
             if i not in layers:
-                self.layers[i] = DroppedLayer(i)
+                self.layers[i] = DroppedLayer(f"decoder layer {i}")
+        if not ends:
+            self.embed_tokens = cast(nn.Embedding, DroppedLayer("the embedding"))
+            self.lm_head = cast(Linear, DroppedLayer("the LM head"))
+            self.coarse_head = None
         self._fused = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

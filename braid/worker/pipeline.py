@@ -221,7 +221,7 @@ def _load_stage(config: EngineConfig, num_blocks: int, kv_dtype: torch.dtype, la
 
     model, _ = load_model(config.model, config.torch_dtype, config.device, config.quantization,
                           with_tokenizer=False, max_model_len=config.max_model_len)
-    model.keep_layers(layers)
+    model.keep_layers(layers, ends=False)
     return ModelRunner(model, num_blocks, config.block_size, torch.device(config.device),
                        kv_dtype, layers)
 

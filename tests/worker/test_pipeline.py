@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from braid import LLM, SamplingParams
 from braid.config import ConfigError
@@ -28,6 +29,22 @@ def test_layers_split_contiguously_the_earlier_stages_taking_the_remainder() -> 
     assert [stage_layers(4, 2, r) for r in range(2)] == [range(0, 2), range(2, 4)]
     with pytest.raises(ConfigError, match="--pipeline-parallel-size 5"):
         stage_layers(4, 5, 0)
+
+
+@pytest.mark.parametrize("quantization", ["auto", "int8"])
+def test_a_later_stage_holds_only_its_layers(model_dir: Path, quantization: str) -> None:
+    """The first stage keeps the embedding and LM head with its layers; a later stage only
+    its layers (and the final norm's few bytes): the others' weights are freed."""
+    from braid.models.build import load_model
+
+    first, _ = load_model(str(model_dir), quantization=quantization, with_tokenizer=False)
+    later, _ = load_model(str(model_dir), quantization=quantization, with_tokenizer=False)
+    first.keep_layers(range(0, 2))
+    later.keep_layers(range(2, 4), ends=False)
+    cfg = first.config
+    assert first.weight_bytes() - later.weight_bytes() >= cfg.vocab_size * cfg.hidden_size
+    with pytest.raises(RuntimeError, match="the embedding runs on another pipeline stage"):
+        later.embed(torch.tensor([1, 2]))
 
 
 @pytest.fixture(scope="module")
