@@ -12,9 +12,10 @@ the forward needs, and rank 0 scores and samples them as one process would. The 
 batch invariant and hidden states cross in full precision, so the output is the one
 process's, token for token.
 
-Stages run one after another: there is no micro-batching yet (vLLM's virtual engines), so a
-step costs the whole model's compute plus P - 1 transfers of [T, hidden] and one of
-[rows, hidden], and P processes buy memory (each holds its share of the layers and of the
+A large forward (prefill chunks) goes as micro-batches that overlap across the stages
+(PipelineRunner); a small one (decodes) passes the stages one after another, costing the whole
+model's compute plus P - 1 transfers of [T, hidden] and one of [rows, hidden]. P processes
+on one machine buy memory (each holds its share of the layers and of the
 KV cache after loading; the stages load the whole file one after another and drop the
 others' layers, so the peak is the first stage's share and one model), not speed. The
 later stages are local processes (127.0.0.1), or with `--distributed-executor-backend ray`
@@ -24,12 +25,14 @@ on its node's address).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import datetime
 import logging
 import multiprocessing
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,13 +43,14 @@ from braid.models.interface import CausalLM
 from braid.worker.cluster import connected, join_cluster, wait_placed
 from braid.worker.executor import InProcessExecutor
 from braid.worker.lifetime import ExecutorBroken, follow_parent
-from braid.worker.runner import ModelInput, ModelRunner
+from braid.worker.runner import ModelInput, ModelRunner, QuerySpan
 
 logger = logging.getLogger("braid")
 
 # Later stages wait for the next forward as long as the engine idles; a stage that dies
 # closes its connections, which fails the step at once, so no timeout is needed for that
 TIMEOUT = datetime.timedelta(days=365)
+MIN_PART_TOKENS = 32  # a forward's micro-batches have at least this many query tokens
 
 
 def stage_layers(num_layers: int, size: int, rank: int) -> range:
@@ -62,7 +66,15 @@ def stage_layers(num_layers: int, size: int, rank: int) -> range:
 
 class PipelineRunner(ModelRunner):
     """The first stage's runner: each forward goes through every stage (`hidden_rows`), so
-    everything that runs the target (steps, the cost model's warm-up) runs the pipeline."""
+    everything that runs the target (steps, the cost model's warm-up) runs the pipeline.
+
+    A forward of at least 2 * MIN_PART_TOKENS query tokens goes as up to P micro-batches of
+    about equal tokens (`micro_batches`: the flat batch cut in order, a span cut where a cut
+    falls), one after another through each stage, so while stage 2 runs the first, stage 1
+    runs the second. A later part's tokens attend to an earlier part's as chunked prefill
+    does: each stage wrote the earlier part's KV before it runs the later one. Small
+    forwards (decodes) go whole: their time is the weights' streaming, which each part would
+    pay again."""
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
                  device: torch.device, kv_dtype: torch.dtype, size: int) -> None:
@@ -71,26 +83,117 @@ class PipelineRunner(ModelRunner):
         super().__init__(model, num_blocks, block_size, device, kv_dtype, layers)
         self.size = size
         self.broken: str | None = None  # why the pipeline broke
+        self.micro_batched = 0  # forwards sent as micro-batches
+
+    def build_input(self, spans: list[QuerySpan]) -> ModelInput:
+        whole = super().build_input(spans)
+        tokens = len(whole.input_ids)
+        parts = min(self.size, tokens // MIN_PART_TOKENS)
+        if parts < 2:
+            return whole
+        pieces = micro_batches(spans, parts)
+        self.micro_batched += 1
+        return PipelineInput(whole.input_ids, whole.positions, whole.attn_metadata,
+                             whole.logits_indices, whole.num_prompt_rows,
+                             [super(PipelineRunner, self).build_input([p for p, _ in part])
+                              for part in pieces], rows_order(pieces))
 
     def hidden_rows(self, inp: ModelInput) -> torch.Tensor:
         """The forward through every stage. One that fails leaves the stages out of step
         with this one (or one of them is gone): the pipeline is broken for good, and every
-        later forward says so at once instead of waiting on the others."""
+        later forward says so at once instead of waiting on the others. This stage's own
+        layers failing is not that: the stages get zeros for its parts and stay in step."""
         if self.broken is not None:
             raise ExecutorBroken(f"the pipeline broke: {self.broken}")
+        parts, order = (inp.parts, inp.order) if isinstance(inp, PipelineInput) else ([inp], None)
         model = self.model
-        hidden = model.forward_layers(model.embed(inp.input_ids), inp.positions,
-                                      inp.attn_metadata, self.layers)  # (may fail alone)
+        hidden = None
+        if len(parts) == 1:
+            hidden = model.forward_layers(model.embed(inp.input_ids), inp.positions,
+                                          inp.attn_metadata, self.layers)  # (may fail alone)
         try:
-            dist.broadcast_object_list([inp], src=0)
-            dist.send(hidden.contiguous(), dst=1)
-            rows = torch.empty(len(inp.logits_indices), model.config.hidden_size,
-                               dtype=hidden.dtype)
-            dist.recv(rows, src=self.size - 1)
+            dist.broadcast_object_list([parts], src=0)
+            rows, error = self._through_stages(parts, hidden)
         except Exception as e:
             self.broken = f"{type(e).__name__}: {e}"
             raise ExecutorBroken(f"the pipeline broke: {self.broken}") from e
-        return rows
+        if error is not None:
+            raise error
+        return rows if order is None else rows[order]
+
+    def _through_stages(self, parts: list[ModelInput], hidden: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, Exception | None]:
+        """Each part through this stage's layers and sent on (its hidden states given where
+        computed already), then every part's rows from the last stage; the error this
+        stage's layers raised, if any."""
+        model, error, sends = self.model, None, []
+        for part in parts:
+            if hidden is None and error is None:
+                try:
+                    hidden = model.forward_layers(model.embed(part.input_ids), part.positions,
+                                                  part.attn_metadata, self.layers)
+                except Exception as e:
+                    error = e
+            if hidden is None:  # the stages stay in step; the step runs again in parts
+                hidden = torch.zeros(len(part.input_ids), model.config.hidden_size,
+                                     dtype=model.dtype)
+            sends.append(dist.isend(hidden.contiguous(), dst=1))
+            hidden = None
+        rows = [torch.empty(len(p.logits_indices), model.config.hidden_size, dtype=model.dtype)
+                for p in parts]
+        for r in rows:
+            dist.recv(r, src=self.size - 1)
+        _wait(sends)
+        return torch.cat(rows), error
+
+
+@dataclass(slots=True)
+class PipelineInput(ModelInput):
+    """A forward sent as micro-batches: the whole's layout (its rows) and its parts;
+    `order`: the whole's rows from the parts' rows one after another."""
+
+    parts: list[ModelInput] = field(default_factory=list)
+    order: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+
+
+def micro_batches(spans: list[QuerySpan], parts: int) -> list[list[tuple[QuerySpan, int]]]:
+    """The flat batch of `spans` cut into `parts` runs of about equal tokens, in order; a
+    span a cut falls in is cut there (its later piece starts where the earlier ends, as a
+    next prefill chunk would). Each piece with its first token's index in the flat batch."""
+    total = sum(len(s.token_ids) for s in spans)
+    cuts = [total * j // parts for j in range(1, parts)]  # where part j + 1 begins
+    out: list[list[tuple[QuerySpan, int]]] = [[] for _ in range(parts)]
+    flat = 0
+    for span in spans:
+        n, lo = len(span.token_ids), 0
+        while lo < n:
+            part = bisect.bisect_right(cuts, flat + lo)
+            hi = n if part == len(cuts) else min(n, cuts[part] - flat)
+            out[part].append((_piece(span, lo, hi), flat + lo))
+            lo = hi
+        flat += n
+    return [p for p in out if p]
+
+
+def _piece(span: QuerySpan, lo: int, hi: int) -> QuerySpan:
+    """Tokens [lo, hi) of `span`, with the logits rows and prompt rows that fall in them."""
+    n = len(span.token_ids)
+    rows = span.prompt_rows
+    return QuerySpan(span.token_ids[lo:hi], span.start + lo, span.block_table,
+                     max(0, hi - max(lo, n - span.num_logits)),
+                     range(max(rows.start, lo) - lo, max(min(rows.stop, hi) - lo, 0)))
+
+
+def rows_order(pieces: list[list[tuple[QuerySpan, int]]]) -> torch.Tensor:
+    """Where each of the whole forward's rows is among the parts' rows one after another.
+    A forward's rows are its prompt rows, then its logits rows, each in flat-batch order
+    (ModelRunner.build_input); so are each part's."""
+    keys = []
+    for part in pieces:
+        keys += [(0, flat + offset) for piece, flat in part for offset in piece.prompt_rows]
+        keys += [(1, flat + len(piece.token_ids) - piece.num_logits + i)
+                 for piece, flat in part for i in range(piece.num_logits)]
+    return torch.tensor(sorted(range(len(keys)), key=keys.__getitem__), dtype=torch.long)
 
 
 class PipelineExecutor(InProcessExecutor):
@@ -227,15 +330,23 @@ def _load_stage(config: EngineConfig, num_blocks: int, kv_dtype: torch.dtype, la
 
 
 @torch.inference_mode()
-def _run_stage(runner: ModelRunner, inp: ModelInput, rank: int, last: bool) -> None:
-    model = runner.model
-    hidden = torch.empty(len(inp.input_ids), model.config.hidden_size, dtype=model.dtype)
-    dist.recv(hidden, src=rank - 1)
-    hidden = model.forward_layers(hidden, inp.positions, inp.attn_metadata, runner.layers)
-    if last:
-        dist.send(hidden[inp.logits_indices].contiguous(), dst=0)
-    else:
-        dist.send(hidden.contiguous(), dst=rank + 1)
+def _run_stage(runner: ModelRunner, parts: list[ModelInput], rank: int, last: bool) -> None:
+    """A forward's parts through this stage's layers, each sent on as soon as it is done."""
+    model, sends = runner.model, []
+    for inp in parts:
+        hidden = torch.empty(len(inp.input_ids), model.config.hidden_size, dtype=model.dtype)
+        dist.recv(hidden, src=rank - 1)
+        hidden = model.forward_layers(hidden, inp.positions, inp.attn_metadata, runner.layers)
+        out = hidden[inp.logits_indices] if last else hidden
+        sends.append(dist.isend(out.contiguous(), dst=0 if last else rank + 1))
+    _wait(sends)
+
+
+def _wait(sends: list[Any]) -> None:
+    """Until every send has left (its tensor may be freed then)."""
+    for send in sends:
+        if send is not None:
+            send.wait()
 
 
 def _free_port(host: str) -> int:

@@ -14,7 +14,8 @@ import torch
 from braid import LLM, SamplingParams
 from braid.config import ConfigError
 from braid.worker.lifetime import ExecutorBroken
-from braid.worker.pipeline import stage_layers
+from braid.worker.pipeline import micro_batches, rows_order, stage_layers
+from braid.worker.runner import ModelRunner, QuerySpan
 from tests.tiny import save_tiny_model
 
 PROMPTS = ["the cat sat on the mat and the cat sat on the", "once upon a time",
@@ -64,6 +65,8 @@ def _outputs(model: Path, size: int, **options: object) -> list[list[list[int]]]
                 runs.append([c.token_ids for o in out for c in o.outputs])
         assert llm.engine.stats.num_preemptions > 0
         assert llm.engine.stats.prefix_cache_hits > 0
+        if size > 1 and llm.engine.config.max_num_batched_tokens >= 64:
+            assert llm.engine.executor.runner.micro_batched > 0  # type: ignore[attr-defined]
         return runs
     finally:
         llm.shutdown()
@@ -82,13 +85,16 @@ def one_process(model_dir: Path) -> Callable[[str], list]:
     return outputs
 
 
-@pytest.mark.parametrize("size, quantization, spec", [
-    (2, "auto", None), (3, "auto", None), (2, "int8", None), (2, "auto", "ngram"),
-    (2, "auto", "draft_model"), (2, "int8", "draft_model"),
+@pytest.mark.parametrize("size, quantization, spec, budget", [
+    (2, "auto", None, 16), (3, "auto", None, 16), (2, "int8", None, 16),
+    (2, "auto", "ngram", 16), (2, "auto", "draft_model", 16), (2, "int8", "draft_model", 16),
+    (2, "auto", None, 128), (3, "int8", "ngram", 128),  # prefills in micro-batches
 ])
 def test_stages_answer_as_one_process(model_dir: Path, one_process: Callable[[str], list],
-                                      size: int, quantization: str, spec: str | None) -> None:
-    options: dict[str, object] = {"quantization": quantization}
+                                      size: int, quantization: str, spec: str | None,
+                                      budget: int) -> None:
+    options: dict[str, object] = {"quantization": quantization,
+                                  "max_num_batched_tokens": budget}
     if spec is not None:
         config: dict[str, object] = {"method": spec, "num_speculative_tokens": 3}
         if spec == "draft_model":
@@ -117,3 +123,62 @@ def test_stages_as_ray_actors_answer_as_one_process_and_break_when_one_is_gone(
     finally:
         llm.shutdown()
     assert not ray.is_initialized()
+
+
+def _spans() -> list[QuerySpan]:
+    """A step's spans: a prefill chunk after cached context, a whole prompt scoring its
+    prompt logprobs, a verification window (4 logits rows) and two decodes."""
+    return [QuerySpan(list(range(20, 60)), 8, list(range(0, 12)), 1),
+            QuerySpan(list(range(60, 90)), 0, list(range(12, 20)), 1, range(0, 29)),
+            QuerySpan([5, 6, 7, 8], 12, list(range(20, 24)), 4),
+            QuerySpan([9], 3, [24], 1), QuerySpan([10], 6, [25, 26], 1)]
+
+
+@pytest.mark.parametrize("parts", [2, 3, 5])
+def test_micro_batches_cut_the_flat_batch_in_order(parts: int) -> None:
+    spans = _spans()
+    pieces = micro_batches(spans, parts)
+    flat = [t for s in spans for t in s.token_ids]
+    assert [t for part in pieces for piece, _ in part for t in piece.token_ids] == flat
+    sizes = [sum(len(p.token_ids) for p, _ in part) for part in pieces]
+    assert len(pieces) == parts and max(sizes) - min(sizes) <= max(len(s.token_ids)
+                                                                    for s in spans)
+    for part in pieces:
+        for piece, start in part:
+            assert flat[start:start + len(piece.token_ids)] == piece.token_ids
+    # the rows: each part's rows one after another, put in the whole forward's order
+    runner_rows = []
+    for part in pieces:
+        runner_rows += [start + off for piece, start in part for off in piece.prompt_rows]
+        runner_rows += [start + len(p.token_ids) - p.num_logits + i
+                        for p, start in part for i in range(p.num_logits)]
+    whole = []
+    at = 0
+    for s in spans:
+        whole += [at + off for off in s.prompt_rows]
+        at += len(s.token_ids)
+    at = 0
+    for s in spans:
+        at += len(s.token_ids)
+        whole += range(at - s.num_logits, at)
+    assert torch.tensor(runner_rows)[rows_order(pieces)].tolist() == whole
+
+
+def test_micro_batches_one_after_another_equal_the_whole_forward(model_dir: Path) -> None:
+    """The parts of a forward run in order over one KV cache give the whole forward's
+    logits rows: a later part's tokens see the earlier parts' KV, as a next chunk would."""
+    from braid.models.build import load_model
+
+    logits = []
+    for parts in (1, 3):
+        model, _ = load_model(str(model_dir), with_tokenizer=False)
+        runner = ModelRunner(model, 40, 4, torch.device("cpu"))
+        spans = _spans()
+        if parts == 1:
+            logits.append(runner.execute(runner.build_input(spans)))
+            continue
+        pieces = micro_batches(spans, parts)
+        rows = torch.cat([runner.hidden_rows(runner.build_input([p for p, _ in part]))
+                          for part in pieces])
+        logits.append(model.compute_logits(rows[rows_order(pieces)], None))
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
