@@ -45,7 +45,11 @@ def run_step(compute: Compute, scheduler: Scheduler, sched: SchedulerOutput,
         _withdraw(scheduler, sched, forget)
         raise
     scheduler.requeue_dependents(sched)
-    result, culprits = isolate(compute, list(sched.scheduled))
+    try:
+        result, culprits = isolate(compute, list(sched.scheduled))
+    except ExecutorBroken:
+        _withdraw(scheduler, sched, forget)
+        raise
     for s in culprits:
         scheduler.fail(s.request, sched)
     return result, [s.request for s in culprits]
@@ -69,6 +73,8 @@ def isolate(compute: Compute, scheduled: list[ScheduledRequest]
             continue
         try:
             result.merge(compute(SchedulerOutput(scheduled=group)))
+        except ExecutorBroken:
+            raise  # broke while running in parts: still no request's fault
         except Exception:
             if len(group) == 1:
                 logger.exception("request %s fails the step alone; it ends with an error",

@@ -318,12 +318,15 @@ def _serve(config: EngineConfig, calls: Connection, conn: Connection,
     outbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
     threading.Thread(target=_read_calls, args=(calls, inbox), name="braid-calls",
                      daemon=True).start()
-    threading.Thread(target=_write_messages, args=(conn, outbox), name="braid-outputs",
-                     daemon=True).start()
+    writer = threading.Thread(target=_write_messages, args=(conn, outbox),
+                              name="braid-outputs", daemon=True)
+    writer.start()
     try:
         EngineSide(engine, inbox, outbox, os.getppid()).run()
-    except ExecutorBroken:
-        sys.exit(1)  # logged where it broke; the server sees the process end
+    except ExecutorBroken:  # logged where it broke; the server sees the process end
+        outbox.put(("end", True, None, None))  # the writer ends after the messages before
+        writer.join(5.0)
+        sys.exit(1)
 
 
 def build_engine(config: EngineConfig) -> tuple[Any, tuple]:
@@ -406,7 +409,6 @@ class EngineSide:
             # no step can run again: the engine ends, and the server sees it dead (it
             # fails what this engine answered, moves the rest and starts a new one)
             logger.exception("the engine's executor broke; the engine ends")
-            self._drain()
             self.engine.shutdown()
             raise
         except Exception as e:
@@ -418,12 +420,6 @@ class EngineSide:
             self._send("step", False, _portable(e))
             return
         self._send("step", True, outputs)
-
-    def _drain(self, timeout: float = 5.0) -> None:
-        """Wait (a while) until the writer has taken every message queued."""
-        deadline = time.monotonic() + timeout
-        while not self.outbox.empty() and time.monotonic() < deadline:
-            time.sleep(0.01)
 
     def _send(self, kind: str, ok: bool, value: Any) -> None:
         """Queue a message for the writer thread: the loop never waits for the server to
@@ -444,11 +440,12 @@ def _read_calls(calls: Connection, inbox: queue.SimpleQueue[tuple]) -> None:
 
 
 def _write_messages(conn: Connection, outbox: queue.SimpleQueue[tuple]) -> None:
-    """The engine process's writer: `outbox`'s messages to the server, in order. A message
+    """The engine process's writer: `outbox`'s messages to the server, in order, until an
+    "end". A message
     that does not pickle goes as its kind's failure (the server fails what it answers for),
     not as a writer that stopped while the server waits."""
-    while True:
-        kind, ok, value, load = outbox.get()
+    while (message := outbox.get())[0] != "end":
+        kind, ok, value, load = message
         try:
             _send(conn, (kind, ok, value, load))
         except Exception as e:

@@ -30,6 +30,7 @@ import contextlib
 import datetime
 import logging
 import multiprocessing
+import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,7 +69,7 @@ class PipelineRunner(ModelRunner):
     """The first stage's runner: each forward goes through every stage (`hidden_rows`), so
     everything that runs the target (steps, the cost model's warm-up) runs the pipeline.
 
-    A forward of at least 2 * MIN_PART_TOKENS query tokens goes as up to P micro-batches of
+    A forward of at least 2 * MIN_PART_TOKENS prompt tokens goes as up to P micro-batches of
     about equal tokens (`micro_batches`: the flat batch cut in order, a span cut where a cut
     falls), one after another through each stage, so while stage 2 runs the first, stage 1
     runs the second. A later part's tokens attend to an earlier part's as chunked prefill
@@ -87,8 +88,9 @@ class PipelineRunner(ModelRunner):
 
     def build_input(self, spans: list[QuerySpan]) -> ModelInput:
         whole = super().build_input(spans)
-        tokens = len(whole.input_ids)
-        parts = min(self.size, tokens // MIN_PART_TOKENS)
+        # prompt tokens only: a decode's or a verification window's tokens are all rows
+        prefill = sum(len(s.token_ids) - s.num_logits for s in spans)
+        parts = min(self.size, prefill // MIN_PART_TOKENS)
         if parts < 2:
             return whole
         pieces = micro_batches(spans, parts)
@@ -265,7 +267,14 @@ class _StageActor:
 
     def run(self, config: EngineConfig, address: str, rank: int, num_blocks: int,
             kv_dtype: torch.dtype, layers: range) -> None:
-        _stage_loop(config, address, rank, num_blocks, kv_dtype, layers)
+        """The stage's loop; where it fails the actor's process ends, as a local stage's
+        would, so its connections close and the first stage's transfer fails at once
+        (an actor that raised would keep them open and the first stage waiting)."""
+        try:
+            _stage_loop(config, address, rank, num_blocks, kv_dtype, layers)
+        except BaseException:
+            logger.exception("pipeline stage %d failed; it ends", rank)
+            os._exit(1)
 
 
 class _RayStage:

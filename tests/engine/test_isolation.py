@@ -121,3 +121,24 @@ def test_a_broken_executor_is_not_blamed_on_a_request(monkeypatch: pytest.Monkey
         engine.step()
     assert len(calls) == 1
     assert not any(r.is_finished for r in engine.requests.values())
+
+
+def test_an_executor_that_breaks_while_the_step_runs_in_parts_blames_no_request(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step fails (say, the first stage's own layers), and while it runs again in parts
+    the pipeline breaks: the step still ends with ExecutorBroken, no request is failed."""
+    engine = engine_for(None)
+    add_innocents(engine)
+    calls = []
+
+    def failing(*args: object) -> object:
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory")
+        raise ExecutorBroken("the pipeline broke: a stage is gone")
+
+    monkeypatch.setattr(engine.runner, "execute", failing)
+    with pytest.raises(ExecutorBroken):
+        engine.step()
+    assert len(calls) == 2
+    assert not any(r.is_finished for r in engine.requests.values())

@@ -14,7 +14,13 @@ import torch
 from braid import LLM, SamplingParams
 from braid.config import ConfigError
 from braid.worker.lifetime import ExecutorBroken
-from braid.worker.pipeline import micro_batches, rows_order, stage_layers
+from braid.worker.pipeline import (
+    PipelineInput,
+    PipelineRunner,
+    micro_batches,
+    rows_order,
+    stage_layers,
+)
 from braid.worker.runner import ModelRunner, QuerySpan
 from tests.tiny import save_tiny_model
 
@@ -182,3 +188,34 @@ def test_micro_batches_one_after_another_equal_the_whole_forward(model_dir: Path
                           for part in pieces])
         logits.append(model.compute_logits(rows[rows_order(pieces)], None))
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_only_prompt_tokens_make_micro_batches(model_dir: Path) -> None:
+    """Decodes and verification windows go through the stages whole however many there are
+    (their time is the weights' streaming, which each part would pay again); a step with
+    enough prompt tokens goes in parts."""
+    from braid.models.build import load_model
+
+    model, _ = load_model(str(model_dir), with_tokenizer=False)
+    runner = PipelineRunner(model, 40, 4, torch.device("cpu"), torch.float32, size=2)
+    decodes = [QuerySpan([i], 3, [0], 1) for i in range(64)]
+    windows = [QuerySpan([1, 2, 3, 4], 3, [0, 1], 4) for _ in range(16)]
+    prompt = [QuerySpan(list(range(1, 70)), 0, list(range(18)), 1)]
+    assert not isinstance(runner.build_input(decodes + windows), PipelineInput)
+    split = runner.build_input(decodes + prompt)
+    assert isinstance(split, PipelineInput) and len(split.parts) == 2
+
+
+def test_a_ray_stage_that_fails_ends_its_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage's loop that raises in a Ray actor ends the actor's process, as a local
+    stage's process ends, so its connections close and the first stage fails at once."""
+    from braid.worker import pipeline
+
+    def fails(*args: object) -> None:
+        raise FileNotFoundError("no model file on this node")
+
+    exits = []
+    monkeypatch.setattr(pipeline, "_stage_loop", fails)
+    monkeypatch.setattr(pipeline.os, "_exit", exits.append)
+    pipeline._StageActor().run(None, "tcp://127.0.0.1:1", 1, 4, torch.float32, range(2, 4))
+    assert exits == [1]
