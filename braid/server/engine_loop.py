@@ -116,6 +116,7 @@ OnDeath = Callable[[list[_Add]], None]
 
 class AsyncEngine:
     down_message = "the engine is not running; the server needs a restart"
+    retry_after_s: int | None = None  # nothing starts it again: no Retry-After
 
     def __init__(self, engine: EngineLike, metrics: ServerMetrics | None = None,
                  log_requests: bool = False, on_death: OnDeath | None = None) -> None:

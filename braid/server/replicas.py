@@ -50,6 +50,7 @@ class Replica:
 
 class Replicas:
     down_message = "no replica is running (they are being started again); retry later"
+    retry_after_s = 5  # a replica's restart loads its model: seconds
 
     def __init__(self, engines: list[Any], router: Router, metrics: ServerMetrics,
                  start_engine: StartEngine, log_requests: bool = False) -> None:

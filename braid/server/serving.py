@@ -341,7 +341,9 @@ async def submit(ctx: ServerContext, job: Job, prompt_field: str = "prompt",
     slots happen with no await between them, so concurrent handlers cannot overrun it."""
     check_fan_out(ctx, len(job.prompts), len(job.choices) // len(job.prompts), prompt_field)
     if not ctx.engine.is_alive:  # its process died: /health says 503 too
-        raise APIError(503, ctx.engine.down_message)
+        retry = ctx.engine.retry_after_s
+        raise APIError(503, ctx.engine.down_message,
+                       headers=None if retry is None else {"Retry-After": str(retry)})
     size, limit = len(job.choices), ctx.max_waiting_requests
     waiting = ctx.engine.num_waiting
     if waiting + size > limit:

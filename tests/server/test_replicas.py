@@ -288,6 +288,20 @@ def test_a_replica_killed_mid_stream_fails_only_its_requests_and_restarts(
         results = _kill_one_mid_stream(server.url, lambda: _engine_pids(server))
         _check_one_replica_failed(results, server)
         assert len(_engine_pids(server)) == 2
+        # both at once: 503s that say when to retry until one is back, then answers
+        for pid in _engine_pids(server):
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{server.url}/health").status_code == 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] == "5", r.text
+        assert "being started again" in r.json()["error"]["message"]
+        while httpx.get(f"{server.url}/health").status_code != 200:
+            assert time.monotonic() < deadline + 60, server.log()
+            time.sleep(0.2)
+        _texts(server.url, ["after both"])
     finally:
         assert server.stop() == 0, server.log()
 
