@@ -211,10 +211,11 @@ class PipelineExecutor(InProcessExecutor):
         self.stages: list[Any] = []
         self.leave: Callable[[], None] | None = None  # where this joined a Ray cluster
         try:
-            address = self._start_stages(config, [
+            store = self._start_stages(config, [
                 (rank, num_blocks, kv_dtype, stage_layers(num_layers, size, rank))
                 for rank in range(1, size)])
-            dist.init_process_group("gloo", init_method=address, rank=0, world_size=size,
+            self._wait_joined(store)
+            dist.init_process_group("gloo", store=store, rank=0, world_size=size,
                                     timeout=TIMEOUT)
             for _ in range(1, size):
                 dist.barrier()  # the stages load one after another (a peak of one model)
@@ -225,26 +226,42 @@ class PipelineExecutor(InProcessExecutor):
                                 torch.device(config.device), kv_dtype, size)
         super().__init__(config, model, num_blocks, kv_dtype, eos_token_ids, runner)
 
-    def _start_stages(self, config: EngineConfig, stages: list[tuple]) -> str:
+    def _start_stages(self, config: EngineConfig, stages: list[tuple]) -> dist.TCPStore:
         """Start the later stages (`stages`: each one's rank, KV blocks, KV dtype and layers);
-        the address rank 0 listens on for them."""
+        the store they meet at, which this rank serves."""
+        ray = None
         if config.distributed_executor_backend == "ray":
             joined = connected()
             ray = join_cluster()
             if not joined:  # an engine in this process (the offline LLM): it leaves at the end
                 self.leave = ray.shutdown
-            address = f"tcp://{ray.util.get_node_ip_address()}:{_free_port('')}"
-            for args in stages:
-                self.stages.append(_RayStage(ray, config, address, args))
-            return address
-        address = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
+        host = "127.0.0.1" if ray is None else ray.util.get_node_ip_address()
+        address = (host, _free_port("127.0.0.1" if ray is None else ""))
+        store = dist.TCPStore(*address, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
         context = multiprocessing.get_context("spawn")
         for args in stages:
-            self.stages.append(context.Process(
-                target=_stage_main, name=f"braid-stage-{args[0]}", daemon=True,
-                args=(config, address, *args)))
-            self.stages[-1].start()
-        return address
+            if ray is not None:
+                self.stages.append(_RayStage(ray, config, address, args))
+                continue
+            process = context.Process(target=_stage_main, name=f"braid-stage-{args[0]}",
+                                      daemon=True, args=(config, address, *args))
+            process.start()
+            self.stages.append(process)
+        return store
+
+    def _wait_joined(self, store: dist.TCPStore) -> None:
+        """Until every stage has reached the store; one that ended before (it failed to
+        start) is an error now, not a wait without end."""
+        keys = [f"stage-{rank}" for rank in range(1, len(self.stages) + 1)]
+        while True:
+            try:
+                store.wait(keys, datetime.timedelta(seconds=1))
+                return
+            except RuntimeError:  # not all of them yet (a timeout)
+                for rank, stage in enumerate(self.stages, 1):
+                    if _ended(stage):
+                        raise RuntimeError(f"pipeline stage {rank} ended before it joined "
+                                           "(its error is in the log above)") from None
 
     def shutdown(self) -> None:
         runner = getattr(self, "runner", None)
@@ -265,7 +282,7 @@ class _StageActor:
     def ready(self) -> None:
         """Answers once the actor has its CPUs (placed)."""
 
-    def run(self, config: EngineConfig, address: str, rank: int, num_blocks: int,
+    def run(self, config: EngineConfig, address: tuple[str, int], rank: int, num_blocks: int,
             kv_dtype: torch.dtype, layers: range) -> None:
         """The stage's loop; where it fails the actor's process ends, as a local stage's
         would, so its connections close and the first stage's transfer fails at once
@@ -281,7 +298,8 @@ class _RayStage:
     """A Ray actor running a stage's loop, ended as a process is (join, kill). Ray ends it
     with the engine's process or actor that started it (its owner)."""
 
-    def __init__(self, ray: Any, config: EngineConfig, address: str, args: tuple) -> None:
+    def __init__(self, ray: Any, config: EngineConfig, address: tuple[str, int], args: tuple
+                 ) -> None:
         self.ray = ray
         self.actor = ray.remote(_StageActor).options(num_cpus=config.threads).remote()
         wait_placed(ray, self.actor.ready.remote(), f"pipeline stage {args[0]}",
@@ -291,19 +309,27 @@ class _RayStage:
     def join(self, timeout: float) -> None:
         self.ray.wait([self.done], timeout=timeout)
 
+    def ended(self) -> bool:
+        return bool(self.ray.wait([self.done], timeout=0)[0])
+
     def kill(self) -> None:
         with contextlib.suppress(Exception):
             self.ray.kill(self.actor)
 
 
-def _stage_main(config: EngineConfig, address: str, rank: int, num_blocks: int,
+def _ended(stage: Any) -> bool:
+    """Whether a stage (a local process or a `_RayStage`) has ended."""
+    return stage.ended() if isinstance(stage, _RayStage) else stage.exitcode is not None
+
+
+def _stage_main(config: EngineConfig, address: tuple[str, int], rank: int, num_blocks: int,
                 kv_dtype: torch.dtype, layers: range) -> None:
     """A later stage in a local process: it ends with the engine's."""
     follow_parent()
     _stage_loop(config, address, rank, num_blocks, kv_dtype, layers)
 
 
-def _stage_loop(config: EngineConfig, address: str, rank: int, num_blocks: int,
+def _stage_loop(config: EngineConfig, address: tuple[str, int], rank: int, num_blocks: int,
                 kv_dtype: torch.dtype, layers: range) -> None:
     """A later stage: load the model, keep `layers`, then run them for every forward rank 0
     broadcasts until it broadcasts None."""
@@ -311,8 +337,9 @@ def _stage_loop(config: EngineConfig, address: str, rank: int, num_blocks: int,
     size = config.pipeline_parallel_size
     # joined before loading: a stage that fails to load ends its connections, and the
     # first stage's wait fails at once
-    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=size,
-                            timeout=TIMEOUT)
+    store = dist.TCPStore(*address, is_master=False, timeout=TIMEOUT)
+    store.set(f"stage-{rank}", "up")
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=TIMEOUT)
     for turn in range(1, size):
         if turn == rank:
             runner = _load_stage(config, num_blocks, kv_dtype, layers)

@@ -219,3 +219,26 @@ def test_a_ray_stage_that_fails_ends_its_process(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(pipeline.os, "_exit", exits.append)
     pipeline._StageActor().run(None, "tcp://127.0.0.1:1", 1, 4, torch.float32, range(2, 4))
     assert exits == [1]
+
+
+def test_a_stage_that_ends_before_joining_is_an_error_not_a_wait() -> None:
+    """A stage process that dies before it reaches the store (its start failed) ends the
+    first stage's wait within seconds, naming the stage, instead of a wait without end."""
+    import multiprocessing
+    import time
+
+    import torch.distributed as dist
+
+    from braid.worker import pipeline
+
+    store = dist.TCPStore("127.0.0.1", pipeline._free_port("127.0.0.1"), is_master=True,
+                          wait_for_workers=False)
+    dead = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0,))
+    dead.start()
+    dead.join()
+    executor = object.__new__(pipeline.PipelineExecutor)
+    executor.stages = [dead]
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="pipeline stage 1 ended before it joined"):
+        executor._wait_joined(store)
+    assert time.monotonic() - start < 10
