@@ -35,10 +35,10 @@ def run_step(compute: Compute, scheduler: Scheduler, sched: SchedulerOutput,
     withdrawn and `forget` drops the state of the requests it preempted."""
     try:
         return compute(sched), []
-    except Exception as e:
-        if isinstance(e, ExecutorBroken):  # no request's fault, and no step can run again
-            _withdraw(scheduler, sched, forget)
-            raise
+    except ExecutorBroken:  # no request's fault, and no step can run again
+        _withdraw(scheduler, sched, forget)
+        raise
+    except Exception:
         logger.exception("engine step failed; running it again in parts to find the "
                          "request that fails it")
     except BaseException:

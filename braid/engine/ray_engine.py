@@ -20,6 +20,7 @@ from typing import Any
 from braid.config import EngineConfig
 from braid.engine.process import EngineDied, EngineProcess, EngineSide, build_engine
 from braid.worker.cluster import join_cluster
+from braid.worker.lifetime import exit_on_failure
 
 RECEIVE_WAIT_S = 1.0  # how long one `receive` waits for a message before returning none
 
@@ -40,7 +41,8 @@ class _EngineActor:
         self.thread: threading.Thread | None = None
         if engine is not None:
             side = EngineSide(engine, self.inbox, self.outbox, server_pid=None)
-            self.thread = threading.Thread(target=_run_or_die, args=(side,),
+            self.thread = threading.Thread(target=exit_on_failure,
+                                           args=("the engine's loop", side.run),
                                            name="braid-engine", daemon=True)
             self.thread.start()
 
@@ -64,19 +66,6 @@ class _EngineActor:
             while True:
                 messages.append(self.outbox.get_nowait())
         return messages
-
-
-def _run_or_die(side: EngineSide) -> None:
-    """The engine's loop; where it crashes the actor ends, as a process would (the server
-    sees a dead actor and restarts the replica) instead of an actor that answers nothing."""
-    import logging
-    import os
-
-    try:
-        side.run()
-    except BaseException:
-        logging.getLogger("braid").exception("the engine's loop crashed")
-        os._exit(1)
 
 
 def _actor_class() -> Any:

@@ -266,7 +266,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, engines: list[EnginePr
         "num_gpu_blocks": info.num_kv_blocks,  # vLLM's name for the cache's blocks
         "enable_prefix_caching": config.enable_prefix_caching,
         "kv_cache_gib": f"{info.kv_cache_bytes / 2**30:.4g}"},  # the target's, as allocated
-        replica=None if _one_engine(args, engines) else 0)
+        replica=None if _one_engine(engines) else 0)
     ctx = _context(args, _front(args, engines, replicating, metrics), info, tokenizer, names)
     app = create_app(ctx, metrics, AppOptions(
         args.max_request_bytes, args.api_key, args.enable_docs, tuple(args.allowed_origins),
@@ -299,7 +299,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, engines: list[EnginePr
     return 0 if server.started else 1
 
 
-def _one_engine(args: argparse.Namespace, engines: list[EngineProcess]) -> bool:
+def _one_engine(engines: list[EngineProcess]) -> bool:
     """One local engine, served as it always was (no replicas' routing, restarts, labels)."""
     return len(engines) == 1 and engines[0].info.config.distributed_executor_backend == "mp"
 
@@ -307,7 +307,7 @@ def _one_engine(args: argparse.Namespace, engines: list[EngineProcess]) -> bool:
 def _front(args: argparse.Namespace, engines: list[EngineProcess], replicating: _Replicating,
            metrics: ServerMetrics) -> AsyncEngine | Replicas:
     """What the server sends requests to: the one engine's loop, or the replicas'."""
-    if _one_engine(args, engines):
+    if _one_engine(engines):
         return AsyncEngine(engines[0], metrics, args.enable_log_requests)
     info = engines[0].info
     router = make_router(replicating.routing, len(engines), info.config.block_size,

@@ -4,9 +4,12 @@ no more steps."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 PARENT_CHECK_S = 0.5
 
@@ -23,6 +26,18 @@ def follow_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="braid-follow-parent", daemon=True).start()
+
+
+def exit_on_failure(what: str, fn: Callable[..., None], *args: Any) -> None:
+    """`fn(*args)`; where it raises, this process ends (logged), as a process running it
+    as its main would: for a Ray actor's loop (an engine, a pipeline stage), whose owner
+    then sees a dead actor and its connections closed, instead of an actor that answers
+    nothing and keeps them open."""
+    try:
+        fn(*args)
+    except BaseException:
+        logging.getLogger("braid").exception("%s failed; its process ends", what)
+        os._exit(1)
 
 
 class ExecutorBroken(RuntimeError):

@@ -30,7 +30,6 @@ import contextlib
 import datetime
 import logging
 import multiprocessing
-import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,7 +42,7 @@ from braid.config import ConfigError, EngineConfig
 from braid.models.interface import CausalLM
 from braid.worker.cluster import connected, join_cluster, wait_placed
 from braid.worker.executor import InProcessExecutor
-from braid.worker.lifetime import ExecutorBroken, follow_parent
+from braid.worker.lifetime import ExecutorBroken, exit_on_failure, follow_parent
 from braid.worker.runner import ModelInput, ModelRunner, QuerySpan
 
 logger = logging.getLogger("braid")
@@ -108,14 +107,9 @@ class PipelineRunner(ModelRunner):
         if self.broken is not None:
             raise ExecutorBroken(f"the pipeline broke: {self.broken}")
         parts, order = (inp.parts, inp.order) if isinstance(inp, PipelineInput) else ([inp], None)
-        model = self.model
-        hidden = None
-        if len(parts) == 1:
-            hidden = model.forward_layers(model.embed(inp.input_ids), inp.positions,
-                                          inp.attn_metadata, self.layers)  # (may fail alone)
         try:
             dist.broadcast_object_list([parts], src=0)
-            rows, error = self._through_stages(parts, hidden)
+            rows, error = self._through_stages(parts)
         except Exception as e:
             self.broken = f"{type(e).__name__}: {e}"
             raise ExecutorBroken(f"the pipeline broke: {self.broken}") from e
@@ -123,14 +117,13 @@ class PipelineRunner(ModelRunner):
             raise error
         return rows if order is None else rows[order]
 
-    def _through_stages(self, parts: list[ModelInput], hidden: torch.Tensor | None
-                        ) -> tuple[torch.Tensor, Exception | None]:
-        """Each part through this stage's layers and sent on (its hidden states given where
-        computed already), then every part's rows from the last stage; the error this
-        stage's layers raised, if any."""
+    def _through_stages(self, parts: list[ModelInput]) -> tuple[torch.Tensor, Exception | None]:
+        """Each part through this stage's layers and sent on, then every part's rows from the
+        last stage; the error this stage's layers raised, if any."""
         model, error, sends = self.model, None, []
         for part in parts:
-            if hidden is None and error is None:
+            hidden = None
+            if error is None:
                 try:
                     hidden = model.forward_layers(model.embed(part.input_ids), part.positions,
                                                   part.attn_metadata, self.layers)
@@ -140,7 +133,6 @@ class PipelineRunner(ModelRunner):
                 hidden = torch.zeros(len(part.input_ids), model.config.hidden_size,
                                      dtype=model.dtype)
             sends.append(dist.isend(hidden.contiguous(), dst=1))
-            hidden = None
         rows = [torch.empty(len(p.logits_indices), model.config.hidden_size, dtype=model.dtype)
                 for p in parts]
         for r in rows:
@@ -287,11 +279,8 @@ class _StageActor:
         """The stage's loop; where it fails the actor's process ends, as a local stage's
         would, so its connections close and the first stage's transfer fails at once
         (an actor that raised would keep them open and the first stage waiting)."""
-        try:
-            _stage_loop(config, address, rank, num_blocks, kv_dtype, layers)
-        except BaseException:
-            logger.exception("pipeline stage %d failed; it ends", rank)
-            os._exit(1)
+        exit_on_failure(f"pipeline stage {rank}", _stage_loop, config, address, rank,
+                        num_blocks, kv_dtype, layers)
 
 
 class _RayStage:

@@ -209,14 +209,14 @@ def test_only_prompt_tokens_make_micro_batches(model_dir: Path) -> None:
 def test_a_ray_stage_that_fails_ends_its_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stage's loop that raises in a Ray actor ends the actor's process, as a local
     stage's process ends, so its connections close and the first stage fails at once."""
-    from braid.worker import pipeline
+    from braid.worker import lifetime, pipeline
 
     def fails(*args: object) -> None:
         raise FileNotFoundError("no model file on this node")
 
     exits = []
     monkeypatch.setattr(pipeline, "_stage_loop", fails)
-    monkeypatch.setattr(pipeline.os, "_exit", exits.append)
+    monkeypatch.setattr(lifetime.os, "_exit", exits.append)
     pipeline._StageActor().run(None, "tcp://127.0.0.1:1", 1, 4, torch.float32, range(2, 4))
     assert exits == [1]
 
@@ -242,3 +242,32 @@ def test_a_stage_that_ends_before_joining_is_an_error_not_a_wait() -> None:
     with pytest.raises(RuntimeError, match="pipeline stage 1 ended before it joined"):
         executor._wait_joined(store)
     assert time.monotonic() - start < 10
+
+
+def test_the_first_stages_own_failure_keeps_the_pipeline(model_dir: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first stage's layers raise once (whole forward and micro-batches alike): the
+    later stages get zeros and stay in step, the step runs again in parts, the pipeline is
+    not broken and the tokens are one process's."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = LLM(str(model_dir), **OPTIONS)
+    want = [o.outputs[0].token_ids for o in alone.generate(PROMPTS, params, use_tqdm=False)]
+    alone.shutdown()
+    llm = LLM(str(model_dir), pipeline_parallel_size=2,
+              **{**OPTIONS, "max_num_batched_tokens": 128})
+    try:
+        model = llm.engine.executor.runner.model  # type: ignore[attr-defined]
+        plain, failed = model.forward_layers, []
+
+        def once(*args: object) -> object:
+            if not failed:
+                failed.append(True)
+                raise RuntimeError("out of memory")
+            return plain(*args)
+
+        monkeypatch.setattr(model, "forward_layers", once)
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        assert failed and got == want
+        assert llm.engine.executor.runner.broken is None  # type: ignore[attr-defined]
+    finally:
+        llm.shutdown()
