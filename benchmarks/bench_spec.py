@@ -340,12 +340,15 @@ def ceiling(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
     draft_run = draft.execute_greedy if proposer.coarse_head else draft.execute
     sizes = range(1, 10)
     times: dict[str, list[float]] = {}
-    with engine.scheduler.scratch_blocks(context + max(sizes)) as table:
-        assert table is not None, "the KV cache is too small for the ceiling's forwards"
+    with engine.scheduler.scratch_blocks(context + max(sizes)) as tables:
+        assert tables is not None, "the KV cache is too small for the ceiling's forwards"
+        table, more = tables[0], tuple(tables[1:])  # (more: a hybrid target's layer groups)
         # name -> (runner, its forward, the span)
         forwards = {f"window {t}": (target, target.execute,
-                                    QuerySpan([0] * t, context, table, t)) for t in sizes}
-        forwards["prefill"] = (target, target.execute, QuerySpan([0] * n, 0, table, 1))
+                                    QuerySpan([0] * t, context, table, t, more_tables=more))
+                    for t in sizes}
+        forwards["prefill"] = (target, target.execute,
+                               QuerySpan([0] * n, 0, table, 1, more_tables=more))
         forwards["catch-up"] = (draft, draft_run, QuerySpan([0] * n, 0, table, 1))
         forwards["draft"] = (draft, draft_run, QuerySpan([0], context, table, 1))
         for _ in range(repeats + 1):  # the first round pays first-call costs, untimed

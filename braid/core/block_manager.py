@@ -26,6 +26,9 @@ from collections.abc import Callable, Sequence
 
 # (start, end) -> a request's token ids at positions [start, end) (Request.token_ids)
 Tokens = Callable[[int, int], Sequence[int]]
+# A block table's key: a request id, or (request id, layer group) for a hybrid model's
+# further groups (kv_groups.py), whose hashes chain from a root of their own
+TableKey = str | tuple[str, int]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -58,11 +61,11 @@ class BlockManager:
         self._hash: list[bytes | None] = [None] * num_blocks  # a published block's hash
         self._draft_valid = [False] * num_blocks  # the draft's KV in a published block is valid
         self._cached: dict[bytes, int] = {}  # published hash -> block
-        self._tables: dict[str, list[int]] = {}
-        # Per request: chained hashes of its full final blocks so far, and how many of its
-        # table's blocks the scheduler has published (or found already published).
-        self._hashes: dict[str, list[bytes]] = {}
-        self._num_published: dict[str, int] = {}
+        self._tables: dict[TableKey, list[int]] = {}
+        # Per table: chained hashes of its full final blocks so far, and how many of its
+        # blocks the scheduler has published (or found already published).
+        self._hashes: dict[TableKey, list[bytes]] = {}
+        self._num_published: dict[TableKey, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -81,45 +84,52 @@ class BlockManager:
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
 
-    def block_table(self, request_id: str) -> list[int]:
+    def block_table(self, request_id: TableKey) -> list[int]:
         """A copy of the request's block ids in position order (empty if unknown)."""
         return list(self._tables.get(request_id, ()))
 
-    def num_slots(self, request_id: str) -> int:
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        """The request's table of each layer group (here one: GroupedBlocks keeps more)."""
+        return [self.block_table(request_id)]
+
+    def num_slots(self, request_id: TableKey) -> int:
         """Token slots the request's table covers."""
         return len(self._tables.get(request_id, ())) * self.block_size
 
-    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
+    def blocks_needed(self, request_id: TableKey, num_tokens: int) -> int:
         """Extra blocks needed so the request's table covers ``num_tokens`` slots."""
         have = len(self._tables.get(request_id, ()))
         return max(0, cdiv(num_tokens, self.block_size) - have)
 
-    def can_allocate(self, request_id: str, num_tokens: int, cached: Sequence[int] = (),
+    def can_allocate(self, request_id: TableKey, num_tokens: int, cached: Sequence[int] = (),
                      reserve: int = 0) -> bool:
         """Whether ``allocate`` would succeed."""
-        return self._cost(request_id, num_tokens, cached) + reserve <= len(self._free)
+        return self.cost(request_id, num_tokens, cached) + reserve <= len(self._free)
 
-    def _cost(self, request_id: str, num_tokens: int, cached: Sequence[int]) -> int:
+    def cost(self, key: TableKey, num_tokens: int, cached: Sequence[int] = ()) -> int:
         """Free blocks an allocation takes: new ones, and shared ones no table holds yet."""
-        have = len(self._tables.get(request_id, ())) + len(cached)
+        have = len(self._tables.get(key, ())) + len(cached)
         fresh = max(0, cdiv(num_tokens, self.block_size) - have)
-        return fresh + sum(1 for b in cached if self._ref[b] == 0)
+        return fresh + sum(1 for b in cached if b != RELEASED and self._ref[b] == 0)
 
-    def allocate(self, request_id: str, num_tokens: int, cached: Sequence[int] = (),
-                 reserve: int = 0) -> bool:
+    def allocate(self, request_id: TableKey, num_tokens: int, cached: Sequence[int] = (),
+                 reserve: int = 0, whole: bool = False) -> bool:
         """Grow the table to cover ``num_tokens`` slots, starting with the shared blocks
-        ``cached`` (from `find_cached`; only for a request that holds no blocks yet), then
-        fresh ones; all-or-nothing. Returns False and changes nothing when fewer than
-        `reserve` blocks would stay free. Never shrinks."""
+        ``cached`` (from `find_cached`, RELEASED where a windowed table needs none; only for
+        a table that holds no blocks yet), then fresh ones; all-or-nothing. Returns False
+        and changes nothing when fewer than `reserve` blocks would stay free. Never
+        shrinks. `whole`: one forward computes all of them (a warm-up's; GroupedBlocks
+        gives its windowed groups as much then)."""
         if cached and self._tables.get(request_id):
             raise ValueError("cached blocks can only start a table")
-        if not self.can_allocate(request_id, num_tokens, cached, reserve):
+        if self.cost(request_id, num_tokens, cached) + reserve > len(self._free):
             return False
         table = self._tables.setdefault(request_id, [])
         for block in cached:
-            if self._ref[block] == 0:
-                del self._free[block]
-            self._ref[block] += 1
+            if block != RELEASED:
+                if self._ref[block] == 0:
+                    del self._free[block]
+                self._ref[block] += 1
             table.append(block)
         if cached:
             self._num_published[request_id] = len(cached)
@@ -137,7 +147,7 @@ class BlockManager:
             self._hash[block] = None
             self._draft_valid[block] = False
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: TableKey) -> None:
         """Release all blocks of the request (tail first, so its prefix is evicted last);
         published ones stay cached. A no-op for an unknown request."""
         for block in reversed(self._tables.pop(request_id, [])):
@@ -154,7 +164,13 @@ class BlockManager:
             if self._hash[block] is None:
                 self._free.move_to_end(block, last=False)  # unpublished: reuse first
 
-    def release_before(self, request_id: str, position: int) -> int:
+    def release_windows(self, request_id: str, first_query: int, window: int | None) -> None:
+        """After a step: give back the request's blocks that no query from `first_query` on
+        reads, where every layer attends in `window` (None: all are read)."""
+        if window is not None:
+            self.release_before(request_id, first_query - window + 1)
+
+    def release_before(self, request_id: TableKey, position: int) -> int:
         """Give back the request's blocks that hold only positions before `position` (a
         sliding-window model's KV that no later query attends to); their table entries
         become RELEASED, so the table still covers the same positions. Returns how many.
@@ -172,17 +188,18 @@ class BlockManager:
 
     # ---- prefix caching ------------------------------------------------------------------
 
-    def _chain(self, request_id: str, tokens: Tokens, num_blocks: int) -> list[bytes]:
+    def _chain(self, request_id: TableKey, tokens: Tokens, num_blocks: int) -> list[bytes]:
         """The request's first `num_blocks` block hashes (computed once, then extended)."""
         hashes = self._hashes.setdefault(request_id, [])
         bs = self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(block_hash(hashes[-1] if hashes else None,
+            root = None if isinstance(request_id, str) else b"kv group %d" % request_id[1]
+            hashes.append(block_hash(hashes[-1] if hashes else root,
                                      tokens(i * bs, (i + 1) * bs)))
         return hashes[:num_blocks]
 
-    def find_cached(self, request_id: str, tokens: Tokens, max_tokens: int) -> list[int]:
+    def find_cached(self, request_id: TableKey, tokens: Tokens, max_tokens: int) -> list[int]:
         """Published blocks holding the longest cached prefix of the request's tokens that
         ends at or before `max_tokens` (whole blocks only), for `allocate(cached=...)`."""
         if not self.enable_caching:
@@ -196,7 +213,7 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def publish(self, request_id: str, tokens: Tokens, num_final_tokens: int) -> list[int]:
+    def publish(self, request_id: TableKey, tokens: Tokens, num_final_tokens: int) -> list[int]:
         """Publish the request's full blocks that lie within its first `num_final_tokens`
         tokens (KV computed, or being computed this step, from final tokens); a block whose
         hash is already published elsewhere stays private. Returns the blocks published."""
@@ -227,11 +244,11 @@ class BlockManager:
             first_bad = next((i for i, b in enumerate(table[:n]) if b in blocks), n)
             self._num_published[rid] = first_bad
 
-    def num_published_tokens(self, request_id: str) -> int:
+    def num_published_tokens(self, request_id: TableKey) -> int:
         """Tokens of the request's leading blocks that are published (or were found so)."""
         return self._num_published.get(request_id, 0) * self.block_size
 
-    def mark_draft_computed(self, request_id: str, num_tokens: int) -> None:
+    def mark_draft_computed(self, request_id: TableKey, num_tokens: int) -> None:
         """The draft model's KV of the request is valid for its first `num_tokens` tokens:
         its published blocks within them serve the draft too."""
         table = self._tables.get(request_id, [])
@@ -239,7 +256,7 @@ class BlockManager:
             if block != RELEASED and self._hash[block] is not None:
                 self._draft_valid[block] = True
 
-    def num_draft_cached_tokens(self, request_id: str) -> int:
+    def num_draft_cached_tokens(self, request_id: TableKey) -> int:
         """Tokens of the request's leading blocks whose draft KV is valid."""
         n = 0
         for block in self._tables.get(request_id, []):

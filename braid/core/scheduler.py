@@ -429,11 +429,10 @@ class Scheduler:
                 self.blocks.publish(req.request_id, req.token_ids, req.num_computed_tokens)
             if reason is not None:
                 self.finish(req, reason)
-        if self.sliding_window is not None:
-            for s in sched.scheduled:  # the next query is at kv_floor or later
-                if not s.request.is_finished:
-                    self.blocks.release_before(s.request.request_id,
-                                               self.kv_floor(s.request) - self.sliding_window + 1)
+        for s in sched.scheduled:  # the next query is at kv_floor or later
+            if not s.request.is_finished:
+                self.blocks.release_windows(s.request.request_id, self.kv_floor(s.request),
+                                            self.sliding_window)
         return updates
 
     def discard_published(self, sched: SchedulerOutput) -> None:
@@ -463,7 +462,8 @@ class Scheduler:
     def fail(self, req: Request, sched: SchedulerOutput) -> None:
         """Take a request that fails its step alone out of the step and finish it with
         "error", withdrawing the blocks the step published for it (KV never written)."""
-        mine = set(sched.published).intersection(self.blocks.block_table(req.request_id))
+        mine = set(sched.published).intersection(
+            b for table in self.blocks.block_tables(req.request_id) for b in table)
         self.blocks.unpublish(list(mine))
         sched.published = [b for b in sched.published if b not in mine]
         sched.scheduled = [s for s in sched.scheduled if s.request is not req]
@@ -524,15 +524,15 @@ class Scheduler:
         return k
 
     @contextmanager
-    def scratch_blocks(self, num_tokens: int) -> Iterator[list[int] | None]:
-        """A block table covering `num_tokens` slots of no request, freed on exit (warm-up
-        forwards); None if the cache is too small."""
+    def scratch_blocks(self, num_tokens: int) -> Iterator[list[list[int]] | None]:
+        """Block tables (one per layer group) covering `num_tokens` slots of no request,
+        freed on exit (warm-up forwards); None if the cache is too small."""
         rid = "__scratch__"
-        if not self.blocks.allocate(rid, num_tokens):
+        if not self.blocks.allocate(rid, num_tokens, whole=True):
             yield None
             return
         try:
-            yield self.blocks.block_table(rid)
+            yield self.blocks.block_tables(rid)
         finally:
             self.blocks.free(rid)
 

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
     from braid.core.scheduler import Scheduler
+    from braid.models.config import ModelConfig
     from braid.models.interface import CausalLM
     from braid.worker.executor import InProcessExecutor
 
@@ -211,15 +212,22 @@ def check_memory(config: EngineConfig, weight_and_kv_bytes: tuple[int, int]) -> 
     warn_beyond_available(kv, flag, available_memory())
 
 
-def make_scheduler(config: EngineConfig, num_blocks: int, vocab_size: int) -> Scheduler:
-    """The scheduler over a block manager of `num_blocks` KV blocks, as the config asks."""
+def make_scheduler(config: EngineConfig, num_blocks: int, model_config: ModelConfig
+                   ) -> Scheduler:
+    """The scheduler over a block manager of `num_blocks` KV blocks, as the config asks (a
+    block table per layer group where the model mixes global and windowed layers)."""
     from braid.core.block_manager import BlockManager
+    from braid.core.kv_groups import GroupedBlocks
     from braid.core.scheduler import Scheduler
+    from braid.models.kv_layout import kv_layout
     from braid.worker.step import max_scored_rows
 
     assert config.max_num_batched_tokens is not None
+    layout = kv_layout(model_config)
+    blocks = (GroupedBlocks(num_blocks, config.block_size, config.enable_prefix_caching,
+                            layout.windows, config.max_num_batched_tokens) if layout.hybrid
+              else BlockManager(num_blocks, config.block_size, config.enable_prefix_caching))
     return Scheduler(
-        BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
-        config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill,
-        priority=config.scheduling_policy == "priority",
-        max_scored_rows=max_scored_rows(vocab_size))
+        blocks, config.max_num_batched_tokens, config.max_num_seqs,
+        config.enable_chunked_prefill, priority=config.scheduling_policy == "priority",
+        max_scored_rows=max_scored_rows(model_config.vocab_size))

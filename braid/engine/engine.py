@@ -63,7 +63,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         kv_dtype = config.kv_dtype(model.dtype, model.quant_type is not None)
         num_blocks = kv_cache_blocks(config, model.config, kv_dtype)
-        self.scheduler = make_scheduler(config, num_blocks, model.config.vocab_size)
+        self.scheduler = make_scheduler(config, num_blocks, model.config)
         self.blocks = self.scheduler.blocks
         self.outputs = OutputProcessor(tokenizer, eos_token_ids(model, tokenizer),
                                        config.max_model_len or 0)

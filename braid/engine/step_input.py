@@ -57,12 +57,12 @@ class StepInputs:
         samples = s.needs_logits
         drafts = req.spec_token_ids[: s.num_spec_tokens]
         grammar = req.grammar if samples else None
+        tables = self.blocks.block_tables(req.request_id)
         return ScheduledSpan(
             req.request_id,
-            QuerySpan(req.token_ids(start, start + s.num_new_tokens), start,
-                      self.blocks.block_table(req.request_id),
+            QuerySpan(req.token_ids(start, start + s.num_new_tokens), start, tables[0],
                       1 + s.num_spec_tokens if samples else 0,
-                      prompt_logprob_rows(req, s.num_new_tokens)),
+                      prompt_logprob_rows(req, s.num_new_tokens), tuple(tables[1:])),
             s.num_spec_tokens,
             req.output_token_ids[self.known.get(req.request_id, 0) :],
             None if grammar is None else window_bitmask(grammar, drafts, self.vocab_size),

@@ -33,6 +33,7 @@ class AttentionGroup:
     out_rows: torch.Tensor  # [num_valid] flat rows this group writes
     out_select: torch.Tensor  # [num_valid] index into the group's flattened [G * q_max]
     q_pos: torch.Tensor  # [G, q_max] each query's position (padding rows: their request's last)
+    seqs: torch.Tensor  # [G] its requests (rows of AttentionMetadata.kv_slots)
 
 
 @dataclass(slots=True)
@@ -48,6 +49,40 @@ class AttentionMetadata:
     row_start: torch.Tensor | None = None  # [T] a windowed layer's first key (None: 0)
     # The same step seen by sliding-window layers, by window (see `windowed`)
     windows: dict[int, AttentionMetadata] = field(default_factory=dict)
+    # A hybrid model's layer groups 1.. (KVLayout): the step over their block tables
+    kv_groups: list[AttentionMetadata] = field(default_factory=list)
+
+    def for_layer(self, kv_group: int, window: int | None) -> AttentionMetadata:
+        """This step for a layer of layer group `kv_group` attending in `window`."""
+        return (self.kv_groups[kv_group - 1] if kv_group else self).windowed(window)
+
+    def over_tables(self, group_tables: list[list[list[int]]], block_size: int
+                    ) -> list[AttentionMetadata]:
+        """The same step over other block tables (a hybrid model's further layer groups,
+        KVLayout; `group_tables[g][i]`: group g's table of request i): the same queries and
+        keys, their slots looked up in each group's tables, all groups at once."""
+        assert self.kv_slots is not None and self.row_seq is not None and self.row_len is not None
+        width = max((len(t) for tables in group_tables for t in tables), default=0)
+        if width == 0:
+            return [self] * len(group_tables)
+        device = self.kv_slots.device
+        # [G, R, width] (a released block, -1, named as block 0: no windowed query reads it)
+        tables = torch.tensor([[t + [0] * (width - len(t)) for t in ts] for ts in group_tables],
+                              dtype=torch.long).clamp_(min=0).to(device)
+        pos = torch.arange(self.kv_slots.shape[1], device=device)
+        seq_lens = torch.zeros(tables.shape[1], dtype=torch.long, device=device
+                               ).scatter_reduce_(0, self.row_seq, self.row_len, "amax")
+        kv_slots = torch.where(pos[None, :] < seq_lens[:, None],
+                               tables[:, :, (pos // block_size).clamp(max=width - 1)]
+                               * block_size + pos % block_size, 0)  # [G, R, kv_max]
+        slot_mapping = kv_slots[:, self.row_seq, self.row_len - 1]  # [G, T]
+        attn_groups = [kv_slots[:, g.seqs, : g.kv_slots.shape[1]] for g in self.groups]
+        return [AttentionMetadata(
+            slot_mapping[i],
+            [AttentionGroup(g.query_index, slots[i], g.mask, g.out_rows, g.out_select, g.q_pos,
+                            g.seqs) for g, slots in zip(self.groups, attn_groups, strict=True)],
+            self.num_tokens, kv_slots[i], self.row_seq, self.row_len)
+            for i in range(len(group_tables))]
 
     def windowed(self, window: int | None) -> AttentionMetadata:
         """This step for a layer whose queries attend only to the last `window` positions
@@ -137,6 +172,7 @@ def _group(
         out_rows=query_index[valid_q],
         out_select=torch.nonzero(valid_q.flatten()).squeeze(1),
         q_pos=torch.where(valid_q, c[:, None] + q_off[None, :], (c + n - 1)[:, None]),
+        seqs=torch.tensor(reqs, dtype=torch.long),
     )
 
 
@@ -148,7 +184,7 @@ def _windowed(meta: AttentionMetadata, window: int) -> AttentionMetadata:
         inside = ((key_pos[None, None, :] <= g.q_pos[:, :, None])
                   & (key_pos[None, None, :] > g.q_pos[:, :, None] - window))
         groups.append(AttentionGroup(g.query_index, g.kv_slots, inside[:, None], g.out_rows,
-                                     g.out_select, g.q_pos))
+                                     g.out_select, g.q_pos, g.seqs))
     row_start = None if meta.row_len is None else (meta.row_len - window).clamp(min=0)
     return AttentionMetadata(meta.slot_mapping, groups, meta.num_tokens, meta.kv_slots,
                              meta.row_seq, meta.row_len, row_start)
@@ -162,6 +198,7 @@ def _to_device(g: AttentionGroup, device: torch.device | str) -> AttentionGroup:
         out_rows=g.out_rows.to(device),
         out_select=g.out_select.to(device),
         q_pos=g.q_pos.to(device),
+        seqs=g.seqs.to(device),
     )
 
 

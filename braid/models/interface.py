@@ -5,7 +5,7 @@ implementation; each family added ([M14]) implements the same calls."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -38,9 +38,12 @@ class CausalLM(Protocol):
     def add_coarse_head(self) -> bool:
         """Set up a cheaper two-stage LM head for greedy_tokens; False where it has none."""
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor, layers: range | None = None) -> None:
-        """Attend over this paged cache [layers, 2, slots, KV heads, head dim] (`layers`:
-        the decoder layers it holds, a pipeline stage's; default all)."""
+    def bind_kv_cache(self, kv_cache: torch.Tensor, layers: range | None = None,
+                      rows: Mapping[int, int] | None = None,
+                      kv_groups: Sequence[int] | None = None) -> None:
+        """Attend over this paged cache [rows, 2, slots, KV heads, head dim] (`layers`: the
+        decoder layers it holds, a pipeline stage's, default all; `rows`: each one's row,
+        default its place; `kv_groups`: each layer's group of block tables, KVLayout)."""
 
     def forward_layers(self, x: torch.Tensor, positions: torch.Tensor,
                        attn_metadata: AttentionMetadata, layers: range) -> torch.Tensor:

@@ -7,7 +7,7 @@ config values. Q/K/V and gate/up projections are fused so each layer runs 4 matm
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import Any, cast
 
@@ -263,6 +263,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, linear: LinearFactory = Linear, layer: int = 0) -> None:
         super().__init__()
         self.window = cfg.layer_window(layer)  # None: attends to every earlier position
+        self.kv_group = 0  # its layer group's block tables (KVLayout), bound by the runner
         self.scale = cfg.attention_scale  # None: 1 / sqrt(head_dim)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -283,7 +284,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = self._norm_heads(self.qkv_proj(x))
-        meta = meta.windowed(self.window)
+        meta = meta.for_layer(self.kv_group, self.window)
         ops = quant_ops() if qkv.device.type == "cpu" and qkv.dtype == rope[0].dtype \
             == torch.float32 and self.k_cache.dtype in KV_CACHE_DTYPES else None
         if ops is not None and meta.kv_slots is not None:
@@ -456,7 +457,7 @@ class Qwen2ForCausalLM(nn.Module):
         if fused is not None:
             for i in layers:
                 attn = cast(DecoderLayer, self.layers[i]).self_attn  # get_submodule is slow
-                meta = attn_metadata.windowed(attn.window)
+                meta = attn_metadata.for_layer(attn.kv_group, attn.window)
                 x = fused[i].forward(x, attn.k_cache, attn.v_cache,  # type: ignore[attr-defined]
                                      *ropes[i], meta.slot_mapping, meta.kv_slots, meta.row_seq,
                                      meta.row_len, meta.row_start)
@@ -618,13 +619,19 @@ class Qwen2ForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack()
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor, layers: range | None = None) -> None:
-        """kv_cache [len(layers), 2, num_slots, KVH, D] (default: every layer); each of
-        `layers` gets views of its slice."""
-        for j, i in enumerate(range(len(self.layers)) if layers is None else layers):
-            attn = self.layers[i].get_submodule("self_attn")
-            attn.k_cache = kv_cache[j, 0]
-            attn.v_cache = kv_cache[j, 1]
+    def bind_kv_cache(self, kv_cache: torch.Tensor, layers: range | None = None,
+                      rows: Mapping[int, int] | None = None,
+                      kv_groups: Sequence[int] | None = None) -> None:
+        """kv_cache [rows, 2, num_slots, KVH, D]; each of `layers` (default: every layer)
+        gets views of its row (`rows[layer]`, by default its place in `layers`) and reads
+        its layer group's block tables (`kv_groups[layer]`, by default group 0)."""
+        layers = range(len(self.layers)) if layers is None else layers
+        for j, i in enumerate(layers):
+            attn = cast(Attention, self.layers[i].get_submodule("self_attn"))
+            row = j if rows is None else rows[i]
+            attn.k_cache = kv_cache[row, 0]
+            attn.v_cache = kv_cache[row, 1]
+            attn.kv_group = 0 if kv_groups is None else kv_groups[i]
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> None:

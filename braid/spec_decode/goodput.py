@@ -257,29 +257,30 @@ class GoodputPolicy(FixedPolicy):
         through the draft's coarse head."""
         start = time.perf_counter()
         largest = max(n for n, _ in WARMUP_TARGET + WARMUP_DRAFT)
-        with scheduler.scratch_blocks(largest) as table:
-            if table is None:
+        with scheduler.scratch_blocks(largest) as tables:
+            if tables is None:
                 return
             for n, rows in WARMUP_TARGET:
                 self.cost.observe_target(n, attention_work(n, 0), rows,
-                                         _time_forward(target, table, n, rows), anchor=True)
+                                         _time_forward(target, tables, n, rows), anchor=True)
             if draft is not None:
                 for n, rows in WARMUP_DRAFT:
                     self.cost.observe_draft(
-                        n, rows, _time_forward(draft, table, n, rows, coarse_head),
+                        n, rows, _time_forward(draft, tables, n, rows, coarse_head),
                         anchor=True)
         logger.info("speculation cost model warmed up in %.1f s: target step %.0f ms at 1 "
                     "token, %.0f ms at %d", time.perf_counter() - start,
                     self.cost.target_time(1) * 1e3, self.cost.target_time(64) * 1e3, 64)
 
 
-def _time_forward(runner: ModelRunner, table: list[int], n: int, rows: int,
+def _time_forward(runner: ModelRunner, tables: list[list[int]], n: int, rows: int,
                   greedy: bool = False) -> float:
     """Best of two timed forwards (after an untimed one that pays first-call costs): the
     anchors should describe the machine, not a hiccup. A forward longer than a quarter
-    second is timed once (a hiccup is small beside it, and warm-up stays short). `greedy`:
-    argmax ids instead of logits (ModelRunner.execute_greedy)."""
-    window = QuerySpan([0] * n, 0, table, rows)
+    second is timed once (a hiccup is small beside it, and warm-up stays short). `tables`:
+    one per layer group (a draft model reads the first); `greedy`: argmax ids instead of
+    logits (ModelRunner.execute_greedy)."""
+    window = QuerySpan([0] * n, 0, tables[0], rows, more_tables=tuple(tables[1:]))
     execute = runner.execute_greedy if greedy else runner.execute
     execute(runner.build_input([window]))
     times: list[float] = []

@@ -19,6 +19,7 @@ import torch
 
 from braid.config import EngineConfig, SpecConfig
 from braid.models.interface import CausalLM
+from braid.models.kv_layout import kv_layout
 from braid.worker.draft import DraftResult, DraftSpan, DraftWorker
 from braid.worker.runner import ModelRunner
 from braid.worker.step import StepSampler, WorkerRequest, score_prompts
@@ -76,7 +77,7 @@ class InProcessExecutor(Executor):
         """runner: the target's (default: a ModelRunner of `model`; a pipeline's)."""
         device = torch.device(config.device)
         self.runner = runner or ModelRunner(model, num_blocks, config.block_size, device,
-                                            kv_dtype)
+                                            kv_dtype, layout=kv_layout(model.config))
         self.sampler = StepSampler(device, eos_token_ids, config.spec_config)
         self.requests: dict[str, WorkerRequest] = {}  # by request id, until it finishes
         self.block_size, self.num_blocks = config.block_size, num_blocks

@@ -11,6 +11,7 @@ import torch
 
 from braid.config import ConfigError, EngineConfig
 from braid.models.config import ModelConfig
+from braid.models.kv_layout import KVLayout, kv_layout
 from braid.worker.runner import kv_bytes_per_token
 
 logger = logging.getLogger("braid")
@@ -26,14 +27,24 @@ def kv_cache_blocks(cfg: EngineConfig, model_config: ModelConfig, dtype: torch.d
         num = int(cfg.kv_cache_gib * 2**30 // max(per_block, 1))  # 0: a model without layers
         flag = "--kv-cache-gib"
     assert cfg.max_model_len is not None
-    if num * cfg.block_size < cfg.max_model_len:
+    if num < blocks_for_one(cfg, kv_layout(model_config)):
         raise ConfigError(
-            f"KV cache of {num} blocks of {cfg.block_size} tokens (--block-size) holds fewer "
-            f"than --max-model-len ({cfg.max_model_len}) tokens: raise --kv-cache-gib or "
-            "--num-kv-blocks, or lower --block-size or --max-model-len")
+            f"KV cache of {num} blocks of {cfg.block_size} tokens (--block-size) cannot hold "
+            f"one sequence of --max-model-len ({cfg.max_model_len}) tokens: raise "
+            "--kv-cache-gib or --num-kv-blocks, or lower --block-size or --max-model-len")
     if torch.device(cfg.device).type == "cpu":
         refuse_beyond_memory(num * per_block, f"{flag}: a KV cache of {{:.1f}} GiB does not")
     return num
+
+
+def blocks_for_one(cfg: EngineConfig, layout: KVLayout) -> int:
+    """Blocks one sequence of --max-model-len tokens holds at most: every position in a
+    global layer group, a window and a step's tokens in a windowed one (GroupedBlocks)."""
+    assert cfg.max_model_len is not None and cfg.max_num_batched_tokens is not None
+    bs, length = cfg.block_size, cfg.max_model_len
+    reach = [length if w is None else min(length, w + bs + cfg.max_num_batched_tokens)
+             for w in (layout.windows if layout.hybrid else (None,))]
+    return sum(-(-n // bs) + (n < length) for n in reach)
 
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from braid.config import ConfigError, EngineConfig
 from braid.models.interface import CausalLM
+from braid.models.kv_layout import kv_layout
 from braid.worker.cluster import connected, join_cluster, wait_placed
 from braid.worker.executor import InProcessExecutor
 from braid.worker.lifetime import ExecutorBroken, exit_on_failure, follow_parent
@@ -80,7 +81,8 @@ class PipelineRunner(ModelRunner):
                  device: torch.device, kv_dtype: torch.dtype, size: int) -> None:
         layers = stage_layers(model.config.num_hidden_layers, size, 0)
         model.keep_layers(layers)
-        super().__init__(model, num_blocks, block_size, device, kv_dtype, layers)
+        super().__init__(model, num_blocks, block_size, device, kv_dtype, layers,
+                         kv_layout(model.config))
         self.size = size
         self.broken: str | None = None  # why the pipeline broke
         self.micro_batched = 0  # forwards sent as micro-batches
@@ -175,7 +177,8 @@ def _piece(span: QuerySpan, lo: int, hi: int) -> QuerySpan:
     rows = span.prompt_rows
     return QuerySpan(span.token_ids[lo:hi], span.start + lo, span.block_table,
                      max(0, hi - max(lo, n - span.num_logits)),
-                     range(max(rows.start, lo) - lo, max(min(rows.stop, hi) - lo, 0)))
+                     range(max(rows.start, lo) - lo, max(min(rows.stop, hi) - lo, 0)),
+                     span.more_tables)
 
 
 def rows_order(pieces: list[list[tuple[QuerySpan, int]]]) -> torch.Tensor:
@@ -351,7 +354,7 @@ def _load_stage(config: EngineConfig, num_blocks: int, kv_dtype: torch.dtype, la
                           with_tokenizer=False, max_model_len=config.max_model_len)
     model.keep_layers(layers, ends=False)
     return ModelRunner(model, num_blocks, config.block_size, torch.device(config.device),
-                       kv_dtype, layers)
+                       kv_dtype, layers, kv_layout(model.config))
 
 
 @torch.inference_mode()

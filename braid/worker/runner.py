@@ -10,6 +10,7 @@ from braid.kernels import kernel_isa
 from braid.models.attention import AttentionMetadata, build_attention_metadata
 from braid.models.config import ModelConfig
 from braid.models.interface import CausalLM
+from braid.models.kv_layout import KVLayout, kv_layout
 from braid.models.quant import huge_page_zeros
 
 
@@ -28,37 +29,45 @@ class QuerySpan:
 
     token_ids: list[int]
     start: int  # position of the first token (= tokens already cached)
-    block_table: list[int]
+    block_table: list[int]  # (layer group 0's: KVLayout)
     num_logits: int  # logits rows wanted for the span's last tokens (0: none)
     prompt_rows: range = range(0)  # span offsets whose logits score the next prompt token
+    more_tables: tuple[list[int], ...] = ()  # a hybrid model's groups 1.. (GroupedBlocks)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """KV bytes a block slot holds (a row per layer, or per layer of a group: KVLayout)."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    return 2 * kv_layout(cfg).rows * cfg.num_key_value_heads * cfg.head_dim * itemsize
 
 
 class ModelRunner:
-    """Owns a model and its paged KV cache ([layers, 2, slots, KVH, D])."""
+    """Owns a model and its paged KV cache ([rows, 2, slots, KVH, D]: a row per layer, or
+    per layer of a layer group, KVLayout)."""
 
     def __init__(
         self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
         kv_dtype: torch.dtype | None = None, layers: range | None = None,
+        layout: KVLayout | None = None,
     ) -> None:
         """kv_dtype: the cache's element type (None: the model's activation dtype); layers:
-        the decoder layers it runs and caches (a pipeline stage's; default all)."""
+        the decoder layers it runs and caches (a pipeline stage's; default all); layout:
+        their rows and block tables (default a row each, one table: a draft model's)."""
         cfg = model.config
         self.model = model
         self.device = device
         self.block_size = block_size
         self.layers = range(cfg.num_hidden_layers) if layers is None else layers
+        self.layout = layout or KVLayout.flat(cfg.num_hidden_layers)
         self.logit_ids: int | None = None  # score only token ids below this (None: all)
         dtype = kv_dtype or model.dtype
-        shape = (len(self.layers), 2, num_blocks * block_size, cfg.num_key_value_heads,
-                 cfg.head_dim)
+        held = sorted({self.layout.layer_row[i] for i in self.layers})
+        shape = (len(held), 2, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_cache = (huge_page_zeros(shape, dtype) if torch.device(device).type == "cpu"
                          else torch.zeros(shape, dtype=dtype, device=device))
-        model.bind_kv_cache(self.kv_cache, self.layers)
+        model.bind_kv_cache(self.kv_cache, self.layers,
+                            {i: held.index(self.layout.layer_row[i]) for i in self.layers},
+                            self.layout.layer_group)
         kernel_isa()  # build or load the kernels now, not in the first request's step
 
     @property
@@ -83,6 +92,10 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
         )
+        if self.layout.hybrid:
+            meta.kv_groups = meta.over_tables(
+                [[span.more_tables[g - 1] for span in spans]
+                 for g in range(1, self.layout.num_groups)], self.block_size)
         return ModelInput(
             input_ids=torch.tensor(ids, device=self.device),
             positions=torch.tensor(positions, device=self.device),

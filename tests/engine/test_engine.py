@@ -217,7 +217,8 @@ def test_draft_model_keys_in_an_ngram_config_are_refused(key: str, value: object
     ({"kv_cache_gib": 10**6}, "--kv-cache-gib: a KV cache of 1000000.0 GiB does not fit"),
     ({"num_kv_blocks": 10**12}, "--num-kv-blocks: a KV cache of"),
     ({"block_size": 100000, "kv_cache_gib": 0.01},
-     "blocks of 100000 tokens (--block-size) holds fewer than --max-model-len (512) tokens"),
+     "blocks of 100000 tokens (--block-size) cannot hold one sequence of --max-model-len (512) "
+     "tokens"),
     ({"enable_chunked_prefill": False, "max_num_batched_tokens": 8},
      "--max-num-batched-tokens (8) must be >= --max-model-len"),
 ])
@@ -778,7 +779,8 @@ def test_a_sliding_window_model_s_kv_blocks_stay_within_its_window(tmp_path, pro
     results = []
     for release in (True, False):
         engine = LLMEngine(EngineConfig(model=str(folder), log_stats_interval=0, block_size=4,
-                                        enable_prefix_caching=True, speculative_config=spec))
+                                        num_kv_blocks=256, enable_prefix_caching=True,
+                                        speculative_config=spec))
         assert engine.scheduler.sliding_window == 8
         if not release:
             engine.scheduler.sliding_window = None
@@ -797,3 +799,62 @@ def test_a_sliding_window_model_s_kv_blocks_stay_within_its_window(tmp_path, pro
     (most_released, released), (most_kept, kept) = results
     assert released == kept and released["c"] == released["a"]
     assert most_released <= 6 < 20 <= most_kept
+
+
+@pytest.mark.parametrize("proposer", [None, "ngram", "draft_model"])
+def test_a_gemma3_model_s_windowed_layers_hold_kv_for_their_window_only(tmp_path,
+                                                                         proposer: str | None
+                                                                         ) -> None:
+    """Gemma 3 with two global layers among six (a window of 8, blocks of 4): the global
+    layers' block table holds every position, the windowed groups' only about a window and a
+    step, through chunked prefills of 6 tokens, two requests at once and 50 new tokens each;
+    greedy tokens and their logprobs are transformers' own, with speculation (prompt lookup,
+    a Gemma 3 draft model) and without, and again for a third request on the first prompt
+    after the engine went idle, which takes its prefix from the cache."""
+    import transformers
+
+    from braid.models.config import gemma3_layer_types
+
+    shape = dict(arch="gemma3", num_hidden_layers=6, layer_types=gemma3_layer_types(6, 3))
+    folder = save_tiny_model(tmp_path / "m", **shape)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    prompts = [[3 + (i * 5 + j) % 30 for i in range(30)] for j in range(2)]
+    expected, expected_logprobs = [], []
+    for p in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p]), max_new_tokens=50, do_sample=False,
+                              eos_token_id=None, pad_token_id=0, output_scores=True,
+                              return_dict_in_generate=True)
+        expected.append(out.sequences[0, len(p):].tolist())
+        expected_logprobs.append([float(torch.log_softmax(s[0], -1)[t])
+                                  for s, t in zip(out.scores, expected[-1], strict=True)])
+    spec: dict | None = None
+    if proposer is not None:
+        spec = {"method": proposer, "num_speculative_tokens": 3, "policy": "fixed",
+                "prompt_lookup_min": 1}
+        if proposer == "draft_model":
+            spec = {k: v for k, v in spec.items() if k != "prompt_lookup_min"}
+            spec["model"] = str(save_tiny_model(tmp_path / "d", seed=1, **shape))
+    engine = LLMEngine(EngineConfig(model=str(folder), log_stats_interval=0, block_size=4,
+                                    num_kv_blocks=512, max_num_batched_tokens=6,
+                                    enable_prefix_caching=True, speculative_config=spec))
+    assert engine.blocks.windows == (None, 8, 8)
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, logprobs=0)
+    global_most, windowed_most, outputs = 0, 0, {}
+    for rids, batch in ((["a", "b"], prompts), (["c"], prompts[:1])):
+        for rid, p in zip(rids, batch, strict=True):
+            engine.add_request(rid, p, params)
+        while engine.has_unfinished_requests():
+            outputs |= {o.request_id: o for o in engine.step() if o.finished}
+            engine.scheduler.check_invariants()
+            for rid in engine.scheduler.requests:
+                tables = engine.blocks.block_tables(rid)
+                global_most = max(global_most, len(tables[0]))
+                windowed_most = max(windowed_most, *(sum(b >= 0 for b in t) for t in tables[1:]))
+    assert [outputs[r].outputs[0].token_ids for r in "abc"] == expected + expected[:1]
+    for r, want in zip("abc", expected_logprobs + expected_logprobs[:1], strict=True):
+        out = outputs[r].outputs[0]  # (the tiny model soon repeats a token: its logprobs
+        got = [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
+        assert got == pytest.approx(want, abs=1e-4)  # tell a wrong window apart)
+    assert outputs["c"].num_cached_tokens == 28  # 7 of its prompt's blocks: all but the last
+    assert global_most == 20 and windowed_most <= 6  # (8 + 6 positions, a block's rounding)

@@ -1,0 +1,123 @@
+"""Block tables per layer group for models that mix global and sliding-window layers
+(braid/models/kv_layout.py): one pool of blocks, a table per request and group.
+
+Group 0 attends to every position: its table is the request's `block_table` (the draft
+model's KV and the scheduler's slot counts use it). A windowed group's table covers the same
+positions, but its blocks behind every query's window go back after each step
+(`release_windows`), and it is only ever allocated as far as the next step can reach: one
+step's tokens past its window. So a long prompt, a long generation or many of them hold
+global KV for every position and windowed KV for about a window each.
+
+A prefix hit must hold in every group (their blocks chain their hashes from roots of their
+own): the global groups need every block of the prefix, a windowed group only those the
+first computed query's window reaches (vLLM's sliding-window hit); the blocks before them are
+RELEASED entries from the start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from braid.core.block_manager import RELEASED, BlockManager, TableKey, Tokens
+
+
+class PrefixHit(list[int]):
+    """A cached prefix: group 0's blocks (what the scheduler counts), with every group's
+    table for `allocate` (`tables`)."""
+
+    def __init__(self, tables: list[list[int]]) -> None:
+        super().__init__(tables[0])
+        self.tables = tables
+
+
+class GroupedBlocks(BlockManager):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
+                 windows: Sequence[int | None], max_span: int) -> None:
+        """windows: each layer group's (group 0's None); max_span: the most tokens of one
+        request a step computes (the token budget)."""
+        super().__init__(num_blocks, block_size, enable_caching)
+        assert windows and windows[0] is None, "group 0 must attend to every position"
+        self.windows = tuple(windows)
+        self.max_span = max_span
+
+    def _keys(self, request_id: TableKey) -> list[TableKey]:
+        assert isinstance(request_id, str)
+        return [request_id] + [(request_id, g) for g in range(1, len(self.windows))]
+
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        return [self.block_table(key) for key in self._keys(request_id)]
+
+    def _reach(self, g: int, key: TableKey, num_tokens: int, cached: Sequence[int],
+               whole: bool) -> int:
+        """Slots group g's table is allocated for when `num_tokens` are asked: all of them
+        for a global group (or a `whole` forward); a windowed one's reach ends a window and
+        a step past its first block still held."""
+        window = self.windows[g]
+        if window is None or whole:
+            return num_tokens
+        table = cached or self._tables.get(key, ())
+        live = next((i for i, b in enumerate(table) if b != RELEASED), len(table))
+        return min(num_tokens, (live + 1) * self.block_size + window + self.max_span)
+
+    def _plan(self, request_id: TableKey, num_tokens: int, cached: Sequence[int],
+              whole: bool = False) -> list[tuple[TableKey, int, Sequence[int]]]:
+        if cached and not isinstance(cached, PrefixHit):
+            raise ValueError("a hybrid model's cached blocks come from its find_cached")
+        tables = cached.tables if isinstance(cached, PrefixHit) else [[]] * len(self.windows)
+        return [(key, self._reach(g, key, num_tokens, tables[g], whole), tables[g])
+                for g, key in enumerate(self._keys(request_id))]
+
+    def can_allocate(self, request_id: TableKey, num_tokens: int, cached: Sequence[int] = (),
+                     reserve: int = 0, whole: bool = False) -> bool:
+        plan = self._plan(request_id, num_tokens, cached, whole)
+        return sum(self.cost(key, n, c) for key, n, c in plan) + reserve <= len(self._free)
+
+    def allocate(self, request_id: TableKey, num_tokens: int, cached: Sequence[int] = (),
+                 reserve: int = 0, whole: bool = False) -> bool:
+        """Every group's table as far as it needs (all-or-nothing; see BlockManager)."""
+        if not self.can_allocate(request_id, num_tokens, cached, reserve, whole):
+            return False
+        for key, n, c in self._plan(request_id, num_tokens, cached, whole):
+            assert super().allocate(key, n, c)
+        return True
+
+    def free(self, request_id: TableKey) -> None:
+        for key in reversed(self._keys(request_id)):  # windowed groups' blocks go first
+            super().free(key)
+
+    def release_windows(self, request_id: str, first_query: int, window: int | None) -> None:
+        super().release_windows(request_id, first_query, window)
+        for key, w in zip(self._keys(request_id)[1:], self.windows[1:], strict=True):
+            if w is not None:
+                self.release_before(key, first_query - w + 1)
+
+    def publish(self, request_id: TableKey, tokens: Tokens, num_final_tokens: int
+                ) -> list[int]:
+        published = []
+        for key in self._keys(request_id):
+            published += super().publish(key, tokens, num_final_tokens)
+        return published
+
+    def find_cached(self, request_id: TableKey, tokens: Tokens, max_tokens: int) -> list[int]:
+        """The longest prefix every group holds (a PrefixHit; [] for none)."""
+        n = len(super().find_cached(request_id, tokens, max_tokens))  # group 0's, from 0
+        present = [[self._cached.get(h) for h in self._chain(key, tokens, n)]
+                   for key in self._keys(request_id)[1:]]
+        for p, window in zip(present, self.windows[1:], strict=True):
+            if window is None:  # another global group: its prefix must start at 0
+                n = min(n, p.index(None) if None in p else n)
+        for i in range(n, 0, -1):
+            firsts = [self._first_needed(g, i) for g in range(1, len(self.windows))]
+            if all(None not in p[f:i] for p, f in zip(present, firsts, strict=True)):
+                group0 = super().find_cached(request_id, tokens, i * self.block_size)
+                return PrefixHit([group0] + [[RELEASED] * f + [b for b in p[f:i] if b is not None]
+                                             for p, f in zip(present, firsts, strict=True)])
+        return []
+
+    def _first_needed(self, g: int, num_blocks: int) -> int:
+        """The first of a prefix's `num_blocks` blocks group g must hold: the first query
+        after the prefix reads positions from (prefix - window + 1) in a windowed group."""
+        window = self.windows[g]
+        if window is None:
+            return 0
+        return max(0, num_blocks * self.block_size - window + 1) // self.block_size
