@@ -239,6 +239,11 @@ class EngineConfig:
         "rounded to 16 bits, which moves logits slightly)")
     kv_cache_gib: float = _opt(2.0, "KV cache size in GiB (ignored when --num-kv-blocks is set)")
     num_kv_blocks: int | None = _opt(None, "KV cache size in blocks")
+    disable_hybrid_kv_cache_manager: bool = _opt(
+        False, "one block table for every layer of a model that mixes global and "
+        "sliding-window layers (Gemma 3), as vLLM's flag: each block holds every layer's KV "
+        "and windowed layers keep theirs for every position (default: a table per layer "
+        "group, windowed groups' KV bounded by the window)")
     enable_chunked_prefill: bool = _opt(True, "split prompts into chunks that ride along with "
                                         "decodes (off: classic prefill-first scheduling)")
     enable_prefix_caching: bool = _opt(True, "reuse the KV of full blocks another request "

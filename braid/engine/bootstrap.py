@@ -223,7 +223,7 @@ def make_scheduler(config: EngineConfig, num_blocks: int, model_config: ModelCon
     from braid.worker.step import max_scored_rows
 
     assert config.max_num_batched_tokens is not None
-    layout = kv_layout(model_config)
+    layout = kv_layout(model_config, config)
     blocks = (GroupedBlocks(num_blocks, config.block_size, config.enable_prefix_caching,
                             layout.windows, config.max_num_batched_tokens) if layout.hybrid
               else BlockManager(num_blocks, config.block_size, config.enable_prefix_caching))

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from braid.config import EngineConfig
 from braid.models.config import ModelConfig
 
 
@@ -64,6 +65,9 @@ class KVLayout:
         return len(self.windows) > 1
 
 
-def kv_layout(cfg: ModelConfig) -> KVLayout:
-    """The layout of this model's KV cache (its layers' windows)."""
+def kv_layout(cfg: ModelConfig, engine: EngineConfig | None = None) -> KVLayout:
+    """The layout of this model's KV cache (its layers' windows); one table for all layers
+    where the engine's config says --disable-hybrid-kv-cache-manager."""
+    if engine is not None and engine.disable_hybrid_kv_cache_manager:
+        return KVLayout.flat(cfg.num_hidden_layers)
     return KVLayout.of([cfg.layer_window(i) for i in range(cfg.num_hidden_layers)])

@@ -77,7 +77,7 @@ class InProcessExecutor(Executor):
         """runner: the target's (default: a ModelRunner of `model`; a pipeline's)."""
         device = torch.device(config.device)
         self.runner = runner or ModelRunner(model, num_blocks, config.block_size, device,
-                                            kv_dtype, layout=kv_layout(model.config))
+                                            kv_dtype, layout=kv_layout(model.config, config))
         self.sampler = StepSampler(device, eos_token_ids, config.spec_config)
         self.requests: dict[str, WorkerRequest] = {}  # by request id, until it finishes
         self.block_size, self.num_blocks = config.block_size, num_blocks

@@ -20,14 +20,15 @@ logger = logging.getLogger("braid")
 def kv_cache_blocks(cfg: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
     """The KV cache's size in blocks (--num-kv-blocks, else as many as --kv-cache-gib holds);
     a ConfigError where it cannot hold one --max-model-len sequence or exceeds the memory."""
-    per_block = kv_bytes_per_token(model_config, dtype) * cfg.block_size
+    layout = kv_layout(model_config, cfg)
+    per_block = kv_bytes_per_token(model_config, dtype, layout) * cfg.block_size
     if cfg.num_kv_blocks is not None:
         num, flag = cfg.num_kv_blocks, "--num-kv-blocks"
     else:
         num = int(cfg.kv_cache_gib * 2**30 // max(per_block, 1))  # 0: a model without layers
         flag = "--kv-cache-gib"
     assert cfg.max_model_len is not None
-    if num < blocks_for_one(cfg, kv_layout(model_config)):
+    if num < blocks_for_one(cfg, layout):
         raise ConfigError(
             f"KV cache of {num} blocks of {cfg.block_size} tokens (--block-size) cannot hold "
             f"one sequence of --max-model-len ({cfg.max_model_len}) tokens: raise "

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from braid.config import ConfigError, EngineConfig
 from braid.models.interface import CausalLM
-from braid.models.kv_layout import kv_layout
+from braid.models.kv_layout import KVLayout, kv_layout
 from braid.worker.cluster import connected, join_cluster, wait_placed
 from braid.worker.executor import InProcessExecutor
 from braid.worker.lifetime import ExecutorBroken, exit_on_failure, follow_parent
@@ -78,11 +78,11 @@ class PipelineRunner(ModelRunner):
     pay again."""
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
-                 device: torch.device, kv_dtype: torch.dtype, size: int) -> None:
+                 device: torch.device, kv_dtype: torch.dtype, size: int,
+                 layout: KVLayout | None = None) -> None:
         layers = stage_layers(model.config.num_hidden_layers, size, 0)
         model.keep_layers(layers)
-        super().__init__(model, num_blocks, block_size, device, kv_dtype, layers,
-                         kv_layout(model.config))
+        super().__init__(model, num_blocks, block_size, device, kv_dtype, layers, layout)
         self.size = size
         self.broken: str | None = None  # why the pipeline broke
         self.micro_batched = 0  # forwards sent as micro-batches
@@ -218,7 +218,8 @@ class PipelineExecutor(InProcessExecutor):
             self.shutdown()
             raise
         runner = PipelineRunner(model, num_blocks, config.block_size,
-                                torch.device(config.device), kv_dtype, size)
+                                torch.device(config.device), kv_dtype, size,
+                                kv_layout(model.config, config))
         super().__init__(config, model, num_blocks, kv_dtype, eos_token_ids, runner)
 
     def _start_stages(self, config: EngineConfig, stages: list[tuple]) -> dist.TCPStore:
@@ -354,7 +355,8 @@ def _load_stage(config: EngineConfig, num_blocks: int, kv_dtype: torch.dtype, la
                           with_tokenizer=False, max_model_len=config.max_model_len)
     model.keep_layers(layers, ends=False)
     return ModelRunner(model, num_blocks, config.block_size, torch.device(config.device),
-                       kv_dtype, layers, kv_layout(model.config))
+                       kv_dtype, layers,
+                       kv_layout(model.config, config))
 
 
 @torch.inference_mode()

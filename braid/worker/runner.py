@@ -10,7 +10,7 @@ from braid.kernels import kernel_isa
 from braid.models.attention import AttentionMetadata, build_attention_metadata
 from braid.models.config import ModelConfig
 from braid.models.interface import CausalLM
-from braid.models.kv_layout import KVLayout, kv_layout
+from braid.models.kv_layout import KVLayout
 from braid.models.quant import huge_page_zeros
 
 
@@ -35,10 +35,10 @@ class QuerySpan:
     more_tables: tuple[list[int], ...] = ()  # a hybrid model's groups 1.. (GroupedBlocks)
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, layout: KVLayout) -> int:
     """KV bytes a block slot holds (a row per layer, or per layer of a group: KVLayout)."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    return 2 * kv_layout(cfg).rows * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    return 2 * layout.rows * cfg.num_key_value_heads * cfg.head_dim * itemsize
 
 
 class ModelRunner:

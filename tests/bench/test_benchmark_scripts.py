@@ -52,6 +52,7 @@ def run_script(name: str, *argv: str, monkeypatch: pytest.MonkeyPatch) -> int:
     ("bench_hostile.py", ["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
     ("bench_hostile.py", ["--", "--bogus"], "serve flags '--bogus': "),
     ("bench_pipeline.py", ["--configs", "1:2,0:1"], "argument --configs: 0:1: must be >= 1"),
+    ("bench_kv_groups.py", ["--rounds", "0"], "argument --rounds: must be >= 1, got 0"),
     ("simulate_replicas.py", ["--routers", "prefix_aware,random"], "--routers: unknown random"),
     ("simulate_replicas.py", ["--replicas", "8,0"], "argument --replicas: 0: must be >= 1"),
     ("soak.py", ["--minutes", "-1"], "argument --minutes: must be a number > 0, got -1"),

@@ -801,16 +801,17 @@ def test_a_sliding_window_model_s_kv_blocks_stay_within_its_window(tmp_path, pro
     assert most_released <= 6 < 20 <= most_kept
 
 
-@pytest.mark.parametrize("proposer", [None, "ngram", "draft_model"])
-def test_a_gemma3_model_s_windowed_layers_hold_kv_for_their_window_only(tmp_path,
-                                                                         proposer: str | None
-                                                                         ) -> None:
+@pytest.mark.parametrize("proposer, num_kv_blocks", [
+    (None, 512), ("ngram", 512), ("draft_model", 512), (None, 40), ("ngram", 40)])
+def test_a_gemma3_model_s_windowed_layers_hold_kv_for_their_window_only(
+        tmp_path, proposer: str | None, num_kv_blocks: int) -> None:
     """Gemma 3 with two global layers among six (a window of 8, blocks of 4): the global
     layers' block table holds every position, the windowed groups' only about a window and a
     step, through chunked prefills of 6 tokens, two requests at once and 50 new tokens each;
     greedy tokens and their logprobs are transformers' own, with speculation (prompt lookup,
     a Gemma 3 draft model) and without, and again for a third request on the first prompt
-    after the engine went idle, which takes its prefix from the cache."""
+    after the engine went idle, which takes its prefix from the cache. With 40 blocks the two
+    requests do not fit at once: preempted and resumed, their tokens are the same."""
     import transformers
 
     from braid.models.config import gemma3_layer_types
@@ -836,8 +837,9 @@ def test_a_gemma3_model_s_windowed_layers_hold_kv_for_their_window_only(tmp_path
             spec = {k: v for k, v in spec.items() if k != "prompt_lookup_min"}
             spec["model"] = str(save_tiny_model(tmp_path / "d", seed=1, **shape))
     engine = LLMEngine(EngineConfig(model=str(folder), log_stats_interval=0, block_size=4,
-                                    num_kv_blocks=512, max_num_batched_tokens=6,
-                                    enable_prefix_caching=True, speculative_config=spec))
+                                    num_kv_blocks=num_kv_blocks, max_num_batched_tokens=6,
+                                    max_model_len=96, enable_prefix_caching=True,
+                                    speculative_config=spec))
     assert engine.blocks.windows == (None, 8, 8)
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, logprobs=0)
     global_most, windowed_most, outputs = 0, 0, {}
@@ -856,5 +858,8 @@ def test_a_gemma3_model_s_windowed_layers_hold_kv_for_their_window_only(tmp_path
         out = outputs[r].outputs[0]  # (the tiny model soon repeats a token: its logprobs
         got = [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
         assert got == pytest.approx(want, abs=1e-4)  # tell a wrong window apart)
-    assert outputs["c"].num_cached_tokens == 28  # 7 of its prompt's blocks: all but the last
     assert global_most == 20 and windowed_most <= 6  # (8 + 6 positions, a block's rounding)
+    if num_kv_blocks < 60:  # two requests of 20 global and 2 x 5 windowed blocks
+        assert engine.stats.num_preemptions > 0
+    else:  # all but the last of its prompt's blocks
+        assert engine.stats.num_preemptions == 0 and outputs["c"].num_cached_tokens == 28
