@@ -88,6 +88,11 @@ class BlockManager:
         """A copy of the request's block ids in position order (empty if unknown)."""
         return list(self._tables.get(request_id, ()))
 
+    @property
+    def num_tables(self) -> int:
+        """Block tables per request (one here; a table per layer group in GroupedBlocks)."""
+        return 1
+
     def block_tables(self, request_id: str) -> list[list[int]]:
         """The request's table of each layer group (here one: GroupedBlocks keeps more)."""
         return [self.block_table(request_id)]

@@ -40,6 +40,10 @@ class GroupedBlocks(BlockManager):
         self.windows = tuple(windows)
         self.max_span = max_span
 
+    @property
+    def num_tables(self) -> int:
+        return len(self.windows)
+
     def _keys(self, request_id: TableKey) -> list[TableKey]:
         assert isinstance(request_id, str)
         return [request_id] + [(request_id, g) for g in range(1, len(self.windows))]
@@ -77,8 +81,16 @@ class GroupedBlocks(BlockManager):
         """Every group's table as far as it needs (all-or-nothing; see BlockManager)."""
         if not self.can_allocate(request_id, num_tokens, cached, reserve, whole):
             return False
-        for key, n, c in self._plan(request_id, num_tokens, cached, whole):
-            assert super().allocate(key, n, c)
+        plan = self._plan(request_id, num_tokens, cached, whole)
+        # every group's shared blocks first: fresh ones come off the free queue, where a
+        # later group's shared blocks may wait
+        for key, _, c in plan:
+            if c:
+                claimed = super().allocate(key, len(c) * self.block_size, c)
+                assert claimed
+        for key, n, _ in plan:
+            grown = super().allocate(key, n)
+            assert grown
         return True
 
     def free(self, request_id: TableKey) -> None:
@@ -101,18 +113,26 @@ class GroupedBlocks(BlockManager):
     def find_cached(self, request_id: TableKey, tokens: Tokens, max_tokens: int) -> list[int]:
         """The longest prefix every group holds (a PrefixHit; [] for none)."""
         n = len(super().find_cached(request_id, tokens, max_tokens))  # group 0's, from 0
-        present = [[self._cached.get(h) for h in self._chain(key, tokens, n)]
-                   for key in self._keys(request_id)[1:]]
-        for p, window in zip(present, self.windows[1:], strict=True):
+        keys = self._keys(request_id)
+        hashes = [self._chain(key, tokens, n) for key in keys[1:]]
+        for h, window in zip(hashes, self.windows[1:], strict=True):
             if window is None:  # another global group: its prefix must start at 0
-                n = min(n, p.index(None) if None in p else n)
+                n = min(n, next((i for i, x in enumerate(h) if x not in self._cached), n))
         for i in range(n, 0, -1):
-            firsts = [self._first_needed(g, i) for g in range(1, len(self.windows))]
-            if all(None not in p[f:i] for p, f in zip(present, firsts, strict=True)):
+            tables = [self._window_hit(g, h, i) for g, h in enumerate(hashes, 1)]
+            if all(t is not None for t in tables):
                 group0 = super().find_cached(request_id, tokens, i * self.block_size)
-                return PrefixHit([group0] + [[RELEASED] * f + [b for b in p[f:i] if b is not None]
-                                             for p, f in zip(present, firsts, strict=True)])
+                return PrefixHit([group0] + [t for t in tables if t is not None])
         return []
+
+    def _window_hit(self, g: int, hashes: list[bytes], num_blocks: int) -> list[int] | None:
+        """Group g's table for a prefix of `num_blocks` blocks (RELEASED before the blocks
+        its next query reads), None where one of those is not cached."""
+        first = self._first_needed(g, num_blocks)
+        blocks = [self._cached.get(h) for h in hashes[first:num_blocks]]
+        if None in blocks:
+            return None
+        return [RELEASED] * first + [b for b in blocks if b is not None]
 
     def _first_needed(self, g: int, num_blocks: int) -> int:
         """The first of a prefix's `num_blocks` blocks group g must hold: the first query

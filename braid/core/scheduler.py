@@ -300,11 +300,12 @@ class Scheduler:
             req.request_id, req.num_tokens, self._cached_prefix(req), self._headroom())
 
     def _headroom(self) -> int:
-        """Blocks an admission leaves free: one for each running request, whose decodes
-        take a block every block_size tokens. Admitted into the last free blocks, a request
-        was the next preemption's victim before it decoded a token; under memory pressure
-        requests re-prefilled again and again (15 preemptions for a 40-token reply)."""
-        return len(self.running)
+        """Blocks an admission leaves free: one for each running request and block table
+        (a layer group's, GroupedBlocks), whose decodes take a block every block_size
+        tokens. Admitted into the last free blocks, a request was the next preemption's
+        victim before it decoded a token; under memory pressure requests re-prefilled again
+        and again (15 preemptions for a 40-token reply)."""
+        return len(self.running) * self.blocks.num_tables
 
     def _next_waiting(self) -> Request | None:
         """The first waiting request that can run (FCFS, or by priority), passing over those
@@ -441,23 +442,23 @@ class Scheduler:
         waiting, where they counted those blocks' tokens as computed (recorded in `sched`)."""
         withdrawn = set(sched.published)
         self.blocks.unpublish(sched.published)
-        bs = self.blocks.block_size
         for req in list(self.running):
-            computed = self.blocks.block_table(req.request_id)[: req.num_computed_tokens // bs]
-            if withdrawn.intersection(computed):
+            if withdrawn.intersection(self._computed_blocks(req)):
                 self._preempt(req, sched)
+
+    def _computed_blocks(self, req: Request) -> list[int]:
+        """The blocks of every layer group's table that hold `req`'s computed tokens."""
+        n = req.num_computed_tokens // self.blocks.block_size
+        return [b for table in self.blocks.block_tables(req.request_id) for b in table[:n]]
 
     def requeue_dependents(self, sched: SchedulerOutput) -> None:
         """Before a failed step runs again in parts: back to waiting with the requests that
         were admitted onto blocks this step publishes (another request of the step computes
         their KV; a part without that request would read slots nobody wrote)."""
         published = set(sched.published)
-        bs = self.blocks.block_size
         for s in list(sched.scheduled):
-            req = s.request
-            computed = self.blocks.block_table(req.request_id)[: req.num_computed_tokens // bs]
-            if published.intersection(computed):
-                self._preempt(req, sched)
+            if published.intersection(self._computed_blocks(s.request)):
+                self._preempt(s.request, sched)
 
     def fail(self, req: Request, sched: SchedulerOutput) -> None:
         """Take a request that fails its step alone out of the step and finish it with

@@ -93,6 +93,9 @@ class ModelRunner:
             device=self.device,
         )
         if self.layout.hybrid:
+            bs = self.block_size
+            assert all(len(t) * bs >= s.start + len(s.token_ids) for s in spans
+                       for t in s.more_tables), "a layer group's block table is short"
             meta.kv_groups = meta.over_tables(
                 [[span.more_tables[g - 1] for span in spans]
                  for g in range(1, self.layout.num_groups)], self.block_size)

@@ -94,3 +94,20 @@ def test_freeing_a_request_frees_every_group_and_drops_its_hashes() -> None:
     bm.free("a")
     assert bm.num_used_blocks == 0 and not [k for k in bm._hashes if k[0] == "a"]
     bm.check_invariants()
+
+
+def test_fresh_blocks_never_come_from_another_group_s_shared_ones() -> None:
+    """Group 0 needs fresh blocks and the windowed group shares cached blocks that sit at
+    the front of the free queue: the shared ones are claimed first, so no block ends up in
+    two tables (each group's KV in it would overwrite the other's)."""
+    bm = GroupedBlocks(8, 4, True, (None, 8), max_span=4)
+    ids = list(range(20))
+    assert bm.allocate("a", 16)
+    bm.publish("a", tokens(ids), 16)
+    bm.free("a")  # windowed blocks freed first: the free queue's front
+    hit = bm.find_cached("b", tokens(ids), 19)
+    assert isinstance(hit, PrefixHit) and len(hit) == 4
+    assert bm.allocate("b", 20, hit)  # every block of the pool
+    group0, windowed = bm.block_tables("b")
+    assert not set(group0) & {b for b in windowed if b != RELEASED}
+    bm.check_invariants()
