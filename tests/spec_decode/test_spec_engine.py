@@ -590,8 +590,10 @@ def test_other_families_speculate_losslessly(method: str, family: str) -> None:
     sub-layers; OLMo 3 windowed and global layers) through the whole engine: greedy
     speculation, by
     prompt lookup and by a draft of the same family with other weights, gives the tokens of
-    no speculation, with chunked prefill and preemption (40 blocks of 4 tokens)."""
+    no speculation, with chunked prefill and preemption (40 blocks of 4 tokens; 52 for a
+    hybrid model, whose windowed layers keep a table of their own)."""
     from braid.engine.engine import LLMEngine
+    from braid.models.kv_layout import kv_layout
     from tests.models.test_qwen2 import long_rope
 
     cfg = tiny_config(family, **{"mistral": {"sliding_window": 8},
@@ -600,8 +602,13 @@ def test_other_families_speculate_losslessly(method: str, family: str) -> None:
                                  "smollm3": {"no_rope_layers": [1, 0]}}.get(family, {}))
     weights = random_weights(cfg, seed=5)
 
+    # 40 blocks, and where windowed layers keep a table of their own (a hybrid model's
+    # layer group), the 12 it takes: a window of 8 and a step of 32 tokens
+    num_blocks = 40 + (12 if kv_layout(cfg).hybrid else 0)
+
     def engine(spec: dict | None = None, draft=None) -> LLMEngine:
-        config = EngineConfig(model="tiny", block_size=4, num_kv_blocks=40, max_model_len=160,
+        config = EngineConfig(model="tiny", block_size=4, num_kv_blocks=num_blocks,
+                              max_model_len=160,
                               max_num_batched_tokens=32, log_stats_interval=0,
                               speculative_config=spec)
         return LLMEngine(config, model=braid_model(cfg, weights), draft_model=draft)
