@@ -1,7 +1,8 @@
 """A block table per layer group against one table, on a model that mixes global and
 sliding-window layers (Gemma 3): how many blocks the same --kv-cache-gib holds, the KV one
 long request holds at its peak, and decode speed, with the greedy tokens compared. Both
-engines live in this process; their runs alternate, so drift hits both. Prints a table.
+engines live in this process; their runs alternate (each goes first in turn), so drift hits
+both. Prints a table.
 
     python benchmarks/bench_kv_groups.py --model gemma-3-270m --prompt-tokens 3000
 """
@@ -63,7 +64,8 @@ def main() -> None:
     short_prompt = tokenizer.encode("The history of the printing press begins")
     results: dict[str, dict] = {name: {"long_s": [], "decode_tok_s": []} for name in engines}
     for r in range(args.rounds + 1):  # round 0 pays first-call costs, untimed
-        for name, engine in engines.items():
+        order = list(engines.items())
+        for name, engine in order[::-1] if r % 2 else order:  # each goes first in turn
             tokens, seconds, most = run(engine, long_prompt, args.new_tokens)
             short, decode_s, _ = run(engine, short_prompt, args.decode_tokens)
             res = results[name]
