@@ -863,3 +863,38 @@ def test_a_gemma3_model_s_windowed_layers_hold_kv_for_their_window_only(
         assert engine.stats.num_preemptions > 0
     else:  # all but the last of its prompt's blocks
         assert engine.stats.num_preemptions == 0 and outputs["c"].num_cached_tokens == 28
+
+
+def test_a_hybrid_request_admitted_onto_blocks_its_step_publishes_is_requeued(tmp_path
+                                                                              ) -> None:
+    """Gemma 3's global group still caches a finished prompt but its windowed groups do not:
+    C recomputes the prompt and publishes only windowed blocks (its global ones are already
+    published), and B, admitted after C in the same step, shares the old global blocks and
+    C's new windowed ones. Before that step runs again in parts, B goes back to waiting:
+    its windowed blocks are written by C's part, not by B's."""
+    from braid.models.config import gemma3_layer_types
+
+    folder = save_tiny_model(tmp_path / "m", arch="gemma3", num_hidden_layers=6,
+                             layer_types=gemma3_layer_types(6, 3))
+    engine = LLMEngine(EngineConfig(model=str(folder), log_stats_interval=0, block_size=4,
+                                    num_kv_blocks=256, max_num_batched_tokens=64,
+                                    enable_prefix_caching=True))
+    prompt = [3 + i for i in range(24)]
+    engine.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=2))
+    list(engine.run_until_done())
+    blocks = engine.blocks
+    for g in range(1, blocks.num_tables):  # the windowed groups' published blocks go
+        hashes = blocks._chain(("probe", g), lambda s, e: prompt[s:e], 6)
+        blocks.unpublish([blocks._cached[h] for h in hashes if h in blocks._cached])
+    blocks.free("probe")
+    for rid in ("c", "b"):
+        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=2))
+    sched = engine.scheduler.schedule()
+    b = engine.requests["b"]
+    assert [s.request.request_id for s in sched.scheduled] == ["c", "b"]
+    assert b.num_computed_tokens == 20  # five blocks shared
+    global_blocks, *windowed = blocks.block_tables("b")
+    assert not set(global_blocks) & set(sched.published)
+    assert set(sched.published) & {x for t in windowed for x in t}
+    engine.scheduler.requeue_dependents(sched)
+    assert b in engine.scheduler.waiting and b.num_computed_tokens == 0
