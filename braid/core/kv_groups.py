@@ -60,8 +60,8 @@ class GroupedBlocks(BlockManager):
         if window is None or whole:
             return num_tokens
         table = cached or self._tables.get(key, ())
-        live = next((i for i, b in enumerate(table) if b != RELEASED), len(table))
-        return min(num_tokens, (live + 1) * self.block_size + window + self.max_span)
+        return min(num_tokens, (_first_held(table) + 1) * self.block_size + window
+                   + self.max_span)
 
     def _plan(self, request_id: TableKey, num_tokens: int, cached: Sequence[int],
               whole: bool = False) -> list[tuple[TableKey, int, Sequence[int]]]:
@@ -111,28 +111,20 @@ class GroupedBlocks(BlockManager):
         return published
 
     def find_cached(self, request_id: TableKey, tokens: Tokens, max_tokens: int) -> list[int]:
-        """The longest prefix every group holds (a PrefixHit; [] for none)."""
+        """The longest prefix every group holds (a PrefixHit; [] for none): one look-up per
+        block and group."""
         n = len(super().find_cached(request_id, tokens, max_tokens))  # group 0's, from 0
-        keys = self._keys(request_id)
-        hashes = [self._chain(key, tokens, n) for key in keys[1:]]
-        for h, window in zip(hashes, self.windows[1:], strict=True):
-            if window is None:  # another global group: its prefix must start at 0
-                n = min(n, next((i for i, x in enumerate(h) if x not in self._cached), n))
+        found = [[self._cached.get(h) for h in self._chain(key, tokens, n)]
+                 for key in self._keys(request_id)[1:]]
+        holes = [_last_holes(blocks) for blocks in found]
         for i in range(n, 0, -1):
-            tables = [self._window_hit(g, h, i) for g, h in enumerate(hashes, 1)]
-            if all(t is not None for t in tables):
+            firsts = [self._first_needed(g, i) for g in range(1, len(self.windows))]
+            if all(hole[i] < first for hole, first in zip(holes, firsts, strict=True)):
                 group0 = super().find_cached(request_id, tokens, i * self.block_size)
-                return PrefixHit([group0] + [t for t in tables if t is not None])
+                return PrefixHit([group0] + [
+                    [RELEASED] * first + [b for b in blocks[first:i] if b is not None]
+                    for blocks, first in zip(found, firsts, strict=True)])
         return []
-
-    def _window_hit(self, g: int, hashes: list[bytes], num_blocks: int) -> list[int] | None:
-        """Group g's table for a prefix of `num_blocks` blocks (RELEASED before the blocks
-        its next query reads), None where one of those is not cached."""
-        first = self._first_needed(g, num_blocks)
-        blocks = [self._cached.get(h) for h in hashes[first:num_blocks]]
-        if None in blocks:
-            return None
-        return [RELEASED] * first + [b for b in blocks if b is not None]
 
     def _first_needed(self, g: int, num_blocks: int) -> int:
         """The first of a prefix's `num_blocks` blocks group g must hold: the first query
@@ -141,3 +133,27 @@ class GroupedBlocks(BlockManager):
         if window is None:
             return 0
         return max(0, num_blocks * self.block_size - window + 1) // self.block_size
+
+
+def _first_held(table: Sequence[int]) -> int:
+    """The index of a table's first block still held: RELEASED entries only ever lead a
+    table (release_before gives blocks back from the front), so a binary search finds it."""
+    lo, hi = 0, len(table)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if table[mid] == RELEASED:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def _last_holes(blocks: list[int | None]) -> list[int]:
+    """For each prefix length i (0..len): the last index before i whose block is missing
+    (None), -1 where none is."""
+    holes, last = [], -1
+    for j, block in enumerate(blocks):
+        holes.append(last)
+        if block is None:
+            last = j
+    return holes + [last]

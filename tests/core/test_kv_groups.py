@@ -111,3 +111,17 @@ def test_fresh_blocks_never_come_from_another_group_s_shared_ones() -> None:
     group0, windowed = bm.block_tables("b")
     assert not set(group0) & {b for b in windowed if b != RELEASED}
     bm.check_invariants()
+
+
+def test_a_second_global_group_needs_every_block_of_the_prefix() -> None:
+    bm = GroupedBlocks(64, 4, True, (None, 8, None), max_span=8)
+    ids = list(range(40))
+    assert bm.allocate("a", 40)
+    bm.publish("a", tokens(ids), 40)
+    windowed = bm.block_tables("a")[1]
+    bm.release_windows("a", 40, None)  # (released blocks stay cached)
+    bm.unpublish([bm.block_tables("a")[2][3]])  # the second global group's fourth block
+    hit = bm.find_cached("b", tokens(ids), 39)
+    assert isinstance(hit, PrefixHit) and len(hit) == 3 and len(hit.tables[2]) == 3
+    assert hit.tables[1] == [RELEASED] + windowed[1:3]  # positions 4-11: the window of 12
+    bm.check_invariants()
