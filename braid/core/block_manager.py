@@ -197,9 +197,9 @@ class BlockManager:
         """The request's first `num_blocks` block hashes (computed once, then extended)."""
         hashes = self._hashes.setdefault(request_id, [])
         bs = self.block_size
+        root = None if isinstance(request_id, str) else b"kv group %d" % request_id[1]
         while len(hashes) < num_blocks:
             i = len(hashes)
-            root = None if isinstance(request_id, str) else b"kv group %d" % request_id[1]
             hashes.append(block_hash(hashes[-1] if hashes else root,
                                      tokens(i * bs, (i + 1) * bs)))
         return hashes[:num_blocks]

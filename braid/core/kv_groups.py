@@ -60,8 +60,8 @@ class GroupedBlocks(BlockManager):
         if window is None or whole:
             return num_tokens
         table = cached or self._tables.get(key, ())
-        return min(num_tokens, (_first_held(table) + 1) * self.block_size + window
-                   + self.max_span)
+        return min(num_tokens, _first_held(table) * self.block_size
+                   + window_reach(window, self.block_size, self.max_span))
 
     def _plan(self, request_id: TableKey, num_tokens: int, cached: Sequence[int],
               whole: bool = False) -> list[tuple[TableKey, int, Sequence[int]]]:
@@ -71,17 +71,19 @@ class GroupedBlocks(BlockManager):
         return [(key, self._reach(g, key, num_tokens, tables[g], whole), tables[g])
                 for g, key in enumerate(self._keys(request_id))]
 
+    def _fits(self, plan: list[tuple[TableKey, int, Sequence[int]]], reserve: int) -> bool:
+        return sum(self.cost(key, n, c) for key, n, c in plan) + reserve <= len(self._free)
+
     def can_allocate(self, request_id: TableKey, num_tokens: int, cached: Sequence[int] = (),
                      reserve: int = 0, whole: bool = False) -> bool:
-        plan = self._plan(request_id, num_tokens, cached, whole)
-        return sum(self.cost(key, n, c) for key, n, c in plan) + reserve <= len(self._free)
+        return self._fits(self._plan(request_id, num_tokens, cached, whole), reserve)
 
     def allocate(self, request_id: TableKey, num_tokens: int, cached: Sequence[int] = (),
                  reserve: int = 0, whole: bool = False) -> bool:
         """Every group's table as far as it needs (all-or-nothing; see BlockManager)."""
-        if not self.can_allocate(request_id, num_tokens, cached, reserve, whole):
-            return False
         plan = self._plan(request_id, num_tokens, cached, whole)
+        if not self._fits(plan, reserve):
+            return False
         # every group's shared blocks first: fresh ones come off the free queue, where a
         # later group's shared blocks may wait
         for key, _, c in plan:
@@ -113,15 +115,15 @@ class GroupedBlocks(BlockManager):
     def find_cached(self, request_id: TableKey, tokens: Tokens, max_tokens: int) -> list[int]:
         """The longest prefix every group holds (a PrefixHit; [] for none): one look-up per
         block and group."""
-        n = len(super().find_cached(request_id, tokens, max_tokens))  # group 0's, from 0
+        group0 = super().find_cached(request_id, tokens, max_tokens)  # from position 0
+        n = len(group0)
         found = [[self._cached.get(h) for h in self._chain(key, tokens, n)]
                  for key in self._keys(request_id)[1:]]
         holes = [_last_holes(blocks) for blocks in found]
         for i in range(n, 0, -1):
             firsts = [self._first_needed(g, i) for g in range(1, len(self.windows))]
             if all(hole[i] < first for hole, first in zip(holes, firsts, strict=True)):
-                group0 = super().find_cached(request_id, tokens, i * self.block_size)
-                return PrefixHit([group0] + [
+                return PrefixHit([group0[:i]] + [
                     [RELEASED] * first + [b for b in blocks[first:i] if b is not None]
                     for blocks, first in zip(found, firsts, strict=True)])
         return []
@@ -133,6 +135,12 @@ class GroupedBlocks(BlockManager):
         if window is None:
             return 0
         return max(0, num_blocks * self.block_size - window + 1) // self.block_size
+
+
+def window_reach(window: int, block_size: int, max_span: int) -> int:
+    """Slots a windowed group's table covers past its first held block: that block, the
+    window and one step's tokens (the memory check sizes one sequence by it too)."""
+    return block_size + window + max_span
 
 
 def _first_held(table: Sequence[int]) -> int:

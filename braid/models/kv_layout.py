@@ -38,9 +38,7 @@ class KVLayout:
         n = len(layer_windows)
         kinds = list(dict.fromkeys(layer_windows))  # in first-seen order
         if len(kinds) <= 1:
-            layout = cls.flat(n)
-            return cls((kinds[0] if kinds else None,), layout.layer_group, layout.layer_row,
-                       n)
+            return cls((kinds[0] if kinds else None,), (0,) * n, tuple(range(n)), n)
         if None in kinds:  # group 0 is a global one (the draft model and prefix hits use it)
             kinds.remove(None)
             kinds.insert(0, None)

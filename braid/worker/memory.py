@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from braid.config import ConfigError, EngineConfig
+from braid.core.kv_groups import window_reach
 from braid.models.config import ModelConfig
 from braid.models.kv_layout import KVLayout, kv_layout
 from braid.worker.runner import kv_bytes_per_token
@@ -43,7 +44,8 @@ def blocks_for_one(cfg: EngineConfig, layout: KVLayout) -> int:
     global layer group, a window and a step's tokens in a windowed one (GroupedBlocks)."""
     assert cfg.max_model_len is not None and cfg.max_num_batched_tokens is not None
     bs, length = cfg.block_size, cfg.max_model_len
-    reach = [length if w is None else min(length, w + bs + cfg.max_num_batched_tokens)
+    reach = [length if w is None
+             else min(length, window_reach(w, bs, cfg.max_num_batched_tokens))
              for w in (layout.windows if layout.hybrid else (None,))]
     return sum(-(-n // bs) + (n < length) for n in reach)
 
