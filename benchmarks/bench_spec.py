@@ -26,7 +26,9 @@ the ratio to no speculation is the median of each repeat's own ratio; --warm-eng
 one engine per mode over the repeats (what a running server has learned) instead of a fresh
 one per run (which pays the policy's exploration every time). --ceiling prints instead what
 draft-model speculation could gain at concurrency 1 at best, from forwards timed now (see
-`ceiling`).
+`ceiling`). --replay records how many drafts in a row the target accepts at each output
+position, then plays fixed ks and the acceptance estimate's weightings back on that record
+(braid/bench/acceptance.py): the policy's choices compared without the machine's noise.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import torch
 from tqdm.auto import tqdm
 
 from braid.bench import agentic
+from braid.bench.acceptance import Costs, accepted_runs, lookup_runs, play_rules
 from braid.bench.datasets import BenchPrompt, edit_prompts, humaneval, sharegpt
 from braid.config import (
     DEFAULT_DRAFT,
@@ -61,8 +64,9 @@ from braid.engine.engine import LLMEngine
 from braid.models.build import load_model
 from braid.sampling_params import SamplingParams
 from braid.spec_decode.build import resolve_draft_dtype
+from braid.spec_decode.ngram import NgramMatcher
 from braid.spec_decode.policy import expected_tokens
-from braid.spec_decode.speculator import Speculator
+from braid.spec_decode.speculator import PRIOR_ALPHA, Speculator
 from braid.worker.runner import QuerySpan
 
 SAMPLING_MODES = {
@@ -245,6 +249,19 @@ def main() -> None:
     parser.add_argument("--ceiling", action="store_true",
                         help="print the most draft-model speculation could gain at "
                         "concurrency 1 on these prompts (see `ceiling`) and exit")
+    parser.add_argument("--replay", action="store_true",
+                        help="record how many draft-model and prompt-lookup drafts in a row "
+                        "the target accepts at each output position (greedy), then play fixed "
+                        "ks and the acceptance estimate's prior weights back on it at "
+                        "concurrency 1, priced by forwards timed now (see "
+                        "braid/bench/acceptance.py), and exit")
+    parser.add_argument("--replay-costs", type=costs_arg, default=None,
+                        help="--replay's prices instead of timed ones, in target decodes: "
+                        "'draft=D,W2,W3,...' (a draft forward, windows of 2, 3, ... tokens; "
+                        "give at least 6 windows)")
+    parser.add_argument("--replay-runs", default=None, metavar="JSON",
+                        help="--replay on the record an earlier --replay saved (its JSON) "
+                        "instead of recording: no model is loaded; needs --replay-costs")
     parser.add_argument("--out", default="docs/benchmarks")
     parser.add_argument("--stem", default=None, help="file name of the JSON and plot "
                         "(default spec_WORKLOAD)")
@@ -257,6 +274,13 @@ def main() -> None:
             spec_config(mode)
     except ValueError as e:
         parser.error(f"--modes: {e}")
+    if args.replay and args.workload == "agentic":
+        parser.error("--replay: the agentic workload's turns depend on the replies; use "
+                     "humaneval, sharegpt or edit")
+    if args.replay_runs is not None and args.replay_costs is None:
+        parser.error("--replay-runs: give --replay-costs too (there is no model to time)")
+    if args.replay_costs is not None and len(args.replay_costs.windows) < 7:
+        parser.error("--replay-costs: give the costs of windows of 2 to 6 tokens at least")
     if args.predict and args.workload != "edit":
         parser.error("--predict: only the edit workload has predicted outputs")
     if args.prompts_per_slot < 0:
@@ -264,10 +288,15 @@ def main() -> None:
     if not all(0 <= t < float("inf") for t in args.temperature):
         parser.error(f"--temperature: must be >= 0, got {args.temperature}")
 
+    if args.replay_runs is not None:  # play back a record: no model
+        runs = json.loads(Path(args.replay_runs).read_text())["runs"]
+        replay_to_json(replay_study(runs, None, [], args), args)
+        return
     torch.manual_seed(0)
     target = load_model(DEFAULT_TARGET, quantization=args.quantization)
     draft_dtype = resolve_draft_dtype(args.draft_dtype, torch.float32)
-    uses_draft = any((spec_config(m) or {}).get("method") == "draft_model" for m in modes)
+    uses_draft = args.ceiling or args.replay or any(
+        (spec_config(m) or {}).get("method") == "draft_model" for m in modes)
     draft = (load_model(DEFAULT_DRAFT, draft_dtype,
                         quantization=args.draft_quantization or args.quantization)[0]
              if uses_draft else None)
@@ -285,6 +314,12 @@ def main() -> None:
     if args.ceiling:
         ceiling(make_engine("goodput", target, draft, 1, args, prompts[0]),
                 prompts[:counts[min(levels)]], args.max_tokens)
+        return
+    if args.replay:
+        engine = make_engine("goodput", target, draft, 1, args, prompts[0])
+        prompts = prompts[:counts[min(levels)]]
+        runs = record_runs(engine, prompts, args.max_tokens, 5)
+        replay_to_json(replay_study(runs, engine, prompts, args), args)
         return
     results: list[dict[str, Any]] = []
     # Load level outside, mode inside: the modes compared at one level run back to back, so
@@ -307,6 +342,13 @@ def main() -> None:
         print(markdown_table([r for r in results if r["temperature"] == temperature]))
 
 
+def costs_arg(text: str) -> Costs:
+    try:
+        return Costs.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def make_engine(mode: str, target: Any, draft: Any, max_num_seqs: int,
                 args: argparse.Namespace, warm_up: list[int]) -> LLMEngine:
     """An engine for `mode` on the loaded models, after a short warm-up on `warm_up`. A
@@ -323,14 +365,12 @@ def make_engine(mode: str, target: Any, draft: Any, max_num_seqs: int,
     return engine
 
 
-def ceiling(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
-            alphas: tuple[float, ...] = (0.85, 0.91, 0.95, 1.0), repeats: int = 9) -> None:
-    """The most draft-model speculation can gain at concurrency 1 here, from forwards timed
-    now on this machine (each size `repeats` times, round robin, medians): a prompt of the
-    mean length costs the target's prefill (both ways) and the draft's catch-up, then
-    max_tokens come at one decode each, or at the best fixed k for a per-draft acceptance
-    alpha (k draft forwards and a window of k + 1 per expected_tokens(alpha, k)). Host time,
-    prompt lookups and a request's last window are left out."""
+def forward_costs(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
+                  repeats: int = 9) -> tuple[int, dict[str, float]]:
+    """The mean prompt length n, and the medians of forwards timed now on this machine
+    (seconds; each size `repeats` times, round robin, after an untimed round): the target's
+    prefill of n tokens, windows of 1-9 tokens half-way through the output ("window T"), the
+    draft's catch-up over the prompt and one draft forward."""
     assert isinstance(engine.speculator, Speculator), "needs a draft model"
     proposer, draft = engine.speculator.proposer, engine.speculator.draft_runner
     assert draft is not None, "needs a draft model"
@@ -338,15 +378,14 @@ def ceiling(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
     context = n + max_tokens // 2
     target = engine.runner
     draft_run = draft.execute_greedy if proposer.coarse_head else draft.execute
-    sizes = range(1, 10)
     times: dict[str, list[float]] = {}
-    with engine.scheduler.scratch_blocks(context + max(sizes)) as tables:
-        assert tables is not None, "the KV cache is too small for the ceiling's forwards"
+    with engine.scheduler.scratch_blocks(context + 9) as tables:
+        assert tables is not None, "the KV cache is too small for the timed forwards"
         table, more = tables[0], tuple(tables[1:])  # (more: a hybrid target's layer groups)
         # name -> (runner, its forward, the span)
         forwards = {f"window {t}": (target, target.execute,
                                     QuerySpan([0] * t, context, table, t, more_tables=more))
-                    for t in sizes}
+                    for t in range(1, 10)}
         forwards["prefill"] = (target, target.execute,
                                QuerySpan([0] * n, 0, table, 1, more_tables=more))
         forwards["catch-up"] = (draft, draft_run, QuerySpan([0] * n, 0, table, 1))
@@ -357,7 +396,19 @@ def ceiling(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
                 start = time.perf_counter()
                 run(inp)
                 times.setdefault(name, []).append(time.perf_counter() - start)
-    med = {name: statistics.median(t[1:]) for name, t in times.items()}
+    return n, {name: statistics.median(t[1:]) for name, t in times.items()}
+
+
+def ceiling(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
+            alphas: tuple[float, ...] = (0.85, 0.91, 0.95, 1.0)) -> None:
+    """The most draft-model speculation can gain at concurrency 1 here, from forwards timed
+    now (`forward_costs`): a prompt of the mean length costs the target's prefill (both
+    ways) and the draft's catch-up, then max_tokens come at one decode each, or at the best
+    fixed k for a per-draft acceptance alpha (k draft forwards and a window of k + 1 per
+    expected_tokens(alpha, k)). Host time, prompt lookups and a request's last window are
+    left out."""
+    n, med = forward_costs(engine, prompts, max_tokens)
+    sizes = range(1, 10)
     decode, draft_s = med["window 1"], med["draft"]
     print(f"prompt {n} tokens, {max_tokens} new: target prefill {med['prefill'] * 1e3:.0f} ms, "
           f"draft catch-up {med['catch-up'] * 1e3:.0f} ms, decode {decode * 1e3:.1f} ms, draft "
@@ -371,6 +422,77 @@ def ceiling(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
         spec = med["prefill"] + med["catch-up"] + max_tokens * per_token
         print(f"acceptance {alpha:.2f}: best k {k}, decoding {decode / per_token:.2f}x, end to "
               f"end {plain / spec:.2f}x")
+
+
+def record_runs(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, longest: int
+                ) -> dict[str, list[list[int]]]:
+    """Per proposer ("draft_model", "ngram": prompt lookup), each prompt's `accepted_runs`
+    along the target's greedy output (braid/bench/acceptance.py)."""
+    assert isinstance(engine.speculator, Speculator), "needs a draft model"
+    draft = engine.speculator.draft_runner
+    assert draft is not None, "needs a draft model"
+    config = engine.speculator.config
+    matcher = NgramMatcher(config.prompt_lookup_min, config.prompt_lookup_max)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    runs: dict[str, list[list[int]]] = {"draft_model": [], "ngram": []}
+    for i, prompt in enumerate(tqdm(prompts, desc="recording acceptance", leave=False)):
+        engine.add_request(f"replay-{i}", prompt, params)
+        out = [o for o in engine.run_until_done() if o.finished][-1].outputs[0]
+        seq, first = [*prompt, *out.token_ids], len(prompt) + 1
+        if len(seq) <= first:
+            continue
+        with engine.scheduler.scratch_blocks(len(seq)) as tables:
+            assert tables is not None, "the KV cache is too small for a whole sequence"
+            inp = draft.build_input([QuerySpan(seq, 0, tables[0], len(seq) - first + 1)])
+            ids = (draft.execute_greedy(inp) if engine.speculator.proposer.coarse_head
+                   else draft.execute(inp).argmax(-1))
+        guesses = [-1] * first + ids[:-1].tolist()  # guesses[q]: the draft's, from seq[:q]
+        runs["draft_model"].append(accepted_runs(guesses, seq, first, longest))
+        runs["ngram"].append(lookup_runs(seq, first, longest, matcher))
+    return runs
+
+
+def replay_study(runs: dict[str, list[list[int]]], engine: LLMEngine | None,
+                 prompts: list[list[int]], args: argparse.Namespace, longest: int = 5
+                 ) -> dict[str, Any]:
+    """Play back on recorded acceptance (`record_runs`): every fixed k, the acceptance
+    estimate with fixed prior weights and with its fitted one, and each request's hindsight
+    alpha, priced by --replay-costs or by forwards of `engine` timed now; prints a table
+    per proposer and returns the figures."""
+    if args.replay_costs is None:
+        assert engine is not None, "timed costs need the engine"
+        _, med = forward_costs(engine, prompts, args.max_tokens)
+        windows = tuple(med[f"window {t}"] / med["window 1"] for t in range(1, longest + 2))
+        costs = Costs(windows, med["draft"] / med["window 1"])
+    else:
+        costs = args.replay_costs
+    print(f"costs in decodes: draft forward {costs.draft:.2f}, windows of 1-{longest + 1}: "
+          + ", ".join(f"{w:.2f}" for w in costs.windows[:longest + 1]))
+    figures: dict[str, Any] = {"costs": {"draft": costs.draft, "windows": costs.windows},
+                               "runs": runs}
+    for method, requests in runs.items():
+        priced = costs if method == "draft_model" else Costs(costs.windows, 0.0)
+        rules, weight = play_rules(requests, priced, longest, PRIOR_ALPHA[method])
+        best = max(v.speedup for name, v in rules.items() if name.startswith("fixed"))
+        print(f"\n{method}: {len(requests)} requests, {sum(map(len, requests))} positions; "
+              f"fitted weight ended at {weight:g}")
+        print("| rule | speedup over no drafts | vs best fixed k | k chosen |\n|---|---|---|---|")
+        for name, r in rules.items():
+            print(f"| {name} | {r.speedup:.3f}x | {r.speedup / best:.3f} | "
+                  f"{dict(sorted(r.ks.items()))} |")
+        figures[method] = {name: {"speedup": r.speedup, "ks": dict(r.ks)}
+                           for name, r in rules.items()}
+        figures[method]["fitted_weight"] = weight
+    return figures
+
+
+def replay_to_json(figures: dict[str, Any], args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = args.stem or f"replay_{args.workload}"
+    (out / f"{stem}.json").write_text(json.dumps(
+        {"args": {k: v for k, v in vars(args).items() if k != "replay_costs"}, **figures},
+        indent=1))
 
 
 def measure(engine: LLMEngine, mode: str, c: int, count: int, prompts: list[list[int]],

@@ -48,6 +48,12 @@ def run_script(name: str, *argv: str, monkeypatch: pytest.MonkeyPatch) -> int:
     ("bench_spec.py", ["--concurrency", "1,0"], "argument --concurrency: 0: must be >= 1"),
     ("bench_spec.py", ["--temperature", "0,-1"], "--temperature: must be >= 0"),
     ("bench_spec.py", ["--prompts-per-slot", "-1"], "--prompts-per-slot: must be >= 0"),
+    ("bench_spec.py", ["--replay-costs", "draft=x"], "argument --replay-costs: 'draft=x': "
+                                                     "give draft=D"),
+    ("bench_spec.py", ["--replay-costs", "1.2,1.4"], "--replay-costs: give the costs of "
+                                                     "windows of 2 to 6"),
+    ("bench_spec.py", ["--replay-runs", "r.json"], "--replay-runs: give --replay-costs too"),
+    ("bench_spec.py", ["--replay", "--workload", "agentic"], "--replay: the agentic workload"),
     ("bench_structured.py", ["--max-tokens", "0"], "argument --max-tokens: must be >= 1"),
     ("bench_hostile.py", ["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
     ("bench_hostile.py", ["--", "--bogus"], "serve flags '--bogus': "),

@@ -10,8 +10,10 @@ import pytest
 
 from braid.spec_decode.cost_model import EXACT_UP_TO, ForwardCost, StepCostModel, nnls
 from braid.spec_decode.policy import (
+    DEFAULT_PRIOR_WEIGHT,
     EXPLORE_TRIALS,
     AcceptanceEstimator,
+    PriorWeight,
     StartPersistence,
     StepPlan,
     _Prices,
@@ -508,3 +510,45 @@ def test_a_backlog_s_catch_up_is_spread_over_what_started_requests_drafted() -> 
     spec.policy.persistence.mean = 12.0
     assert spec.policy._catch_up_cost(req, 0.8, 300) == pytest.approx(
         usual + (300 - usual) / (12 / per_window))
+
+
+def _windows(est: AcceptanceEstimator, alphas: list[float], windows: int, k: int,
+             rng: random.Random) -> None:
+    """`windows` windows of k drafts for requests accepting each draft with alphas[i]; each
+    request is forgotten at the end, as a finished one."""
+    for i, alpha in enumerate(alphas):
+        for _ in range(windows):
+            accepted = 0
+            while accepted < k and rng.random() < alpha:
+                accepted += 1
+            est.update(str(i), k, accepted)
+        est.forget(str(i))
+
+
+def test_the_prior_weight_is_fitted_to_how_alike_requests_accept() -> None:
+    """Empirical Bayes: where every request accepts alike its recent windows are noise and
+    the global estimate weighs heavily; where requests differ (and keep differing) their own
+    windows count. Before PRIOR_WEIGHT_WINDOWS windows the default weight holds."""
+    rng = random.Random(0)
+    alike = AcceptanceEstimator(prior=0.5)
+    assert alike.prior_weight == DEFAULT_PRIOR_WEIGHT
+    _windows(alike, [0.9] * 30, 20, 4, rng)
+    unlike = AcceptanceEstimator(prior=0.5)
+    _windows(unlike, [0.95, 0.15] * 15, 20, 4, rng)
+    assert alike.prior_weight >= 32 and unlike.prior_weight <= 4
+    fixed = AcceptanceEstimator(prior=0.5, fixed_weight=4.0)
+    _windows(fixed, [0.9] * 30, 20, 4, rng)
+    assert fixed.prior_weight == 4.0
+
+
+def test_a_fitted_weight_keeps_alike_requests_near_the_global_estimate() -> None:
+    """A request of a population that accepts alike is planned with about the global
+    estimate even after a few unlucky windows (the [M7] probe's k = 4-5 overshoot came from
+    following such windows)."""
+    rng = random.Random(1)
+    est = AcceptanceEstimator(prior=0.5)
+    _windows(est, [0.92] * 30, 20, 5, rng)
+    for _ in range(3):
+        est.update("unlucky", 5, 1)
+    assert est.alpha("unlucky", optimistic=False) > 0.85
+    assert PriorWeight().value == DEFAULT_PRIOR_WEIGHT

@@ -1,0 +1,179 @@
+"""The goodput policy's choice of k, played back on recorded acceptance.
+
+A greedy request's window of drafts is accepted up to the first draft that differs from the
+target's own next token. So record once, for every output position, how many drafts in a row
+a window starting there would have accepted (`accepted_runs`: the draft model's argmax along
+the target's output, or a prompt lookup at each prefix), and any rule that picks k each step
+can be played back exactly and without the machine's noise: a window of k drafts at a
+position emits min(run, k) + 1 tokens (`replay`). Steps are priced in target decodes
+(`Costs`), so a rule's speedup over no speculation is tokens over decodes' worth of time.
+This is how the acceptance estimate's weighting is chosen (docs/benchmarks.md, The
+acceptance estimate's prior weight): at one request, whose window choices a machine's noise
+of +-5% a run hides.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from braid.spec_decode.ngram import NgramMatcher
+from braid.spec_decode.policy import AcceptanceEstimator, expected_tokens
+
+
+@dataclass(frozen=True)
+class Costs:
+    """A step's time in target decodes: a window of t query tokens costs windows[t - 1]
+    (windows[0] = 1), and each of its k drafts one draft forward (`draft`; 0 for drafts
+    that cost no forward)."""
+
+    windows: tuple[float, ...]
+    draft: float
+
+    def step(self, k: int) -> float:
+        return self.windows[k] + k * self.draft
+
+    @classmethod
+    def parse(cls, text: str) -> Costs:
+        """'draft=0.42,1.15,1.3,1.47': a draft forward, then windows of 2, 3, 4 ... tokens."""
+        draft, windows = 0.0, [1.0]
+        try:
+            for part in filter(None, text.split(",")):
+                if part.startswith("draft="):
+                    draft = float(part.removeprefix("draft="))
+                else:
+                    windows.append(float(part))
+        except ValueError:
+            windows = []
+        if len(windows) < 2 or not all(0 < w < math.inf for w in windows) or not (
+                0 <= draft < math.inf):
+            raise ValueError(f"{text!r}: give draft=D (>= 0) and the costs of windows of "
+                             "2, 3, ... tokens (> 0), in decodes")
+        return cls(tuple(windows), draft)
+
+
+def accepted_runs(guesses: Sequence[int], tokens: Sequence[int], first: int, longest: int
+                  ) -> list[int]:
+    """For each position p from `first` to the sequence's last, the drafts in a row a window
+    starting at p accepts (at most `longest`): the positions q >= p where guesses[q] (the
+    proposer's token for position q, from tokens[:q]) equals tokens[q]."""
+    hit = np.asarray(guesses[first:]) == np.asarray(tokens[first:])
+    runs = np.zeros(hit.shape[0] + 1, dtype=np.int64)
+    for i in range(hit.shape[0] - 1, -1, -1):
+        runs[i] = runs[i + 1] + 1 if hit[i] else 0
+    return np.minimum(runs[:-1], longest).tolist()
+
+
+def lookup_runs(tokens: Sequence[int], first: int, longest: int, matcher: NgramMatcher
+                ) -> list[int]:
+    """`accepted_runs` of prompt lookup: the drafts it proposes from each prefix, matched
+    against what the target wrote (a lookup's run ends where its proposal does)."""
+    seq = np.asarray(tokens)
+    runs = []
+    for p in range(first, len(tokens)):
+        drafts = matcher.match(seq[:p], longest)
+        n = 0
+        while n < len(drafts) and p + n < len(tokens) and drafts[n] == tokens[p + n]:
+            n += 1
+        runs.append(n)
+    return runs
+
+
+@dataclass
+class Replay:
+    """What a rule did over the requests: tokens emitted, their cost in decodes, the ks."""
+
+    tokens: int = 0
+    cost: float = 0.0
+    ks: Counter[int] = field(default_factory=Counter)
+
+    @property
+    def speedup(self) -> float:
+        """Tokens per decode's worth of time (no speculation: 1.0)."""
+        return self.tokens / self.cost
+
+
+Rule = Callable[[str, int], int]  # (request id, the most drafts it may take) -> k
+
+
+def best_k(alpha: float, cap: int, costs: Costs) -> int:
+    """The k that maximises expected tokens per cost at one request (choose_ks's objective
+    without its margins and catch-ups)."""
+    return max(range(cap + 1), key=lambda k: expected_tokens(alpha, k) / costs.step(k))
+
+
+def replay(requests: Sequence[Sequence[int]], estimator: AcceptanceEstimator | None,
+           costs: Costs, longest: int, rule: Rule | None = None) -> Replay:
+    """Play requests one after another (one at a time, as at concurrency 1), each step a
+    window of k drafts: k from `rule`, or (rule None) best_k at the estimator's alpha. The
+    estimator learns from every window as the speculator's does (update, rest at k = 0, age
+    when no window drafts, forget at the end)."""
+    out = Replay()
+    for i, runs in enumerate(requests):
+        rid = str(i)
+        p = 0
+        while p < len(runs):
+            cap = min(longest, len(runs) - p - 1)  # drafts past the last token are waste
+            if rule is not None:
+                k = min(rule(rid, cap), cap)
+            else:
+                assert estimator is not None, "give an estimator or a rule"
+                k = best_k(estimator.alpha(rid), cap, costs)
+            accepted = min(runs[p], k)
+            if estimator is not None:
+                if k:
+                    estimator.update(rid, k, accepted)
+                else:
+                    estimator.rest(rid)
+                    estimator.age()
+            out.tokens += accepted + 1
+            out.cost += costs.step(k)
+            out.ks[k] += 1
+            p += accepted + 1
+        if estimator is not None:
+            estimator.forget(rid)
+    return out
+
+
+def hindsight_alpha(runs: Sequence[int], longest: int) -> float:
+    """The request's acceptance as windows of `longest` drafts measure it over its whole
+    output (the rule 'each request's true alpha, known in advance' plays with it)."""
+    accepted = trials = 0
+    p = 0
+    while p < len(runs):
+        k = min(longest, len(runs) - p - 1)
+        a = min(runs[p], k)
+        accepted, trials = accepted + a, trials + a + (a < k)
+        p += a + 1
+    return accepted / trials if trials else 0.0
+
+
+PLAYED_WEIGHTS = (1.0, 4.0, 16.0, 64.0, 256.0)
+
+
+def play_rules(requests: Sequence[Sequence[int]], costs: Costs, longest: int, prior: float
+               ) -> tuple[dict[str, Replay], float]:
+    """Every rule played back on `requests`: each fixed k up to `longest`, each request's
+    hindsight alpha (known in advance: a bound for any estimate), the acceptance estimate
+    with prior weights fixed at PLAYED_WEIGHTS (4: before it was fitted) and with its
+    fitted weight (`prior`: the estimate's prior acceptance). Also the weight the fit ended
+    at."""
+    rules = {f"fixed k={k}": replay(requests, None, costs, longest, rule=_fixed(k))
+             for k in range(1, longest + 1)}
+    alphas = {str(i): hindsight_alpha(r, longest) for i, r in enumerate(requests)}
+    rules["hindsight alpha"] = replay(
+        requests, None, costs, longest, rule=lambda rid, cap: best_k(alphas[rid], cap, costs))
+    for weight in PLAYED_WEIGHTS:
+        rules[f"prior weight {weight:g}"] = replay(
+            requests, AcceptanceEstimator(prior=prior, fixed_weight=weight), costs, longest)
+    fitted = AcceptanceEstimator(prior=prior)
+    rules["fitted prior weight"] = replay(requests, fitted, costs, longest)
+    return rules, fitted.prior_weight
+
+
+def _fixed(k: int) -> Rule:
+    return lambda rid, cap: k
