@@ -65,7 +65,7 @@ from braid.models.build import load_model
 from braid.sampling_params import SamplingParams
 from braid.spec_decode.build import resolve_draft_dtype
 from braid.spec_decode.ngram import NgramMatcher
-from braid.spec_decode.policy import expected_tokens
+from braid.spec_decode.policy import EXPLORE_TRIALS, FREE_AGE_FLOOR, expected_tokens
 from braid.spec_decode.speculator import PRIOR_ALPHA, Speculator
 from braid.worker.runner import QuerySpan
 
@@ -258,7 +258,7 @@ def main() -> None:
     parser.add_argument("--replay-costs", type=costs_arg, default=None,
                         help="--replay's prices instead of timed ones, in target decodes: "
                         "'draft=D,W2,W3,...' (a draft forward, windows of 2, 3, ... tokens; "
-                        "give at least 6 windows)")
+                        "give at least 5 windows)")
     parser.add_argument("--replay-runs", default=None, metavar="JSON",
                         help="--replay on the record an earlier --replay saved (its JSON) "
                         "instead of recording: no model is loaded; needs --replay-costs")
@@ -279,7 +279,7 @@ def main() -> None:
                      "humaneval, sharegpt or edit")
     if args.replay_runs is not None and args.replay_costs is None:
         parser.error("--replay-runs: give --replay-costs too (there is no model to time)")
-    if args.replay_costs is not None and len(args.replay_costs.windows) < 7:
+    if args.replay_costs is not None and len(args.replay_costs.windows) < 6:
         parser.error("--replay-costs: give the costs of windows of 2 to 6 tokens at least")
     if args.predict and args.workload != "edit":
         parser.error("--predict: only the edit workload has predicted outputs")
@@ -425,16 +425,19 @@ def ceiling(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
 
 
 def record_runs(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, longest: int
-                ) -> dict[str, list[list[int]]]:
+                ) -> dict[str, Any]:
     """Per proposer ("draft_model", "ngram": prompt lookup), each prompt's `accepted_runs`
-    along the target's greedy output (braid/bench/acceptance.py)."""
+    along the target's greedy output (braid/bench/acceptance.py), the lookup's draft counts
+    ("ngram_lengths") and the sequences themselves ("sequences": prompt and output, and
+    where the output's second token is)."""
     assert isinstance(engine.speculator, Speculator), "needs a draft model"
     draft = engine.speculator.draft_runner
     assert draft is not None, "needs a draft model"
     config = engine.speculator.config
     matcher = NgramMatcher(config.prompt_lookup_min, config.prompt_lookup_max)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    runs: dict[str, list[list[int]]] = {"draft_model": [], "ngram": []}
+    runs: dict[str, Any] = {"draft_model": [], "ngram": [], "ngram_lengths": [],
+                            "sequences": []}
     for i, prompt in enumerate(tqdm(prompts, desc="recording acceptance", leave=False)):
         engine.add_request(f"replay-{i}", prompt, params)
         out = [o for o in engine.run_until_done() if o.finished][-1].outputs[0]
@@ -448,11 +451,14 @@ def record_runs(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, lo
                    else draft.execute(inp).argmax(-1))
         guesses = [-1] * first + ids[:-1].tolist()  # guesses[q]: the draft's, from seq[:q]
         runs["draft_model"].append(accepted_runs(guesses, seq, first, longest))
-        runs["ngram"].append(lookup_runs(seq, first, longest, matcher))
+        looked, lengths = lookup_runs(seq, first, longest, matcher)
+        runs["ngram"].append(looked)
+        runs["ngram_lengths"].append(lengths)
+        runs["sequences"].append({"tokens": seq, "first": first})
     return runs
 
 
-def replay_study(runs: dict[str, list[list[int]]], engine: LLMEngine | None,
+def replay_study(runs: dict[str, Any], engine: LLMEngine | None,
                  prompts: list[list[int]], args: argparse.Namespace, longest: int = 5
                  ) -> dict[str, Any]:
     """Play back on recorded acceptance (`record_runs`): every fixed k, the acceptance
@@ -470,9 +476,12 @@ def replay_study(runs: dict[str, list[list[int]]], engine: LLMEngine | None,
           + ", ".join(f"{w:.2f}" for w in costs.windows[:longest + 1]))
     figures: dict[str, Any] = {"costs": {"draft": costs.draft, "windows": costs.windows},
                                "runs": runs}
-    for method, requests in runs.items():
+    for method in ("draft_model", "ngram"):
+        requests, lengths = runs[method], runs.get(f"{method}_lengths")
         priced = costs if method == "draft_model" else Costs(costs.windows, 0.0)
-        rules, weight = play_rules(requests, priced, longest, PRIOR_ALPHA[method])
+        floor = EXPLORE_TRIALS / 2 if method == "draft_model" else FREE_AGE_FLOOR
+        rules, weight = play_rules(requests, priced, longest, PRIOR_ALPHA[method], lengths,
+                                   floor)
         best = max(v.speedup for name, v in rules.items() if name.startswith("fixed"))
         print(f"\n{method}: {len(requests)} requests, {sum(map(len, requests))} positions; "
               f"fitted weight ended at {weight:g}")

@@ -7,9 +7,9 @@ the target's output, or a prompt lookup at each prefix), and any rule that picks
 can be played back exactly and without the machine's noise: a window of k drafts at a
 position emits min(run, k) + 1 tokens (`replay`). Steps are priced in target decodes
 (`Costs`), so a rule's speedup over no speculation is tokens over decodes' worth of time.
-This is how the acceptance estimate's weighting is chosen (docs/benchmarks.md, The
-acceptance estimate's prior weight): at one request, whose window choices a machine's noise
-of +-5% a run hides.
+This is how the acceptance estimate's rules were chosen (docs/benchmarks.md, The acceptance
+estimate on replayed windows): at one request, whose window choices a machine's noise of
++-5% a run hides.
 """
 
 from __future__ import annotations
@@ -69,18 +69,20 @@ def accepted_runs(guesses: Sequence[int], tokens: Sequence[int], first: int, lon
 
 
 def lookup_runs(tokens: Sequence[int], first: int, longest: int, matcher: NgramMatcher
-                ) -> list[int]:
-    """`accepted_runs` of prompt lookup: the drafts it proposes from each prefix, matched
-    against what the target wrote (a lookup's run ends where its proposal does)."""
+                ) -> tuple[list[int], list[int]]:
+    """`accepted_runs` of prompt lookup (the drafts it proposes from each prefix, matched
+    against what the target wrote), and at each position how many drafts it has at all (0
+    where nothing matches: the step is a plain decode)."""
     seq = np.asarray(tokens)
-    runs = []
+    runs, lengths = [], []
     for p in range(first, len(tokens)):
         drafts = matcher.match(seq[:p], longest)
         n = 0
         while n < len(drafts) and p + n < len(tokens) and drafts[n] == tokens[p + n]:
             n += 1
         runs.append(n)
-    return runs
+        lengths.append(len(drafts))
+    return runs, lengths
 
 
 @dataclass
@@ -107,24 +109,30 @@ def best_k(alpha: float, cap: int, costs: Costs) -> int:
 
 
 def replay(requests: Sequence[Sequence[int]], estimator: AcceptanceEstimator | None,
-           costs: Costs, longest: int, rule: Rule | None = None) -> Replay:
+           costs: Costs, longest: int, rule: Rule | None = None,
+           lengths: Sequence[Sequence[int]] | None = None) -> Replay:
     """Play requests one after another (one at a time, as at concurrency 1), each step a
-    window of k drafts: k from `rule`, or (rule None) best_k at the estimator's alpha. The
-    estimator learns from every window as the speculator's does (update, rest at k = 0, age
-    when no window drafts, forget at the end)."""
+    window of k drafts: k from `rule`, or (rule None) best_k at the estimator's alpha, at
+    most the drafts the proposer has there (`lengths`, per request and position; None: as
+    many as asked). The estimator learns from every window as the speculator's does
+    (update, rest and age at k = 0 where there were drafts to take, forget at the end)."""
     out = Replay()
     for i, runs in enumerate(requests):
         rid = str(i)
         p = 0
         while p < len(runs):
-            cap = min(longest, len(runs) - p - 1)  # drafts past the last token are waste
-            if rule is not None:
+            # drafts past the last token are waste
+            cap = min(longest, len(runs) - p - 1,
+                      longest if lengths is None else lengths[i][p])
+            if not cap:
+                k = 0
+            elif rule is not None:
                 k = min(rule(rid, cap), cap)
             else:
                 assert estimator is not None, "give an estimator or a rule"
                 k = best_k(estimator.alpha(rid), cap, costs)
             accepted = min(runs[p], k)
-            if estimator is not None:
+            if estimator is not None and cap:
                 if k:
                     estimator.update(rid, k, accepted)
                 else:
@@ -139,13 +147,15 @@ def replay(requests: Sequence[Sequence[int]], estimator: AcceptanceEstimator | N
     return out
 
 
-def hindsight_alpha(runs: Sequence[int], longest: int) -> float:
-    """The request's acceptance as windows of `longest` drafts measure it over its whole
-    output (the rule 'each request's true alpha, known in advance' plays with it)."""
+def hindsight_alpha(runs: Sequence[int], longest: int,
+                    lengths: Sequence[int] | None = None) -> float:
+    """The request's acceptance as windows of `longest` drafts (or as many as there are:
+    `lengths`) measure it over its whole output (the rule 'each request's true alpha, known
+    in advance' plays with it)."""
     accepted = trials = 0
     p = 0
     while p < len(runs):
-        k = min(longest, len(runs) - p - 1)
+        k = min(longest, len(runs) - p - 1, longest if lengths is None else lengths[p])
         a = min(runs[p], k)
         accepted, trials = accepted + a, trials + a + (a < k)
         p += a + 1
@@ -155,23 +165,27 @@ def hindsight_alpha(runs: Sequence[int], longest: int) -> float:
 PLAYED_WEIGHTS = (1.0, 4.0, 16.0, 64.0, 256.0)
 
 
-def play_rules(requests: Sequence[Sequence[int]], costs: Costs, longest: int, prior: float
+def play_rules(requests: Sequence[Sequence[int]], costs: Costs, longest: int, prior: float,
+               lengths: Sequence[Sequence[int]] | None = None, age_floor: float = 8.0
                ) -> tuple[dict[str, Replay], float]:
     """Every rule played back on `requests`: each fixed k up to `longest`, each request's
     hindsight alpha (known in advance: a bound for any estimate), the acceptance estimate
     with prior weights fixed at PLAYED_WEIGHTS (4: before it was fitted) and with its
-    fitted weight (`prior`: the estimate's prior acceptance). Also the weight the fit ended
-    at."""
-    rules = {f"fixed k={k}": replay(requests, None, costs, longest, rule=_fixed(k))
+    fitted weight (`prior`: the estimate's prior acceptance; `age_floor`: as the
+    speculator sets it for the source). Also the weight the fit ended at."""
+    rules = {f"fixed k={k}": replay(requests, None, costs, longest, _fixed(k), lengths)
              for k in range(1, longest + 1)}
-    alphas = {str(i): hindsight_alpha(r, longest) for i, r in enumerate(requests)}
+    alphas = {str(i): hindsight_alpha(r, longest, None if lengths is None else lengths[i])
+              for i, r in enumerate(requests)}
     rules["hindsight alpha"] = replay(
-        requests, None, costs, longest, rule=lambda rid, cap: best_k(alphas[rid], cap, costs))
+        requests, None, costs, longest, lambda rid, cap: best_k(alphas[rid], cap, costs),
+        lengths)
     for weight in PLAYED_WEIGHTS:
         rules[f"prior weight {weight:g}"] = replay(
-            requests, AcceptanceEstimator(prior=prior, fixed_weight=weight), costs, longest)
-    fitted = AcceptanceEstimator(prior=prior)
-    rules["fitted prior weight"] = replay(requests, fitted, costs, longest)
+            requests, AcceptanceEstimator(prior=prior, fixed_weight=weight, age_floor=age_floor),
+            costs, longest, lengths=lengths)
+    fitted = AcceptanceEstimator(prior=prior, age_floor=age_floor)
+    rules["fitted prior weight"] = replay(requests, fitted, costs, longest, lengths=lengths)
     return rules, fitted.prior_weight
 
 

@@ -29,6 +29,13 @@ EXPLORE_TRIALS = 16
 # steps starting requests plan with the optimistic estimate again: the measured mean plus
 # about 0.1, which restarts drafting where the mean was near break-even and nowhere else.
 IDLE_DECAY = 0.98
+# How far idle steps age a source's evidence whose drafts cost no forward (prompt lookup,
+# suffix decoding, a prediction, forced tokens): to nothing, so the prior's optimism comes
+# back and the source is tried again after ~35-150 idle steps. Trying costs one window's
+# verification tokens, no catch-up. With the floor of the draft model's evidence, two
+# unlucky early lookups kept prompt lookup off for a whole HumanEval replay where one draft
+# a window gained 7% (docs/benchmarks.md, The acceptance estimate on replayed windows).
+FREE_AGE_FLOOR = 0.0
 # The weights of the global estimate in a request's own (pseudo-trials) among which
 # PriorWeight chooses, and the one used until it has seen PRIOR_WEIGHT_WINDOWS windows.
 PRIOR_WEIGHTS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
@@ -89,6 +96,8 @@ class AcceptanceEstimator:
     prior: float = 0.5  # global alpha before any verification
     decay: float = 0.9  # per window: an estimate follows roughly the last 10 windows
     fixed_weight: float | None = None  # pseudo-trials of the global estimate (None: fitted)
+    # trials of global evidence idle steps age it down to (FREE_AGE_FLOOR for free sources)
+    age_floor: float = EXPLORE_TRIALS / 2
     weight: PriorWeight = field(default_factory=PriorWeight)
     _global: list[float] = field(default_factory=lambda: [0.0, 0.0])  # accepted, trials
     _requests: dict[str, list[float]] = field(default_factory=dict)
@@ -123,8 +132,8 @@ class AcceptanceEstimator:
     def age(self) -> None:
         """A step passed without any verification: the global evidence ages."""
         trials = self._global[1]
-        if trials > EXPLORE_TRIALS / 2:
-            factor = max(IDLE_DECAY, EXPLORE_TRIALS / 2 / trials)
+        if trials > self.age_floor:
+            factor = max(IDLE_DECAY, self.age_floor / trials)
             self._global[0] *= factor
             self._global[1] *= factor
 

@@ -17,7 +17,12 @@ from braid.core.scheduler import RequestUpdate, Scheduler
 from braid.models.config import ModelConfig
 from braid.spec_decode.goodput import FixedPolicy, GoodputPolicy, Window, usual_lag
 from braid.spec_decode.ngram import NgramProposer
-from braid.spec_decode.policy import AcceptanceEstimator, expected_tokens
+from braid.spec_decode.policy import (
+    EXPLORE_TRIALS,
+    FREE_AGE_FLOOR,
+    AcceptanceEstimator,
+    expected_tokens,
+)
 from braid.spec_decode.prediction import PredictedOutputs
 from braid.spec_decode.proposer import Proposer
 from braid.spec_decode.suffix import SuffixProposer, SuffixSettings
@@ -143,7 +148,13 @@ class Speculator(Speculation):
         self.config = spec
         self.proposer = proposer
         self.max_model_len = max_model_len
-        self.acceptance = AcceptanceEstimator(prior=PRIOR_ALPHA[spec.method])
+        # A proposer without a model (ngram, suffix) drafts before the policy chooses, as the
+        # free sources do, so the policy plans the drafts there are (a request with none
+        # plans as a decode); its acceptance is the speculator's own.
+        self.free_main = proposer.runner is None
+        self.acceptance = AcceptanceEstimator(
+            prior=PRIOR_ALPHA[spec.method],
+            age_floor=FREE_AGE_FLOOR if self.free_main else EXPLORE_TRIALS / 2)
         # Prompt lookup beside a draft model (SpecConfig.draft_prompt_lookup): its drafts'
         # acceptance is learned apart from the model's (lookups accept markedly less).
         self.lookup = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -153,14 +164,12 @@ class Speculator(Speculation):
                        if spec.method == "draft_model" and spec.draft_suffix_decoding else None)
         self.predicted = PredictedOutputs()  # drafts from a request's `prediction`
         # the free sources' acceptance, learned apart from the proposer's, by Window.source
-        self.free_acceptance = {"lookup": AcceptanceEstimator(prior=LOOKUP_PRIOR_ALPHA),
-                                "prediction": AcceptanceEstimator(prior=PREDICTION_PRIOR_ALPHA),
-                                "grammar": AcceptanceEstimator(prior=FORCED_PRIOR_ALPHA),
-                                "suffix": AcceptanceEstimator(prior=SUFFIX_PRIOR_ALPHA)}
-        # A proposer without a model (ngram, suffix) drafts before the policy chooses, as the
-        # free sources do, so the policy plans the drafts there are (a request with none
-        # plans as a decode); its acceptance is the speculator's own.
-        self.free_main = proposer.runner is None
+        self.free_acceptance = {
+            source: AcceptanceEstimator(prior=prior, age_floor=FREE_AGE_FLOOR)
+            for source, prior in (("lookup", LOOKUP_PRIOR_ALPHA),
+                                  ("prediction", PREDICTION_PRIOR_ALPHA),
+                                  ("grammar", FORCED_PRIOR_ALPHA),
+                                  ("suffix", SUFFIX_PRIOR_ALPHA))}
         if self.free_main:
             self.free_acceptance[spec.method] = self.acceptance
         self.policy: FixedPolicy = (

@@ -30,10 +30,22 @@ def test_accepted_runs_count_the_matches_in_a_row_from_each_position() -> None:
 def test_lookup_runs_match_the_lookup_s_proposal_against_what_follows() -> None:
     matcher = NgramMatcher(1, 3)
     tokens = [1, 2, 3, 4, 1, 2, 3, 7, 8]
-    runs = lookup_runs(tokens, 5, 3, matcher)
+    runs, lengths = lookup_runs(tokens, 5, 3, matcher)
     # at 5 (after ... 4 1) the lookup proposes 2 3 4: 2 of them follow; at 6 (after 1 2) 3 4
     # 1: 1 follows; at 7 (after 2 3) 4 1 2: none; at 8 (after 3 7): no match
     assert runs == [2, 1, 0, 0]
+    assert lengths == [3, 3, 3, 0]
+
+
+def test_a_position_without_drafts_is_a_plain_decode_that_teaches_nothing() -> None:
+    """Where the proposer has fewer drafts than asked the window shrinks to them; where it
+    has none the step is a decode and the estimator hears nothing of it."""
+    runs, lengths = [[2, 0, 0, 0, 0, 0]], [[2, 0, 0, 0, 1, 0]]
+    out = replay(runs, None, FLAT, 5, rule=lambda rid, cap: 5, lengths=lengths)
+    assert out.ks == {2: 1, 0: 2, 1: 1} and out.tokens == 6
+    est = AcceptanceEstimator(prior=0.5)
+    replay([[0] * 30], est, FLAT, 5, lengths=[[0] * 30])
+    assert est.global_trials == 0 and est.weight.windows == 0
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 5])

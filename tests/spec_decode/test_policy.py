@@ -12,6 +12,7 @@ from braid.spec_decode.cost_model import EXACT_UP_TO, ForwardCost, StepCostModel
 from braid.spec_decode.policy import (
     DEFAULT_PRIOR_WEIGHT,
     EXPLORE_TRIALS,
+    FREE_AGE_FLOOR,
     AcceptanceEstimator,
     PriorWeight,
     StartPersistence,
@@ -552,3 +553,22 @@ def test_a_fitted_weight_keeps_alike_requests_near_the_global_estimate() -> None
         est.update("unlucky", 5, 1)
     assert est.alpha("unlucky", optimistic=False) > 0.85
     assert PriorWeight().value == DEFAULT_PRIOR_WEIGHT
+
+
+def test_a_free_source_s_evidence_ages_to_nothing_so_it_is_tried_again() -> None:
+    """Two unlucky windows of a free source (prompt lookup at prior 0.3) put its estimate
+    below break-even for good where idle steps stop aging at the draft model's floor; a
+    free source's evidence ages to nothing, and the prior's optimism returns."""
+    free = AcceptanceEstimator(prior=0.3, age_floor=FREE_AGE_FLOOR)
+    model = AcceptanceEstimator(prior=0.3)
+    for est in (free, model):
+        est.update("a", 1, 0)
+        est.update("a", 1, 0)
+        est.forget("a")
+    low = free.alpha("b")
+    assert low == model.alpha("b") < 0.37  # one draft for a 1.4-decode window: not worth it
+    for _ in range(60):
+        free.age()
+        model.age()
+    assert model.alpha("b") == low
+    assert free.alpha("b") > 0.43 and free.global_trials < 1
