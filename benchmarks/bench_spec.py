@@ -46,7 +46,7 @@ import torch
 from tqdm.auto import tqdm
 
 from braid.bench import agentic
-from braid.bench.acceptance import Costs, accepted_runs, lookup_runs, play_rules
+from braid.bench.acceptance import Costs, accepted_runs, lookup_record, play_rules
 from braid.bench.datasets import BenchPrompt, edit_prompts, humaneval, sharegpt
 from braid.config import (
     DEFAULT_DRAFT,
@@ -426,18 +426,15 @@ def ceiling(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
 
 def record_runs(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, longest: int
                 ) -> dict[str, Any]:
-    """Per proposer ("draft_model", "ngram": prompt lookup), each prompt's `accepted_runs`
-    along the target's greedy output (braid/bench/acceptance.py), the lookup's draft counts
-    ("ngram_lengths") and the sequences themselves ("sequences": prompt and output, and
-    where the output's second token is)."""
+    """The draft model's `accepted_runs` along the target's greedy output of each prompt
+    ("draft_model"; braid/bench/acceptance.py) and the sequences themselves ("sequences":
+    prompt and output, and where the output's second token is), from which replay_study
+    derives prompt lookup's."""
     assert isinstance(engine.speculator, Speculator), "needs a draft model"
     draft = engine.speculator.draft_runner
     assert draft is not None, "needs a draft model"
-    config = engine.speculator.config
-    matcher = NgramMatcher(config.prompt_lookup_min, config.prompt_lookup_max)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    runs: dict[str, Any] = {"draft_model": [], "ngram": [], "ngram_lengths": [],
-                            "sequences": []}
+    runs: dict[str, Any] = {"draft_model": [], "sequences": []}
     for i, prompt in enumerate(tqdm(prompts, desc="recording acceptance", leave=False)):
         engine.add_request(f"replay-{i}", prompt, params)
         out = [o for o in engine.run_until_done() if o.finished][-1].outputs[0]
@@ -451,9 +448,6 @@ def record_runs(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, lo
                    else draft.execute(inp).argmax(-1))
         guesses = [-1] * first + ids[:-1].tolist()  # guesses[q]: the draft's, from seq[:q]
         runs["draft_model"].append(accepted_runs(guesses, seq, first, longest))
-        looked, lengths = lookup_runs(seq, first, longest, matcher)
-        runs["ngram"].append(looked)
-        runs["ngram_lengths"].append(lengths)
         runs["sequences"].append({"tokens": seq, "first": first})
     return runs
 
@@ -476,12 +470,15 @@ def replay_study(runs: dict[str, Any], engine: LLMEngine | None,
           + ", ".join(f"{w:.2f}" for w in costs.windows[:longest + 1]))
     figures: dict[str, Any] = {"costs": {"draft": costs.draft, "windows": costs.windows},
                                "runs": runs}
+    matcher = NgramMatcher(SpecConfig.prompt_lookup_min, SpecConfig.prompt_lookup_max)
+    runs = {**runs, **lookup_record(runs["sequences"], longest, matcher)}
     for method in ("draft_model", "ngram"):
-        requests, lengths = runs[method], runs.get(f"{method}_lengths")
+        requests = runs[method]
         priced = costs if method == "draft_model" else Costs(costs.windows, 0.0)
         floor = EXPLORE_TRIALS / 2 if method == "draft_model" else FREE_AGE_FLOOR
-        rules, weight = play_rules(requests, priced, longest, PRIOR_ALPHA[method], lengths,
-                                   floor)
+        rules, weight = play_rules(requests, priced, longest, PRIOR_ALPHA[method],
+                                   runs.get(f"{method}_lengths"), floor,
+                                   runs.get(f"{method}_levels"))
         best = max(v.speedup for name, v in rules.items() if name.startswith("fixed"))
         print(f"\n{method}: {len(requests)} requests, {sum(map(len, requests))} positions; "
               f"fitted weight ended at {weight:g}")

@@ -18,6 +18,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -69,20 +70,22 @@ def accepted_runs(guesses: Sequence[int], tokens: Sequence[int], first: int, lon
 
 
 def lookup_runs(tokens: Sequence[int], first: int, longest: int, matcher: NgramMatcher
-                ) -> tuple[list[int], list[int]]:
+                ) -> tuple[list[int], list[int], list[int]]:
     """`accepted_runs` of prompt lookup (the drafts it proposes from each prefix, matched
-    against what the target wrote), and at each position how many drafts it has at all (0
-    where nothing matches: the step is a plain decode)."""
+    against what the target wrote), at each position how many drafts it has at all (0
+    where nothing matches: the step is a plain decode), and their confidence level (the
+    matched length)."""
     seq = np.asarray(tokens)
-    runs, lengths = [], []
+    runs, lengths, levels = [], [], []
     for p in range(first, len(tokens)):
-        drafts = matcher.match(seq[:p], longest)
+        drafts, level = matcher.match_graded(seq[:p], longest)
         n = 0
         while n < len(drafts) and p + n < len(tokens) and drafts[n] == tokens[p + n]:
             n += 1
         runs.append(n)
         lengths.append(len(drafts))
-    return runs, lengths
+        levels.append(level)
+    return runs, lengths, levels
 
 
 @dataclass
@@ -110,12 +113,14 @@ def best_k(alpha: float, cap: int, costs: Costs) -> int:
 
 def replay(requests: Sequence[Sequence[int]], estimator: AcceptanceEstimator | None,
            costs: Costs, longest: int, rule: Rule | None = None,
-           lengths: Sequence[Sequence[int]] | None = None) -> Replay:
+           lengths: Sequence[Sequence[int]] | None = None,
+           levels: Sequence[Sequence[int]] | None = None) -> Replay:
     """Play requests one after another (one at a time, as at concurrency 1), each step a
     window of k drafts: k from `rule`, or (rule None) best_k at the estimator's alpha, at
     most the drafts the proposer has there (`lengths`, per request and position; None: as
-    many as asked). The estimator learns from every window as the speculator's does
-    (update, rest and age at k = 0 where there were drafts to take, forget at the end)."""
+    many as asked), of the confidence `levels` the proposer gave them (None: ungraded).
+    The estimator learns from every window as the speculator's does (update, rest and age
+    at k = 0 where there were drafts to take, forget at the end)."""
     out = Replay()
     for i, runs in enumerate(requests):
         rid = str(i)
@@ -130,11 +135,12 @@ def replay(requests: Sequence[Sequence[int]], estimator: AcceptanceEstimator | N
                 k = min(rule(rid, cap), cap)
             else:
                 assert estimator is not None, "give an estimator or a rule"
-                k = best_k(estimator.alpha(rid), cap, costs)
+                level = None if levels is None else levels[i][p]
+                k = best_k(estimator.alpha(rid, level=level), cap, costs)
             accepted = min(runs[p], k)
             if estimator is not None and cap:
                 if k:
-                    estimator.update(rid, k, accepted)
+                    estimator.update(rid, k, accepted, None if levels is None else levels[i][p])
                 else:
                     estimator.rest(rid)
                     estimator.age()
@@ -166,13 +172,15 @@ PLAYED_WEIGHTS = (1.0, 4.0, 16.0, 64.0, 256.0)
 
 
 def play_rules(requests: Sequence[Sequence[int]], costs: Costs, longest: int, prior: float,
-               lengths: Sequence[Sequence[int]] | None = None, age_floor: float = 8.0
+               lengths: Sequence[Sequence[int]] | None = None, age_floor: float = 8.0,
+               levels: Sequence[Sequence[int]] | None = None
                ) -> tuple[dict[str, Replay], float]:
     """Every rule played back on `requests`: each fixed k up to `longest`, each request's
     hindsight alpha (known in advance: a bound for any estimate), the acceptance estimate
     with prior weights fixed at PLAYED_WEIGHTS (4: before it was fitted) and with its
     fitted weight (`prior`: the estimate's prior acceptance; `age_floor`: as the
-    speculator sets it for the source). Also the weight the fit ended at."""
+    speculator sets it for the source), and with the drafts' confidence `levels` where the
+    proposer grades them. Also the weight the fit ended at."""
     rules = {f"fixed k={k}": replay(requests, None, costs, longest, _fixed(k), lengths)
              for k in range(1, longest + 1)}
     alphas = {str(i): hindsight_alpha(r, longest, None if lengths is None else lengths[i])
@@ -186,8 +194,24 @@ def play_rules(requests: Sequence[Sequence[int]], costs: Costs, longest: int, pr
             costs, longest, lengths=lengths)
     fitted = AcceptanceEstimator(prior=prior, age_floor=age_floor)
     rules["fitted prior weight"] = replay(requests, fitted, costs, longest, lengths=lengths)
+    if levels is not None:
+        rules["fitted prior weight, confidence levels"] = replay(
+            requests, AcceptanceEstimator(prior=prior, age_floor=age_floor), costs, longest,
+            lengths=lengths, levels=levels)
     return rules, fitted.prior_weight
 
 
 def _fixed(k: int) -> Rule:
     return lambda rid, cap: k
+
+
+def lookup_record(sequences: Sequence[dict[str, Any]], longest: int, matcher: NgramMatcher
+                  ) -> dict[str, list[list[int]]]:
+    """`lookup_runs` of each recorded sequence ({"tokens", "first"}), as `record_runs` of
+    benchmarks/bench_spec.py keeps them: "ngram", "ngram_lengths", "ngram_levels"."""
+    out: dict[str, list[list[int]]] = {"ngram": [], "ngram_lengths": [], "ngram_levels": []}
+    for seq in sequences:
+        for key, values in zip(out, lookup_runs(seq["tokens"], seq["first"], longest, matcher),
+                               strict=True):
+            out[key].append(values)
+    return out

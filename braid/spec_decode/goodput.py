@@ -64,6 +64,7 @@ class Window:
     # (forced tokens), "prediction", "lookup", "suffix", or a model-free method's own
     lookup: list[int] = field(default_factory=list)
     source: str = ""
+    level: int | None = None  # the lookup's confidence level, where its source grades it
     k: int = 0  # the drafts chosen
     drafts: list[int] = field(default_factory=list)  # what it drafts (the lookup's or the model's)
     started: bool = False  # the draft model catches up on a backlog to draft for it
@@ -155,7 +156,7 @@ class GoodputPolicy(FixedPolicy):
         if any(w.lookup and not k for w, k in zip(windows, ks, strict=True)):
             for w, k in zip(windows, ks, strict=True):
                 if not k:
-                    w.lookup, w.source = [], ""
+                    w.lookup, w.source, w.level = [], "", None
             plan, alphas = self._plan(windows, nxt)
             ks = choose_ks(alphas, _caps(windows), plan, self.cost)
         for w, k in zip(windows, ks, strict=True):
@@ -178,7 +179,7 @@ class GoodputPolicy(FixedPolicy):
         free = [bool(w.lookup) for w in windows]
         lags = [0 if f else self.proposer.lag(w.req) for w, f in zip(windows, free, strict=True)]
         starting = [lag > self.usual_lag for lag in lags]
-        alphas = [self.free_acceptance[w.source].alpha(w.req.request_id) if f
+        alphas = [self.free_acceptance[w.source].alpha(w.req.request_id, level=w.level) if f
                   else self.acceptance.alpha(w.req.request_id, optimistic=not start)
                   for w, f, start in zip(windows, free, starting, strict=True)]
         demand = nxt.num_prefill_tokens

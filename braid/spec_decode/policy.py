@@ -41,6 +41,8 @@ FREE_AGE_FLOOR = 0.0
 PRIOR_WEIGHTS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
 DEFAULT_PRIOR_WEIGHT = 4.0
 PRIOR_WEIGHT_WINDOWS = 32
+# Pseudo-trials of the global estimate in a confidence level's (AcceptanceEstimator.alpha).
+LEVEL_WEIGHT = 8.0
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -101,20 +103,26 @@ class AcceptanceEstimator:
     weight: PriorWeight = field(default_factory=PriorWeight)
     _global: list[float] = field(default_factory=lambda: [0.0, 0.0])  # accepted, trials
     _requests: dict[str, list[float]] = field(default_factory=dict)
+    _levels: dict[int, list[float]] = field(default_factory=dict)  # as _global, by level
 
     @property
     def prior_weight(self) -> float:
         """Pseudo-trials of the global estimate in each request's."""
         return self.weight.value if self.fixed_weight is None else self.fixed_weight
 
-    def update(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
+    def update(self, request_id: str, num_drafted: int, num_accepted: int,
+               level: int | None = None) -> None:
+        """A window of `num_drafted` drafts (of confidence `level`, if its source grades
+        them) accepted `num_accepted`."""
         if num_drafted == 0:
             return
         trials = num_accepted + (1 if num_accepted < num_drafted else 0)
         own = self._requests.setdefault(request_id, [0.0, 0.0])
         self.weight.observe(own, self.global_alpha, num_accepted, num_accepted < num_drafted)
-        for counts, decay in ((own, self.decay),
-                              (self._global, 0.99)):
+        tallies = [(own, self.decay), (self._global, 0.99)]
+        if level is not None:
+            tallies.append((self._levels.setdefault(level, [0.0, 0.0]), 0.99))
+        for counts, decay in tallies:
             counts[0] = decay * counts[0] + num_accepted
             counts[1] = decay * counts[1] + trials
 
@@ -161,17 +169,36 @@ class AcceptanceEstimator:
         mean = self.global_alpha
         return mean + math.sqrt(mean * (1.0 - mean) / n)
 
-    def alpha(self, request_id: str, optimistic: bool = True) -> float:
+    def alpha(self, request_id: str, optimistic: bool = True, level: int | None = None
+              ) -> float:
         """What the policy plans with: the request's own evidence, pulled toward the global
         estimate: the optimistic one, or (optimistic=False, once there are EXPLORE_TRIALS
-        trials of evidence) the plain one."""
+        trials of evidence) the plain one. `level`: the drafts' confidence as their source
+        grades it (a prompt lookup's matched n-gram length, suffix decoding's estimated
+        probability); the estimate moves by how that level's drafts accept against all of
+        the source's (in log-odds, the level's tally pulled toward the global estimate)."""
         accepted, trials = self._requests.get(request_id, (0.0, 0.0))
         explore = optimistic or not self.has_evidence
         g = self._global_optimistic() if explore else self.global_alpha
-        return min((accepted + g * self.prior_weight) / (trials + self.prior_weight), 0.999)
+        alpha = min((accepted + g * self.prior_weight) / (trials + self.prior_weight), 0.999)
+        if level is None or level not in self._levels:
+            return alpha
+        mean = self.global_alpha
+        level_accepted, level_trials = self._levels[level]
+        rate = (level_accepted + mean * LEVEL_WEIGHT) / (level_trials + LEVEL_WEIGHT)
+        return min(_sigmoid(_logit(alpha) + _logit(rate) - _logit(mean)), 0.999)
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+
+
+def _logit(p: float) -> float:
+    p = min(max(p, 1e-3), 0.999)
+    return math.log(p / (1.0 - p))
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
 
 
 @dataclass

@@ -14,6 +14,9 @@ from braid.worker.runner import ModelRunner
 class Proposal:
     drafts: list[list[int]]  # per request, in the order asked
     forwards: list[DraftForward] = field(default_factory=list)
+    # per request, the drafts' confidence level where the proposer grades them (see
+    # AcceptanceEstimator.alpha); None: it does not
+    levels: list[int] | None = None
 
 
 class Proposer(ABC):

@@ -24,7 +24,7 @@ from braid.spec_decode.policy import (
     expected_tokens,
 )
 from braid.spec_decode.prediction import PredictedOutputs
-from braid.spec_decode.proposer import Proposer
+from braid.spec_decode.proposer import Proposal, Proposer
 from braid.spec_decode.suffix import SuffixProposer, SuffixSettings
 from braid.worker.runner import ModelRunner
 
@@ -142,6 +142,11 @@ class Speculation:
         return None
 
 
+def _graded(proposal: Proposal, i: int) -> tuple[list[int], int | None]:
+    """Request i's drafts in `proposal`, and their confidence level (None: ungraded)."""
+    return proposal.drafts[i], None if proposal.levels is None else proposal.levels[i]
+
+
 class Speculator(Speculation):
     def __init__(self, spec: SpecConfig, proposer: Proposer, max_model_len: int,
                  target_itl: float | None = None) -> None:
@@ -176,8 +181,8 @@ class Speculator(Speculation):
             FixedPolicy() if spec.policy == "fixed" else
             GoodputPolicy(spec, proposer, max_model_len, self.acceptance,
                           self.free_acceptance, target_itl))
-        # requests whose pending drafts came from a free source, and which
-        self._looked_up: dict[str, str] = {}
+        # requests whose pending drafts came from a free source: which, and their level
+        self._looked_up: dict[str, tuple[str, int | None]] = {}
         self.lookup_windows = 0  # verified windows whose drafts came from a lookup
         self.chosen_k: Counter[int] = Counter()  # how often each k was chosen for a request
         self.windows_by_source: Counter[str] = Counter()  # verified windows by draft source
@@ -227,7 +232,7 @@ class Speculator(Speculation):
             # them as usual lag measured no better: docs/benchmarks.md, What the policy's
             # rules rest on)
             if w.drafts:
-                self._looked_up[rid] = w.source
+                self._looked_up[rid] = (w.source, w.level)
             if w.source != self.config.method:
                 self.acceptance.rest(rid)  # no model drafts: its evidence ages
         elif w.drafts:
@@ -253,35 +258,36 @@ class Speculator(Speculation):
         model-free proposer's (ngram, suffix), the one expected to emit the most tokens at
         its source's acceptance estimate. The sources chosen for some window."""
         requests, caps = [w.req for w in windows], [w.cap for w in windows]
-        found = (self.lookup.propose(requests, caps).drafts if self.lookup is not None
-                 else [[] for _ in windows])
-        main = (self.proposer.propose(requests, caps).drafts if self.free_main
-                else [[] for _ in windows])
-        for w, look, own in zip(windows, found, main, strict=True):
+        none = Proposal([[] for _ in windows])
+        found = self.lookup.propose(requests, caps) if self.lookup is not None else none
+        main = self.proposer.propose(requests, caps) if self.free_main else none
+        for i, w in enumerate(windows):
             if not w.cap:
                 continue
-            candidates = [(source, drafts) for source, drafts in
-                          [*self._candidates(w, look), (self.config.method, own)] if drafts]
+            candidates = [c for c in [*self._candidates(w, _graded(found, i)),
+                                      (self.config.method, *_graded(main, i))] if c[1]]
             if candidates:
                 rid = w.req.request_id
-                w.source, w.lookup = max(candidates, key=lambda c: expected_tokens(
-                    self.free_acceptance[c[0]].alpha(rid), len(c[1])))
+                w.source, w.lookup, w.level = max(candidates, key=lambda c: expected_tokens(
+                    self.free_acceptance[c[0]].alpha(rid, level=c[2]), len(c[1])))
             elif self.free_main:
                 w.cap = 0  # nothing to draft
         return {w.source for w in windows if w.lookup}
 
-    def _candidates(self, w: Window, look: list[int]) -> list[tuple[str, list[int]]]:
-        """Each free source's drafts for window `w` ([] where it has none worth verifying);
-        `look` is its prompt lookup."""
+    def _candidates(self, w: Window, look: tuple[list[int], int | None]
+                    ) -> list[tuple[str, list[int], int | None]]:
+        """Each free source's drafts for window `w` ([] where it has none worth verifying)
+        and their confidence level (None: ungraded); `look` is its prompt lookup's."""
         grammar = w.req.grammar
         forced = grammar.forced_tokens(w.cap) if grammar is not None else []
-        suffix = self.suffix.draft(w.req, w.cap) if self.suffix is not None else []
+        suffix, level = (self.suffix.draft_graded(w.req, w.cap) if self.suffix is not None
+                         else ([], None))
         least = min(2, w.cap)
         predicted = self.predicted.drafts(w.req, w.cap)
-        return [("grammar", forced if len(forced) >= least else []),
-                ("prediction", predicted if len(predicted) >= least else []),
-                ("lookup", look if len(look) == w.cap else []),
-                ("suffix", suffix if len(suffix) >= least else [])]
+        return [("grammar", forced if len(forced) >= least else [], None),
+                ("prediction", predicted if len(predicted) >= least else [], None),
+                ("lookup", look[0] if len(look[0]) == w.cap else [], look[1]),
+                ("suffix", suffix if len(suffix) >= least else [], level)]
 
     def prefill_cap(self, scheduler: Scheduler) -> int | None:
         return self.policy.prefill_cap(list(scheduler.running), scheduler.next_step())
@@ -291,13 +297,13 @@ class Speculator(Speculation):
         return self.free_acceptance["lookup"]
 
     def on_verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
-        source = self._looked_up.pop(req.request_id, "")
+        source, level = self._looked_up.pop(req.request_id, ("", None))
         self.windows_by_source[source or self.config.method] += 1
         self.lookup_windows += source == "lookup"
         if source == "prediction":
             req.spec_stats.record_prediction(num_drafted, num_accepted)
         estimator = self.free_acceptance[source] if source else self.acceptance
-        estimator.update(req.request_id, num_drafted, num_accepted)
+        estimator.update(req.request_id, num_drafted, num_accepted, level)
 
     def observe_step(self, tokens: int, attention: int, rows: int, seconds: float) -> None:
         predicted = self.policy.observe_target(tokens, attention, rows, seconds)

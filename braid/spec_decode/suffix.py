@@ -272,16 +272,20 @@ class SuffixProposer(Proposer):
         self.own: dict[str, SuffixCorpus] = {}  # each running request's prompt and output
 
     def propose(self, requests: list[Request], ks: list[int]) -> Proposal:
-        drafts = [self.draft(r, k) if k else [] for r, k in zip(requests, ks, strict=True)]
-        return Proposal(drafts)
+        graded = [self.draft_graded(r, k) if k else ([], 0)
+                  for r, k in zip(requests, ks, strict=True)]
+        return Proposal([drafts for drafts, _ in graded], levels=[n for _, n in graded])
 
-    def draft(self, req: Request, k: int) -> list[int]:
+    def draft_graded(self, req: Request, k: int) -> tuple[list[int], int]:
+        """Up to k drafts for `req`, and their confidence level: their mean estimated
+        probability in quarters (0: below 0.25 ... 3: 0.75 or more)."""
         tokens = self._sync(req)
         s = self.settings
         rid = req.request_id
         mine = self.own[rid].speculate(tokens, k, s.max_spec_factor, s.min_token_prob, rid)
         others = self.outputs.speculate(tokens, k, s.max_spec_factor, s.min_token_prob, rid)
-        return (mine if mine[1] >= others[1] else others)[0]
+        drafts, score = mine if mine[1] >= others[1] else others
+        return drafts, min(int(4 * score / len(drafts)), 3) if drafts else 0
 
     def _sync(self, req: Request) -> np.ndarray:
         """The request's tokens, with those not yet in its corpora added to them."""

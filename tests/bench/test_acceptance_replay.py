@@ -30,11 +30,12 @@ def test_accepted_runs_count_the_matches_in_a_row_from_each_position() -> None:
 def test_lookup_runs_match_the_lookup_s_proposal_against_what_follows() -> None:
     matcher = NgramMatcher(1, 3)
     tokens = [1, 2, 3, 4, 1, 2, 3, 7, 8]
-    runs, lengths = lookup_runs(tokens, 5, 3, matcher)
+    runs, lengths, levels = lookup_runs(tokens, 5, 3, matcher)
     # at 5 (after ... 4 1) the lookup proposes 2 3 4: 2 of them follow; at 6 (after 1 2) 3 4
     # 1: 1 follows; at 7 (after 2 3) 4 1 2: none; at 8 (after 3 7): no match
     assert runs == [2, 1, 0, 0]
     assert lengths == [3, 3, 3, 0]
+    assert levels == [1, 2, 3, 0]  # the matched lengths: "1", "1 2", "1 2 3", none
 
 
 def test_a_position_without_drafts_is_a_plain_decode_that_teaches_nothing() -> None:
