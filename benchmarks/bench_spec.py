@@ -65,10 +65,11 @@ from braid.models.build import load_model
 from braid.sampling_params import SamplingParams
 from braid.spec_decode.build import resolve_draft_dtype
 from braid.spec_decode.ngram import NgramMatcher
-from braid.spec_decode.policy import EXPLORE_TRIALS, FREE_AGE_FLOOR, expected_tokens
+from braid.spec_decode.policy import age_floor, expected_tokens
 from braid.spec_decode.speculator import PRIOR_ALPHA, Speculator
 from braid.worker.runner import QuerySpan
 
+REPLAY_LONGEST = 5  # --replay: the most drafts a window takes (goodput's k <= 5)
 SAMPLING_MODES = {
     "greedy": {"draft_sampling": "greedy", "verification": "coupled"},
     "coupled": {"draft_sampling": "coupled", "verification": "coupled"},
@@ -318,7 +319,7 @@ def main() -> None:
     if args.replay:
         engine = make_engine("goodput", target, draft, 1, args, prompts[0])
         prompts = prompts[:counts[min(levels)]]
-        runs = record_runs(engine, prompts, args.max_tokens, 5)
+        runs = record_runs(engine, prompts, args.max_tokens, REPLAY_LONGEST)
         replay_to_json(replay_study(runs, engine, prompts, args), args)
         return
     results: list[dict[str, Any]] = []
@@ -453,8 +454,8 @@ def record_runs(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, lo
 
 
 def replay_study(runs: dict[str, Any], engine: LLMEngine | None,
-                 prompts: list[list[int]], args: argparse.Namespace, longest: int = 5
-                 ) -> dict[str, Any]:
+                 prompts: list[list[int]], args: argparse.Namespace,
+                 longest: int = REPLAY_LONGEST) -> dict[str, Any]:
     """Play back on recorded acceptance (`record_runs`): every fixed k, the acceptance
     estimate with fixed prior weights and with its fitted one, and each request's hindsight
     alpha, priced by --replay-costs or by forwards of `engine` timed now; prints a table
@@ -475,9 +476,9 @@ def replay_study(runs: dict[str, Any], engine: LLMEngine | None,
     for method in ("draft_model", "ngram"):
         requests = runs[method]
         priced = costs if method == "draft_model" else Costs(costs.windows, 0.0)
-        floor = EXPLORE_TRIALS / 2 if method == "draft_model" else FREE_AGE_FLOOR
         rules, weight = play_rules(requests, priced, longest, PRIOR_ALPHA[method],
-                                   runs.get(f"{method}_lengths"), floor,
+                                   runs.get(f"{method}_lengths"),
+                                   age_floor(method != "draft_model"),
                                    runs.get(f"{method}_levels"))
         best = max(v.speedup for name, v in rules.items() if name.startswith("fixed"))
         print(f"\n{method}: {len(requests)} requests, {sum(map(len, requests))} positions; "
@@ -493,12 +494,17 @@ def replay_study(runs: dict[str, Any], engine: LLMEngine | None,
 
 
 def replay_to_json(figures: dict[str, Any], args: argparse.Namespace) -> None:
+    """--out/--stem.json (default replay_WORKLOAD, or the played record's name + _replayed):
+    the run's arguments and machine, the record, the prices and each rule's figures."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = args.stem or f"replay_{args.workload}"
+    stem = args.stem or (f"replay_{args.workload}" if args.replay_runs is None
+                         else f"{Path(args.replay_runs).stem}_replayed")
+    machine = {"machine": platform.machine(), "torch": torch.__version__,
+               "threads": torch.get_num_threads()}
     (out / f"{stem}.json").write_text(json.dumps(
-        {"args": {k: v for k, v in vars(args).items() if k != "replay_costs"}, **figures},
-        indent=1))
+        {"args": {k: v for k, v in vars(args).items() if k != "replay_costs"},
+         "host": machine, **figures}, indent=1))
 
 
 def measure(engine: LLMEngine, mode: str, c: int, count: int, prompts: list[list[int]],

@@ -7,9 +7,7 @@ the target's output, or a prompt lookup at each prefix), and any rule that picks
 can be played back exactly and without the machine's noise: a window of k drafts at a
 position emits min(run, k) + 1 tokens (`replay`). Steps are priced in target decodes
 (`Costs`), so a rule's speedup over no speculation is tokens over decodes' worth of time.
-This is how the acceptance estimate's rules were chosen (docs/benchmarks.md, The acceptance
-estimate on replayed windows): at one request, whose window choices a machine's noise of
-+-5% a run hides.
+Results: docs/benchmarks.md, The acceptance estimate on replayed windows.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from braid.spec_decode.ngram import NgramMatcher
-from braid.spec_decode.policy import AcceptanceEstimator, expected_tokens
+from braid.spec_decode.policy import DRAFT_MODEL_AGE_FLOOR, AcceptanceEstimator, expected_tokens
 
 
 @dataclass(frozen=True)
@@ -98,8 +96,8 @@ class Replay:
 
     @property
     def speedup(self) -> float:
-        """Tokens per decode's worth of time (no speculation: 1.0)."""
-        return self.tokens / self.cost
+        """Tokens per decode's worth of time (no speculation: 1.0; no tokens: 0.0)."""
+        return self.tokens / self.cost if self.cost else 0.0
 
 
 Rule = Callable[[str, int], int]  # (request id, the most drafts it may take) -> k
@@ -121,6 +119,7 @@ def replay(requests: Sequence[Sequence[int]], estimator: AcceptanceEstimator | N
     many as asked), of the confidence `levels` the proposer gave them (None: ungraded).
     The estimator learns from every window as the speculator's does (update, rest and age
     at k = 0 where there were drafts to take, forget at the end)."""
+    assert len(costs.windows) > longest, f"price windows of up to {longest + 1} tokens"
     out = Replay()
     for i, runs in enumerate(requests):
         rid = str(i)
@@ -172,12 +171,13 @@ PLAYED_WEIGHTS = (1.0, 4.0, 16.0, 64.0, 256.0)
 
 
 def play_rules(requests: Sequence[Sequence[int]], costs: Costs, longest: int, prior: float,
-               lengths: Sequence[Sequence[int]] | None = None, age_floor: float = 8.0,
+               lengths: Sequence[Sequence[int]] | None = None,
+               age_floor: float = DRAFT_MODEL_AGE_FLOOR,
                levels: Sequence[Sequence[int]] | None = None
                ) -> tuple[dict[str, Replay], float]:
     """Every rule played back on `requests`: each fixed k up to `longest`, each request's
     hindsight alpha (known in advance: a bound for any estimate), the acceptance estimate
-    with prior weights fixed at PLAYED_WEIGHTS (4: before it was fitted) and with its
+    with prior weights fixed at PLAYED_WEIGHTS and with its
     fitted weight (`prior`: the estimate's prior acceptance; `age_floor`: as the
     speculator sets it for the source), and with the drafts' confidence `levels` where the
     proposer grades them. Also the weight the fit ended at."""

@@ -76,17 +76,12 @@ class NgramMatcher:
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
 
-    def match(self, token_ids: np.ndarray | Sequence[int], k: int) -> list[int]:
-        """Up to k tokens that followed the most recent earlier occurrence of the longest
-        matching suffix; [] when no suffix of at least prompt_lookup_min tokens recurs."""
-        return self.match_graded(token_ids, k)[0]
-
     def match_graded(self, token_ids: np.ndarray | Sequence[int], k: int
                      ) -> tuple[list[int], int]:
-        """`match`, and the length of the suffix it matched (0 where nothing matched): the
-        drafts' confidence level, since a longer match is followed more often (on HumanEval
-        a 2-token match's drafts were accepted 0.56 of the time, a 5-token one's 0.87:
-        docs/benchmarks.md, The acceptance estimate on replayed windows)."""
+        """Up to k tokens that followed the most recent earlier occurrence of the longest
+        matching suffix ([] when no suffix of at least prompt_lookup_min tokens recurs),
+        and that suffix's length (0 where nothing matched): the drafts' confidence level,
+        since a longer match is followed more often."""
         tokens = np.asarray(token_ids)  # [L]
         if k <= 0 or tokens.shape[0] <= self.prompt_lookup_min:
             return [], 0

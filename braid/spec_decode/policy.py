@@ -29,20 +29,25 @@ EXPLORE_TRIALS = 16
 # steps starting requests plan with the optimistic estimate again: the measured mean plus
 # about 0.1, which restarts drafting where the mean was near break-even and nowhere else.
 IDLE_DECAY = 0.98
-# How far idle steps age a source's evidence whose drafts cost no forward (prompt lookup,
-# suffix decoding, a prediction, forced tokens): to nothing, so the prior's optimism comes
-# back and the source is tried again after ~35-150 idle steps. Trying costs one window's
-# verification tokens, no catch-up. With the floor of the draft model's evidence, two
-# unlucky early lookups kept prompt lookup off for a whole HumanEval replay where one draft
-# a window gained 7% (docs/benchmarks.md, The acceptance estimate on replayed windows).
+# How far idle steps age the evidence of a source whose drafts cost no forward (prompt
+# lookup, suffix decoding, a prediction, forced tokens): to nothing, so the prior's optimism
+# returns and the source is tried again (a try costs one window's verification, no
+# catch-up); a draft model's stops at DRAFT_MODEL_AGE_FLOOR. Measured in docs/benchmarks.md,
+# The acceptance estimate on replayed windows.
 FREE_AGE_FLOOR = 0.0
+DRAFT_MODEL_AGE_FLOOR = EXPLORE_TRIALS / 2
 # The weights of the global estimate in a request's own (pseudo-trials) among which
 # PriorWeight chooses, and the one used until it has seen PRIOR_WEIGHT_WINDOWS windows.
-PRIOR_WEIGHTS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
+PRIOR_WEIGHTS = np.array([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0])
 DEFAULT_PRIOR_WEIGHT = 4.0
 PRIOR_WEIGHT_WINDOWS = 32
 # Pseudo-trials of the global estimate in a confidence level's (AcceptanceEstimator.alpha).
 LEVEL_WEIGHT = 8.0
+
+
+def age_floor(free: bool) -> float:
+    """The age floor of a source's acceptance evidence: `free`, its drafts cost no forward."""
+    return FREE_AGE_FLOOR if free else DRAFT_MODEL_AGE_FLOOR
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -58,16 +63,14 @@ class PriorWeight:
     """How much the global estimate weighs in a request's (pseudo-trials), fitted to the
     windows verified so far: empirical Bayes, the prior's strength chosen by how well each
     candidate would have predicted what the windows accepted (the log-likelihood of every
-    window's accepted drafts and its rejection, at the alpha that weight gave the request
-    before the window). Where requests accept alike (the draft model on code, ~0.92 all
-    through) a request's recent windows are mostly noise and a heavy weight wins; where
-    they differ (suffix drafts on a copy edit accepted ~0.9, on free prose ~0.2) a light
-    one does. Fitting to predictions, not to the spread of whole requests' means, also
-    counts a request's own drift: a request that moves from prose to code is told apart by
-    its recent windows whatever its mean."""
+    window's accepted drafts and its rejection, at the alpha each weight gives the request
+    from its evidence before the window and the plain global estimate). Where requests
+    accept alike a request's few recent windows are mostly noise and a heavy weight wins;
+    where they differ, or drift within a request, a light one does."""
 
     decay: float = 0.998  # per window: the fit follows roughly the last 500 windows
     windows: int = 0
+    value: float = DEFAULT_PRIOR_WEIGHT  # the weight in use
     _loss: np.ndarray = field(default_factory=lambda: np.zeros(len(PRIOR_WEIGHTS)))
 
     def observe(self, counts: list[float], g: float, num_accepted: int, rejected: bool
@@ -75,17 +78,13 @@ class PriorWeight:
         """A window of a request whose decayed (accepted, trials) were `counts` before it,
         the global estimate `g`: it accepted `num_accepted` drafts, then one was rejected
         (or not: the window was accepted whole)."""
-        weights = np.asarray(PRIOR_WEIGHTS)
-        alpha = np.clip((counts[0] + g * weights) / (counts[1] + weights), 1e-3, 0.999)
+        alpha = np.clip((counts[0] + g * PRIOR_WEIGHTS) / (counts[1] + PRIOR_WEIGHTS),
+                        1e-3, 0.999)
         loss = -num_accepted * np.log(alpha) - (np.log1p(-alpha) if rejected else 0.0)
         self._loss = self.decay * self._loss + loss
         self.windows += 1
-
-    @property
-    def value(self) -> float:
-        if self.windows < PRIOR_WEIGHT_WINDOWS:
-            return DEFAULT_PRIOR_WEIGHT
-        return PRIOR_WEIGHTS[int(np.argmin(self._loss))]
+        if self.windows >= PRIOR_WEIGHT_WINDOWS:
+            self.value = float(PRIOR_WEIGHTS[int(np.argmin(self._loss))])
 
 
 @dataclass
@@ -99,11 +98,12 @@ class AcceptanceEstimator:
     decay: float = 0.9  # per window: an estimate follows roughly the last 10 windows
     fixed_weight: float | None = None  # pseudo-trials of the global estimate (None: fitted)
     # trials of global evidence idle steps age it down to (FREE_AGE_FLOOR for free sources)
-    age_floor: float = EXPLORE_TRIALS / 2
+    age_floor: float = DRAFT_MODEL_AGE_FLOOR
     weight: PriorWeight = field(default_factory=PriorWeight)
     _global: list[float] = field(default_factory=lambda: [0.0, 0.0])  # accepted, trials
     _requests: dict[str, list[float]] = field(default_factory=dict)
-    _levels: dict[int, list[float]] = field(default_factory=dict)  # as _global, by level
+    # accepted, trials by confidence level, decayed and aged as _global is
+    _levels: dict[int, list[float]] = field(default_factory=dict)
 
     @property
     def prior_weight(self) -> float:
@@ -118,10 +118,17 @@ class AcceptanceEstimator:
             return
         trials = num_accepted + (1 if num_accepted < num_drafted else 0)
         own = self._requests.setdefault(request_id, [0.0, 0.0])
-        self.weight.observe(own, self.global_alpha, num_accepted, num_accepted < num_drafted)
+        if self.fixed_weight is None:
+            self.weight.observe(own, self.global_alpha, num_accepted,
+                                num_accepted < num_drafted)
+        if level is not None:
+            self._levels.setdefault(level, [0.0, 0.0])
+        for tally in self._levels.values():  # every level's evidence ages with each window
+            tally[0] *= 0.99
+            tally[1] *= 0.99
         tallies = [(own, self.decay), (self._global, 0.99)]
         if level is not None:
-            tallies.append((self._levels.setdefault(level, [0.0, 0.0]), 0.99))
+            tallies.append((self._levels[level], 1.0))  # (aged above)
         for counts, decay in tallies:
             counts[0] = decay * counts[0] + num_accepted
             counts[1] = decay * counts[1] + trials
@@ -142,8 +149,9 @@ class AcceptanceEstimator:
         trials = self._global[1]
         if trials > self.age_floor:
             factor = max(IDLE_DECAY, self.age_floor / trials)
-            self._global[0] *= factor
-            self._global[1] *= factor
+            for tally in (self._global, *self._levels.values()):
+                tally[0] *= factor
+                tally[1] *= factor
 
     @property
     def global_trials(self) -> float:
@@ -180,13 +188,19 @@ class AcceptanceEstimator:
         accepted, trials = self._requests.get(request_id, (0.0, 0.0))
         explore = optimistic or not self.has_evidence
         g = self._global_optimistic() if explore else self.global_alpha
-        alpha = min((accepted + g * self.prior_weight) / (trials + self.prior_weight), 0.999)
+        weight = self.prior_weight
+        alpha = min((accepted + g * weight) / (trials + weight), 0.999)
         if level is None or level not in self._levels:
             return alpha
         mean = self.global_alpha
         level_accepted, level_trials = self._levels[level]
         rate = (level_accepted + mean * LEVEL_WEIGHT) / (level_trials + LEVEL_WEIGHT)
         return min(_sigmoid(_logit(alpha) + _logit(rate) - _logit(mean)), 0.999)
+
+    @property
+    def levels(self) -> dict[int, tuple[float, float]]:
+        """Decayed (accepted, trials) of the windows of each confidence level."""
+        return {level: (tally[0], tally[1]) for level, tally in self._levels.items()}
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

@@ -17,12 +17,7 @@ from braid.core.scheduler import RequestUpdate, Scheduler
 from braid.models.config import ModelConfig
 from braid.spec_decode.goodput import FixedPolicy, GoodputPolicy, Window, usual_lag
 from braid.spec_decode.ngram import NgramProposer
-from braid.spec_decode.policy import (
-    EXPLORE_TRIALS,
-    FREE_AGE_FLOOR,
-    AcceptanceEstimator,
-    expected_tokens,
-)
+from braid.spec_decode.policy import AcceptanceEstimator, age_floor, expected_tokens
 from braid.spec_decode.prediction import PredictedOutputs
 from braid.spec_decode.proposer import Proposal, Proposer
 from braid.spec_decode.suffix import SuffixProposer, SuffixSettings
@@ -159,7 +154,7 @@ class Speculator(Speculation):
         self.free_main = proposer.runner is None
         self.acceptance = AcceptanceEstimator(
             prior=PRIOR_ALPHA[spec.method],
-            age_floor=FREE_AGE_FLOOR if self.free_main else EXPLORE_TRIALS / 2)
+            age_floor=age_floor(self.free_main))
         # Prompt lookup beside a draft model (SpecConfig.draft_prompt_lookup): its drafts'
         # acceptance is learned apart from the model's (lookups accept markedly less).
         self.lookup = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -170,7 +165,7 @@ class Speculator(Speculation):
         self.predicted = PredictedOutputs()  # drafts from a request's `prediction`
         # the free sources' acceptance, learned apart from the proposer's, by Window.source
         self.free_acceptance = {
-            source: AcceptanceEstimator(prior=prior, age_floor=FREE_AGE_FLOOR)
+            source: AcceptanceEstimator(prior=prior, age_floor=age_floor(free=True))
             for source, prior in (("lookup", LOOKUP_PRIOR_ALPHA),
                                   ("prediction", PREDICTION_PRIOR_ALPHA),
                                   ("grammar", FORCED_PRIOR_ALPHA),

@@ -28,35 +28,35 @@ def ref_propose(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
 def test_longest_match_wins_over_more_recent_shorter_one() -> None:
     # suffix [1, 2, 3] occurs at 0 (followed by 7); [2, 3] alone recurs later (followed by 8)
     tokens = [1, 2, 3, 7, 7, 9, 2, 3, 8, 5, 1, 2, 3]
-    assert NgramMatcher(1, 3).match(tokens, 2) == [7, 7]
-    assert NgramMatcher(1, 2).match(tokens, 2) == [8, 5]
+    assert NgramMatcher(1, 3).match_graded(tokens, 2) == ([7, 7], 3)  # graded by its length
+    assert NgramMatcher(1, 2).match_graded(tokens, 2) == ([8, 5], 2)
 
 
 def test_most_recent_occurrence() -> None:
     tokens = [4, 5, 1, 4, 5, 2, 4, 5, 3, 0, 4, 5]
-    assert NgramMatcher(2, 2).match(tokens, 1) == [3]
-    assert NgramMatcher(2, 2).match(np.array(tokens), 3) == [3, 0, 4]
+    assert NgramMatcher(2, 2).match_graded(tokens, 1) == ([3], 2)
+    assert NgramMatcher(2, 2).match_graded(np.array(tokens), 3) == ([3, 0, 4], 2)
 
 
 def test_no_match_and_min_length() -> None:
-    assert NgramMatcher(1, 3).match([1, 2, 3, 4], 3) == []
+    assert NgramMatcher(1, 3).match_graded([1, 2, 3, 4], 3) == ([], 0)
     # only a 1-token suffix recurs: too short for min 2
-    assert NgramMatcher(2, 3).match([5, 1, 2, 5], 3) == []
-    assert NgramMatcher(1, 3).match([5, 1, 2, 5], 3) == [1, 2, 5]
-    assert NgramMatcher(1, 3).match([], 3) == []
-    assert NgramMatcher(1, 3).match([7], 3) == []
+    assert NgramMatcher(2, 3).match_graded([5, 1, 2, 5], 3) == ([], 0)
+    assert NgramMatcher(1, 3).match_graded([5, 1, 2, 5], 3) == ([1, 2, 5], 1)
+    assert NgramMatcher(1, 3).match_graded([], 3) == ([], 0)
+    assert NgramMatcher(1, 3).match_graded([7], 3)[0] == []
 
 
 def test_k_cap_and_zero() -> None:
     tokens = [1, 2, 3, 4, 5, 6, 1, 2]
-    assert NgramMatcher(1, 2).match(tokens, 3) == [3, 4, 5]
-    assert NgramMatcher(1, 2).match(tokens, 0) == []
+    assert NgramMatcher(1, 2).match_graded(tokens, 3)[0] == [3, 4, 5]
+    assert NgramMatcher(1, 2).match_graded(tokens, 0)[0] == []
 
 
 def test_match_near_end_is_truncated() -> None:
     # the most recent occurrence of [9, 9] overlaps the suffix: only one token follows it
-    assert NgramMatcher(2, 2).match([9, 9, 9], 4) == [9]
-    assert NgramMatcher(1, 4).match([3, 1, 2, 3, 1, 2], 5) == [3, 1, 2]
+    assert NgramMatcher(2, 2).match_graded([9, 9, 9], 4)[0] == [9]
+    assert NgramMatcher(1, 4).match_graded([3, 1, 2, 3, 1, 2], 5)[0] == [3, 1, 2]
 
 
 def test_invalid_config() -> None:
@@ -75,7 +75,7 @@ def test_matches_reference_on_random_sequences(vocab: int) -> None:
         lo = int(rng.integers(1, 4))
         hi = lo + int(rng.integers(0, 4))
         k = int(rng.integers(0, 6))
-        got = NgramMatcher(lo, hi).match(np.array(tokens, dtype=np.int64), k)
+        got = NgramMatcher(lo, hi).match_graded(np.array(tokens, dtype=np.int64), k)[0]
         assert got == ref_propose(tokens, k, lo, hi), (tokens, k, lo, hi)
 
 
@@ -103,15 +103,15 @@ def test_timing_4k_context() -> None:
     tokens = rng.integers(0, 32000, size=4096)
     tokens[-40:] = tokens[1000:1040]
     proposer = NgramMatcher(1, 4)
-    assert proposer.match(tokens, 4) == tokens[1040:1044].tolist()
+    assert proposer.match_graded(tokens, 4)[0] == tokens[1040:1044].tolist()
     repetitive = np.tile(np.arange(7), 600)[:4096]  # every position is a candidate
     cases = (("ndarray", tokens), ("list", tokens.tolist()), ("repetitive ndarray", repetitive))
     for name, arg in cases:
         for _ in range(20):
-            proposer.match(arg, 4)
+            proposer.match_graded(arg, 4)
         runs = 500
         start = time.perf_counter()
         for _ in range(runs):
-            proposer.match(arg, 4)
+            proposer.match_graded(arg, 4)
         micros = (time.perf_counter() - start) / runs * 1e6
         print(f"ngram propose, 4096-token context ({name} input): {micros:.1f} us")

@@ -14,7 +14,6 @@ from braid.spec_decode.policy import (
     EXPLORE_TRIALS,
     FREE_AGE_FLOOR,
     AcceptanceEstimator,
-    PriorWeight,
     StartPersistence,
     StepPlan,
     _Prices,
@@ -544,15 +543,45 @@ def test_the_prior_weight_is_fitted_to_how_alike_requests_accept() -> None:
 
 def test_a_fitted_weight_keeps_alike_requests_near_the_global_estimate() -> None:
     """A request of a population that accepts alike is planned with about the global
-    estimate even after a few unlucky windows (the [M7] probe's k = 4-5 overshoot came from
-    following such windows)."""
+    estimate even after a few unlucky windows (following such windows overshoots k)."""
     rng = random.Random(1)
     est = AcceptanceEstimator(prior=0.5)
     _windows(est, [0.92] * 30, 20, 5, rng)
     for _ in range(3):
         est.update("unlucky", 5, 1)
     assert est.alpha("unlucky", optimistic=False) > 0.85
-    assert PriorWeight().value == DEFAULT_PRIOR_WEIGHT
+    assert est.prior_weight >= 32
+
+
+def test_a_confidence_level_moves_the_estimate_by_how_its_drafts_accept() -> None:
+    """Drafts graded 5 (a long n-gram match) accepted 0.9, graded 2 accepted 0.2: a request
+    is planned higher at grade 5 and lower at grade 2; an unseen grade leaves it as is."""
+    rng = random.Random(2)
+    est = AcceptanceEstimator(prior=0.5)
+    for i in range(200):
+        for level, alpha in ((5, 0.9), (2, 0.2)):
+            accepted = 0
+            while accepted < 3 and rng.random() < alpha:
+                accepted += 1
+            est.update(str(i % 7), 3, accepted, level)
+    plain = est.alpha("new", optimistic=False)
+    assert est.alpha("new", optimistic=False, level=5) > plain + 0.15
+    assert est.alpha("new", optimistic=False, level=2) < plain - 0.15
+    assert est.alpha("new", optimistic=False, level=3) == plain
+
+
+def test_idle_steps_age_the_levels_with_the_global_evidence() -> None:
+    """A free source whose graded drafts accepted poorly is tried again after idle steps at
+    every grade: the levels' evidence ages with the global (kept, it would pull the
+    estimate back down by the old gap)."""
+    est = AcceptanceEstimator(prior=0.5, age_floor=FREE_AGE_FLOOR)
+    for i in range(60):
+        est.update(str(i), 2, 0, level=i % 3)
+    assert est.alpha("new", level=1) < 0.2
+    for _ in range(400):
+        est.age()
+    assert est.alpha("new", level=1) == pytest.approx(est.alpha("new"), abs=0.02)
+    assert est.alpha("new") > 0.7
 
 
 def test_a_free_source_s_evidence_ages_to_nothing_so_it_is_tried_again() -> None:
