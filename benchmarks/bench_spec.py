@@ -46,7 +46,7 @@ import torch
 from tqdm.auto import tqdm
 
 from braid.bench import agentic
-from braid.bench.acceptance import Costs, accepted_runs, lookup_record, play_rules
+from braid.bench.acceptance import Costs, lookup_record, play_rules, record_runs
 from braid.bench.datasets import BenchPrompt, edit_prompts, humaneval, sharegpt
 from braid.config import (
     DEFAULT_DRAFT,
@@ -423,34 +423,6 @@ def ceiling(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
         spec = med["prefill"] + med["catch-up"] + max_tokens * per_token
         print(f"acceptance {alpha:.2f}: best k {k}, decoding {decode / per_token:.2f}x, end to "
               f"end {plain / spec:.2f}x")
-
-
-def record_runs(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, longest: int
-                ) -> dict[str, Any]:
-    """The draft model's `accepted_runs` along the target's greedy output of each prompt
-    ("draft_model"; braid/bench/acceptance.py) and the sequences themselves ("sequences":
-    prompt and output, and where the output's second token is), from which replay_study
-    derives prompt lookup's."""
-    assert isinstance(engine.speculator, Speculator), "needs a draft model"
-    draft = engine.speculator.draft_runner
-    assert draft is not None, "needs a draft model"
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    runs: dict[str, Any] = {"draft_model": [], "sequences": []}
-    for i, prompt in enumerate(tqdm(prompts, desc="recording acceptance", leave=False)):
-        engine.add_request(f"replay-{i}", prompt, params)
-        out = [o for o in engine.run_until_done() if o.finished][-1].outputs[0]
-        seq, first = [*prompt, *out.token_ids], len(prompt) + 1
-        if len(seq) <= first:
-            continue
-        with engine.scheduler.scratch_blocks(len(seq)) as tables:
-            assert tables is not None, "the KV cache is too small for a whole sequence"
-            inp = draft.build_input([QuerySpan(seq, 0, tables[0], len(seq) - first + 1)])
-            ids = (draft.execute_greedy(inp) if engine.speculator.proposer.coarse_head
-                   else draft.execute(inp).argmax(-1))
-        guesses = [-1] * first + ids[:-1].tolist()  # guesses[q]: the draft's, from seq[:q]
-        runs["draft_model"].append(accepted_runs(guesses, seq, first, longest))
-        runs["sequences"].append({"tokens": seq, "first": first})
-    return runs
 
 
 def replay_study(runs: dict[str, Any], engine: LLMEngine | None,

@@ -19,9 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
+from braid.engine.engine import LLMEngine
+from braid.sampling_params import SamplingParams
 from braid.spec_decode.ngram import NgramMatcher
 from braid.spec_decode.policy import DRAFT_MODEL_AGE_FLOOR, AcceptanceEstimator, expected_tokens
+from braid.spec_decode.speculator import Speculator
+from braid.worker.runner import QuerySpan
 
 
 @dataclass(frozen=True)
@@ -215,3 +220,31 @@ def lookup_record(sequences: Sequence[dict[str, Any]], longest: int, matcher: Ng
                                strict=True):
             out[key].append(values)
     return out
+
+
+def record_runs(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, longest: int
+                ) -> dict[str, Any]:
+    """The draft model's `accepted_runs` along the target's greedy output of each prompt
+    (`engine` drafts with a draft model; "draft_model") and the sequences themselves
+    ("sequences": prompt and output, and where the output's second token is), from which
+    `lookup_record` derives prompt lookup's."""
+    assert isinstance(engine.speculator, Speculator), "needs a draft model"
+    draft = engine.speculator.draft_runner
+    assert draft is not None, "needs a draft model"
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    runs: dict[str, Any] = {"draft_model": [], "sequences": []}
+    for i, prompt in enumerate(tqdm(prompts, desc="recording acceptance", leave=False)):
+        engine.add_request(f"replay-{i}", prompt, params)
+        out = [o for o in engine.run_until_done() if o.finished][-1].outputs[0]
+        seq, first = [*prompt, *out.token_ids], len(prompt) + 1
+        if len(seq) <= first:
+            continue
+        with engine.scheduler.scratch_blocks(len(seq)) as tables:
+            assert tables is not None, "the KV cache is too small for a whole sequence"
+            inp = draft.build_input([QuerySpan(seq, 0, tables[0], len(seq) - first + 1)])
+            ids = (draft.execute_greedy(inp) if engine.speculator.proposer.coarse_head
+                   else draft.execute(inp).argmax(-1))
+        guesses = [-1] * first + ids[:-1].tolist()  # guesses[q]: the draft's, from seq[:q]
+        runs["draft_model"].append(accepted_runs(guesses, seq, first, longest))
+        runs["sequences"].append({"tokens": seq, "first": first})
+    return runs

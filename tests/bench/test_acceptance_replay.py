@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from braid.bench.acceptance import (
     Costs,
@@ -12,10 +13,14 @@ from braid.bench.acceptance import (
     best_k,
     hindsight_alpha,
     lookup_runs,
+    record_runs,
     replay,
 )
+from braid.sampling_params import SamplingParams
 from braid.spec_decode.ngram import NgramMatcher
 from braid.spec_decode.policy import AcceptanceEstimator
+from tests.engine.test_engine import WEIGHTS, prompts
+from tests.spec_decode.test_spec_engine import spec_engine
 
 FLAT = Costs((1.0, 1.1, 1.2, 1.3, 1.4, 1.5), 0.0)
 
@@ -93,3 +98,26 @@ def test_costs_parse_and_refuse() -> None:
     for bad in ("draft=0.4", "draft=-1,1.2", "1.2,x", "1.2,0", "1.2,inf"):
         with pytest.raises(ValueError, match="give draft=D"):
             Costs.parse(bad)
+
+
+def test_a_record_replays_exactly_what_a_fixed_k_engine_accepts() -> None:
+    """record_runs' alignment: the record of a tiny pair (the target's weights, perturbed,
+    as the draft: it agrees often, not always), replayed at fixed k, accepts the drafts an
+    engine drafting fixed k accepted on the same prompts."""
+    gen = torch.Generator().manual_seed(3)
+    draft = {name: w + 0.03 * w.std() * torch.randn(w.shape, generator=gen)
+             if w.is_floating_point() and w.dim() > 1 else w for name, w in WEIGHTS.items()}
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ps = prompts()[:3]
+    record = record_runs(spec_engine("draft_model", 3, draft_weights=draft), ps, 30, 3)
+    for k in (1, 3):
+        engine = spec_engine("draft_model", k, draft_weights=draft)
+        for i, p in enumerate(ps):
+            engine.add_request(str(i), p, params)
+        list(engine.run_until_done())
+        stats = engine.stats.spec_stats
+        played = replay(record["draft_model"], None, FLAT, k, rule=lambda rid, cap, k=k: k)
+        windows = sum(n for j, n in played.ks.items() if j)
+        assert (stats.num_drafts, stats.num_accepted_tokens) == (
+            windows, played.tokens - sum(played.ks.values()))
+        assert 0.2 < stats.acceptance_rate < 0.9
