@@ -47,7 +47,14 @@ from tqdm.auto import tqdm
 
 from braid.bench import agentic
 from braid.bench.acceptance import Costs, lookup_record, play_rules, record_runs
-from braid.bench.datasets import BenchPrompt, edit_prompts, humaneval, sharegpt
+from braid.bench.datasets import (
+    EXTRACTION_SCHEMA,
+    BenchPrompt,
+    edit_prompts,
+    extraction_prompts,
+    humaneval,
+    sharegpt,
+)
 from braid.config import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
@@ -62,7 +69,7 @@ from braid.config import (
 from braid.core.stats import SpecStats
 from braid.engine.engine import LLMEngine
 from braid.models.build import load_model
-from braid.sampling_params import SamplingParams
+from braid.sampling_params import SamplingParams, StructuredOutputsParams
 from braid.spec_decode.build import resolve_draft_dtype
 from braid.spec_decode.ngram import NgramMatcher
 from braid.spec_decode.policy import age_floor, expected_tokens
@@ -126,7 +133,8 @@ def prompts_for(workload: str, num: int, tokenizer: Any, max_prompt_len: int = 1
     if workload == "humaneval":
         items = humaneval(num)
         return [tokenizer.encode(p.prompt, add_special_tokens=False) for p in items]
-    items = (edit_prompts(num) if workload == "edit"
+    items = (edit_prompts(num) if workload == "edit" else extraction_prompts(num)
+             if workload == "extraction"
              else sharegpt(num, tokenizer=tokenizer, max_prompt_len=max_prompt_len))
     return [tokenizer.encode(tokenizer.apply_chat_template(
         [{"role": r, "content": c} for r, c in p.messages]), add_special_tokens=False)
@@ -140,6 +148,11 @@ def predictions_for(workload: str, num: int, tokenizer: Any) -> list[list[int]]:
         raise ValueError("--predict: only the edit workload has predicted outputs")
     return [tokenizer.encode("```python\n" + p.prompt + "```", add_special_tokens=False)
             for p in humaneval(num)]
+
+
+def workload_schema(workload: str) -> dict[str, Any] | None:
+    """The JSON schema the workload's answers are constrained to, if any."""
+    return EXTRACTION_SCHEMA if workload == "extraction" else None
 
 
 def session_prompt(session: agentic.Session, tokenizer: Any) -> list[int]:
@@ -189,9 +202,13 @@ def _figures(engine: LLMEngine) -> dict[str, Any]:
 
 def run_mode(engine: LLMEngine, prompts: list[list[int]], concurrency: int,
              max_tokens: int, temperature: float = 0.0,
-             predictions: list[list[int]] | None = None) -> dict[str, Any]:
-    """Closed loop over `prompts`; `predictions`: each one's predicted output (token ids)."""
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
+             predictions: list[list[int]] | None = None,
+             schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Closed loop over `prompts`; `predictions`: each one's predicted output (token ids);
+    `schema`: the JSON schema every answer is constrained to."""
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                            structured_outputs=None if schema is None
+                            else StructuredOutputsParams(json=schema))
     pending, in_flight, generated = list(enumerate(prompts)), 0, 0
     start = time.perf_counter()
     with tqdm(total=len(prompts), desc=f"  c={concurrency}", leave=False) as bar:
@@ -214,7 +231,8 @@ def run_mode(engine: LLMEngine, prompts: list[list[int]], concurrency: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", choices=["humaneval", "edit", "sharegpt", "agentic"],
+    parser.add_argument("--workload",
+                        choices=["humaneval", "edit", "sharegpt", "agentic", "extraction"],
                         default="humaneval")
     parser.add_argument("--num-prompts", type=positive_int, default=16,
                         help="at least this many")
@@ -275,6 +293,9 @@ def main() -> None:
             spec_config(mode)
     except ValueError as e:
         parser.error(f"--modes: {e}")
+    if args.replay and args.workload == "extraction":
+        parser.error("--replay: the record is of unconstrained output; the extraction "
+                     "workload's answers follow a schema")
     if args.replay and args.workload == "agentic":
         parser.error("--replay: the agentic workload's turns depend on the replies; use "
                      "humaneval, sharegpt or edit")
@@ -362,7 +383,7 @@ def make_engine(mode: str, target: Any, draft: Any, max_num_seqs: int,
                      enable_prefix_caching=not args.warm_engines,
                      speculative_config=spec_config(mode)),
         model=target[0], tokenizer=target[1], draft_model=draft)
-    run_mode(engine, [warm_up], 1, 8)
+    run_mode(engine, [warm_up], 1, 8, schema=workload_schema(args.workload))
     return engine
 
 
@@ -488,7 +509,8 @@ def measure(engine: LLMEngine, mode: str, c: int, count: int, prompts: list[list
     run = (run_sessions(engine, agentic.sessions(count), c, args.max_tokens, temperature)
            if args.workload == "agentic" else
            run_mode(engine, prompts[:count], c, args.max_tokens, temperature,
-                    None if args.predictions is None else args.predictions[:count]))
+                    None if args.predictions is None else args.predictions[:count],
+                    workload_schema(args.workload)))
     return {"mode": mode, "concurrency": c, "temperature": temperature, "prompts": count,
             **run}
 

