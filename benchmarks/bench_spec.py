@@ -196,8 +196,11 @@ def _figures(engine: LLMEngine) -> dict[str, Any]:
     figures = engine.speculation_figures()
     if figures is None or not figures.chosen_k:
         return {}
+    windows = (dict(engine.speculator.windows_by_source)
+               if isinstance(engine.speculator, Speculator) else {})
     return {"chosen_k": dict(sorted(figures.chosen_k.items())),
-            "cost_model_error": round(figures.cost_model_error, 3)}
+            "cost_model_error": round(figures.cost_model_error, 3),
+            "windows_by_source": windows}
 
 
 def run_mode(engine: LLMEngine, prompts: list[list[int]], concurrency: int,
@@ -506,6 +509,7 @@ def measure(engine: LLMEngine, mode: str, c: int, count: int, prompts: list[list
     engine.stats.spec_stats = SpecStats()
     if isinstance(engine.speculator, Speculator):
         engine.speculator.chosen_k.clear()
+        engine.speculator.windows_by_source.clear()
     run = (run_sessions(engine, agentic.sessions(count), c, args.max_tokens, temperature)
            if args.workload == "agentic" else
            run_mode(engine, prompts[:count], c, args.max_tokens, temperature,
@@ -550,7 +554,8 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     modes = list(dict.fromkeys(r["mode"] for r in results))
     at = {(r["mode"], r["concurrency"]): r["tok_per_s"] for r in results}
     ratio = {(r["mode"], r["concurrency"]): ratio_to_none(r, results) for r in results}
-    best = {c: max((v for (m, cc), v in at.items() if cc == c and m.startswith(("draft", "ngram"))),
+    fixed = ("draft", "ngram", "suffix")
+    best = {c: max((v for (m, cc), v in at.items() if cc == c and m.startswith(fixed)),
                    default=None) for c in levels}
     lines = ["| mode | " + " | ".join(f"c={c}" for c in levels) + " |",
              "|---|" + "---|" * len(levels)]

@@ -65,6 +65,9 @@ class Window:
     lookup: list[int] = field(default_factory=list)
     source: str = ""
     level: int | None = None  # the lookup's confidence level, where its source grades it
+    # the lookup's leading drafts that its grammar forces, where `source` continues them
+    # (0: the lookup is one source's)
+    forced: int = 0
     k: int = 0  # the drafts chosen
     drafts: list[int] = field(default_factory=list)  # what it drafts (the lookup's or the model's)
     started: bool = False  # the draft model catches up on a backlog to draft for it
@@ -156,7 +159,7 @@ class GoodputPolicy(FixedPolicy):
         if any(w.lookup and not k for w, k in zip(windows, ks, strict=True)):
             for w, k in zip(windows, ks, strict=True):
                 if not k:
-                    w.lookup, w.source, w.level = [], "", None
+                    w.lookup, w.source, w.level, w.forced = [], "", None, 0
             plan, alphas = self._plan(windows, nxt)
             ks = choose_ks(alphas, _caps(windows), plan, self.cost)
         for w, k in zip(windows, ks, strict=True):
@@ -182,6 +185,7 @@ class GoodputPolicy(FixedPolicy):
         alphas = [self.free_acceptance[w.source].alpha(w.req.request_id, level=w.level) if f
                   else self.acceptance.alpha(w.req.request_id, optimistic=not start)
                   for w, f, start in zip(windows, free, starting, strict=True)]
+        forced = self.free_acceptance["grammar"]
         demand = nxt.num_prefill_tokens
         plan = StepPlan(
             num_decodes=len(nxt.decoding), num_prefill_tokens=demand, budget=nxt.budget,
@@ -191,6 +195,8 @@ class GoodputPolicy(FixedPolicy):
             catch_up=[0.0 if w.req.is_prefilling or f else self._catch_up_cost(w.req, a, lag)
                       for w, a, lag, f in zip(windows, alphas, lags, free, strict=True)],
             free=free,
+            heads=[(w.forced, forced.alpha(w.req.request_id)) if w.forced else (0, 1.0)
+                   for w in windows],
             starting=starting,
             start_margin=START_MARGIN,
             draft_margin=self._draft_margin())

@@ -31,6 +31,10 @@ class NgramProposer(Proposer):
                   for r, k in zip(requests, ks, strict=True)]
         return Proposal([drafts for drafts, _ in graded], levels=[n for _, n in graded])
 
+    def draft_after(self, req: Request, after: list[int], k: int) -> tuple[list[int], int]:
+        tokens = self.history.tokens(req)
+        return self.matcher.match_graded(np.concatenate([tokens, after]), k)
+
     def forget(self, request_id: str) -> None:
         self.history.forget(request_id)
 

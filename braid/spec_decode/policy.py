@@ -50,9 +50,18 @@ def age_floor(free: bool) -> float:
     return FREE_AGE_FLOOR if free else DRAFT_MODEL_AGE_FLOOR
 
 
-def expected_tokens(alpha: float, k: int) -> float:
+def expected_tokens(alpha: float, k: int, head: int = 0, head_alpha: float = 1.0) -> float:
     """Expected tokens a window of k drafts emits (accepted + the bonus/recovered token),
-    when each draft is accepted with probability alpha given the previous ones were."""
+    when each draft is accepted with probability alpha given the previous ones were; the
+    first `head` drafts (a grammar's forced tokens that another source continues) with
+    head_alpha instead."""
+    if head > 0:
+        h = min(head, k)
+        first = expected_tokens(head_alpha, h)
+        if k == h:
+            return first
+        reach = head_alpha ** h  # every head draft accepted
+        return first + reach * (expected_tokens(alpha, k - h) - 1.0)
     if alpha >= 1.0:
         return k + 1.0
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
@@ -279,6 +288,9 @@ class StepPlan:
     # Per request: True if its drafts come from a prompt lookup (SpecConfig
     # draft_prompt_lookup): they cost verification tokens but no draft forward.
     free: list[bool] = field(default_factory=list)
+    # Per request: its leading drafts that a grammar forces, where another source continues
+    # them, and their acceptance (the request's alpha is the continuation's); (0, 1.0): none.
+    heads: list[tuple[int, float]] = field(default_factory=list)
 
 
 def choose_ks(
@@ -398,6 +410,7 @@ def _greedy(alphas: list[float], caps: list[int], room: int, plan: StepPlan,
     second it costs; return the best prefix of that path."""
     n = len(alphas)
     contexts, catch_up, free = _per_request(plan, n)
+    heads = plan.heads or [(0, 1.0)] * n
     step = _step_of(alphas, [0] * n, plan)
     # Marginal prices, from the cost model around the batch without drafts.
     base = plan.num_decodes + plan.num_pending
@@ -408,7 +421,8 @@ def _greedy(alphas: list[float], caps: list[int], room: int, plan: StepPlan,
 
     def entry(i: int, k: int) -> tuple[float, int, float]:
         """(heap key, request, the expected tokens request i's draft k + 1 adds)."""
-        gain = expected_tokens(alphas[i], k + 1) - expected_tokens(alphas[i], k)
+        gain = (expected_tokens(alphas[i], k + 1, *heads[i])
+                - expected_tokens(alphas[i], k, *heads[i]))
         seconds = t_token + t_attention * (contexts[i] + 2 * k + 2)
         if k == 0 and not free[i]:
             seconds += d_token * catch_up[i]
@@ -477,7 +491,8 @@ def _step_of(alphas: list[float], ks: list[int], plan: StepPlan) -> _Step:
     contexts, catch_up, free = _per_request(plan, len(alphas))
     modelled = [0 if f else k for k, f in zip(ks, free, strict=True)]  # draft-model drafts
     return _Step(
-        emitted=sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True)),
+        emitted=sum(expected_tokens(a, k, *h) for a, k, h in zip(
+            alphas, ks, plan.heads or [(0, 1.0)] * len(ks), strict=True)),
         drafts=sum(ks),
         draft_attention=sum(attention_work(1 + k, c) - attention_work(1, c)
                             for k, c in zip(ks, contexts, strict=True) if k),

@@ -31,6 +31,13 @@ class Proposer(ABC):
         """Up to ks[i] draft tokens for requests[i] (k = 0: none). Called after every step
         with every running request; those still prefilling get k = 0."""
 
+    def draft_after(self, req: Request, after: list[int], k: int) -> tuple[list[int], int | None]:
+        """Up to k drafts that would follow `req`'s tokens and then `after` (tokens its
+        grammar forces), and their confidence level (None: ungraded): a model-free proposer
+        continues a grammar's forced run in the same window. None here (a draft model would
+        need a forward over `after` first)."""
+        return [], None
+
     def lag(self, req: Request) -> int:
         """Tokens of `req` the proposer must process before it can draft for it (0 for
         proposers without state)."""

@@ -10,6 +10,7 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from braid.config import SpecConfig
 from braid.core.request import Request
@@ -137,6 +138,15 @@ class Speculation:
         return None
 
 
+class Candidate(NamedTuple):
+    """A free source's drafts for one window (Window's source, lookup, level, forced)."""
+
+    source: str
+    drafts: list[int]
+    level: int | None = None  # their confidence level (None: ungraded)
+    forced: int = 0  # leading drafts a grammar forces, where `source` continues them
+
+
 def _graded(proposal: Proposal, i: int) -> tuple[list[int], int | None]:
     """Request i's drafts in `proposal`, and their confidence level (None: ungraded)."""
     return proposal.drafts[i], None if proposal.levels is None else proposal.levels[i]
@@ -177,7 +187,7 @@ class Speculator(Speculation):
             GoodputPolicy(spec, proposer, max_model_len, self.acceptance,
                           self.free_acceptance, target_itl))
         # requests whose pending drafts came from a free source: which, and their level
-        self._looked_up: dict[str, tuple[str, int | None]] = {}
+        self._looked_up: dict[str, tuple[str, int | None, int]] = {}
         self.lookup_windows = 0  # verified windows whose drafts came from a lookup
         self.chosen_k: Counter[int] = Counter()  # how often each k was chosen for a request
         self.windows_by_source: Counter[str] = Counter()  # verified windows by draft source
@@ -227,7 +237,7 @@ class Speculator(Speculation):
             # them as usual lag measured no better: docs/benchmarks.md, What the policy's
             # rules rest on)
             if w.drafts:
-                self._looked_up[rid] = (w.source, w.level)
+                self._looked_up[rid] = (w.source, w.level, min(w.forced, len(w.drafts)))
             if w.source != self.config.method:
                 self.acceptance.rest(rid)  # no model drafts: its evidence ages
         elif w.drafts:
@@ -260,29 +270,55 @@ class Speculator(Speculation):
             if not w.cap:
                 continue
             candidates = [c for c in [*self._candidates(w, _graded(found, i)),
-                                      (self.config.method, *_graded(main, i))] if c[1]]
+                                      Candidate(self.config.method, *_graded(main, i))]
+                          if c.drafts]
             if candidates:
-                rid = w.req.request_id
-                w.source, w.lookup, w.level = max(candidates, key=lambda c: expected_tokens(
-                    self.free_acceptance[c[0]].alpha(rid, level=c[2]), len(c[1])))
+                best = max(candidates, key=lambda c: self._expected(w.req.request_id, c))
+                w.source, w.lookup, w.level, w.forced = best
             elif self.free_main:
                 w.cap = 0  # nothing to draft
         return {w.source for w in windows if w.lookup}
 
-    def _candidates(self, w: Window, look: tuple[list[int], int | None]
-                    ) -> list[tuple[str, list[int], int | None]]:
+    def _expected(self, rid: str, c: Candidate) -> float:
+        """Tokens a window of all of candidate `c`'s drafts is expected to emit."""
+        return expected_tokens(self.free_acceptance[c.source].alpha(rid, level=c.level),
+                               len(c.drafts), c.forced,
+                               self.free_acceptance["grammar"].alpha(rid))
+
+    def _candidates(self, w: Window, look: tuple[list[int], int | None]) -> list[Candidate]:
         """Each free source's drafts for window `w` ([] where it has none worth verifying)
-        and their confidence level (None: ungraded); `look` is its prompt lookup's."""
+        and their confidence level (None: ungraded); `look` is its prompt lookup's. Where
+        the request's grammar forces a run shorter than the cap, each model-free source
+        also drafts on from the run's end: the forced tokens, then its own."""
         grammar = w.req.grammar
         forced = grammar.forced_tokens(w.cap) if grammar is not None else []
         suffix, level = (self.suffix.draft_graded(w.req, w.cap) if self.suffix is not None
                          else ([], None))
         least = min(2, w.cap)
         predicted = self.predicted.drafts(w.req, w.cap)
-        return [("grammar", forced if len(forced) >= least else [], None),
-                ("prediction", predicted if len(predicted) >= least else [], None),
-                ("lookup", look[0] if len(look[0]) == w.cap else [], look[1]),
-                ("suffix", suffix if len(suffix) >= least else [], level)]
+        # one forced token is worth a window where no draft model's would be displaced
+        return [Candidate("grammar", forced if len(forced) >= (
+                    1 if self.free_main else least) else []),
+                Candidate("prediction", predicted if len(predicted) >= least else []),
+                Candidate("lookup", look[0] if len(look[0]) == w.cap else [], look[1]),
+                Candidate("suffix", suffix if len(suffix) >= least else [], level),
+                *(self._after_forced(w, forced) if 0 < len(forced) < w.cap else [])]
+
+    def _after_forced(self, w: Window, forced: list[int]) -> list[Candidate]:
+        """Window `w`'s grammar-forced run continued by each model-free source (a lookup
+        beside a draft model only where it fills the window, as above)."""
+        rest = w.cap - len(forced)
+        sources: list[tuple[str, Proposer | None]] = [
+            ("lookup", self.lookup), ("suffix", self.suffix),
+            (self.config.method, self.proposer if self.free_main else None)]
+        out = []
+        for source, proposer in sources:
+            if proposer is None:
+                continue
+            drafts, level = proposer.draft_after(w.req, forced, rest)
+            if drafts and (source != "lookup" or len(drafts) == rest):
+                out.append(Candidate(source, forced + drafts, level, len(forced)))
+        return out
 
     def prefill_cap(self, scheduler: Scheduler) -> int | None:
         return self.policy.prefill_cap(list(scheduler.running), scheduler.next_step())
@@ -292,11 +328,18 @@ class Speculator(Speculation):
         return self.free_acceptance["lookup"]
 
     def on_verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
-        source, level = self._looked_up.pop(req.request_id, ("", None))
-        self.windows_by_source[source or self.config.method] += 1
+        source, level, forced = self._looked_up.pop(req.request_id, ("", None, 0))
+        self.windows_by_source[f"grammar+{source}" if forced else source
+                               or self.config.method] += 1
         self.lookup_windows += source == "lookup"
         if source == "prediction":
             req.spec_stats.record_prediction(num_drafted, num_accepted)
+        if forced:  # the forced run's drafts are the grammar's evidence, the rest the source's
+            self.free_acceptance["grammar"].update(req.request_id, forced,
+                                                   min(num_accepted, forced))
+            if num_accepted < forced:
+                return
+            num_drafted, num_accepted = num_drafted - forced, num_accepted - forced
         estimator = self.free_acceptance[source] if source else self.acceptance
         estimator.update(req.request_id, num_drafted, num_accepted, level)
 

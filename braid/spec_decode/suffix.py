@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -276,16 +277,23 @@ class SuffixProposer(Proposer):
                   for r, k in zip(requests, ks, strict=True)]
         return Proposal([drafts for drafts, _ in graded], levels=[n for _, n in graded])
 
-    def draft_graded(self, req: Request, k: int) -> tuple[list[int], int]:
-        """Up to k drafts for `req`, and their confidence level: their mean estimated
-        probability in quarters (0: below 0.25 ... 3: 0.75 or more)."""
+    def draft_graded(self, req: Request, k: int, after: Sequence[int] = ()
+                     ) -> tuple[list[int], int]:
+        """Up to k drafts for `req` (following its tokens and then `after`), and their
+        confidence level: their mean estimated probability in quarters (0: below 0.25 ...
+        3: 0.75 or more)."""
         tokens = self._sync(req)
+        if after:
+            tokens = np.concatenate([tokens, np.asarray(after, dtype=tokens.dtype)])
         s = self.settings
         rid = req.request_id
         mine = self.own[rid].speculate(tokens, k, s.max_spec_factor, s.min_token_prob, rid)
         others = self.outputs.speculate(tokens, k, s.max_spec_factor, s.min_token_prob, rid)
         drafts, score = mine if mine[1] >= others[1] else others
         return drafts, min(int(4 * score / len(drafts)), 3) if drafts else 0
+
+    def draft_after(self, req: Request, after: list[int], k: int) -> tuple[list[int], int]:
+        return self.draft_graded(req, k, after)
 
     def _sync(self, req: Request) -> np.ndarray:
         """The request's tokens, with those not yet in its corpora added to them."""

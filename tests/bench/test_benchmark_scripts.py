@@ -54,6 +54,8 @@ def run_script(name: str, *argv: str, monkeypatch: pytest.MonkeyPatch) -> int:
                                                      "windows of 2 to 6"),
     ("bench_spec.py", ["--replay-runs", "r.json"], "--replay-runs: give --replay-costs too"),
     ("bench_spec.py", ["--replay", "--workload", "agentic"], "--replay: the agentic workload"),
+    ("bench_spec.py", ["--replay", "--workload", "extraction"], "--replay: the record is of "
+                                                                 "unconstrained output"),
     ("bench_structured.py", ["--max-tokens", "0"], "argument --max-tokens: must be >= 1"),
     ("bench_hostile.py", ["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
     ("bench_hostile.py", ["--", "--bogus"], "serve flags '--bogus': "),

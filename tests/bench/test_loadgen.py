@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -258,3 +260,36 @@ def test_agentic_needs_the_chat_endpoint_and_is_not_swept(capsys) -> None:
         with pytest.raises(SystemExit):
             main(["bench", *argv, "--model", "m", "--dataset", "agentic"])
         assert "--dataset agentic:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_extraction_answers_follow_the_schema_on_both_endpoints(long_server: ServerProcess,
+                                                                endpoint: str) -> None:
+    """`--dataset extraction`: every request carries the schema (response_format on chat,
+    structured_outputs on completions) and the server holds the answer to it: a JSON object
+    whose first key is the schema's first property."""
+    import httpx
+
+    from braid.bench.datasets import EXTRACTION_SCHEMA, load_prompts
+    from braid.bench.loadgen import send_one
+    from braid.bench.metrics import RequestRecord
+
+    server = long_server
+    cfg = LoadConfig(server.url, server.model, endpoint=endpoint, max_output_len=48,
+                     progress=False)
+    prompts = load_prompts("extraction", 2)
+    assert all(p.schema == EXTRACTION_SCHEMA and "```python" in p.prompt for p in prompts)
+
+    async def answers() -> list[tuple[RequestRecord, str]]:
+        out = []
+        async with httpx.AsyncClient(timeout=120) as client:
+            for p in prompts:
+                text: list[str] = []
+                record = await send_one(client, cfg, request_body(cfg, p), time.perf_counter,
+                                        time.perf_counter(), text)
+                out.append((record, "".join(text)))
+        return out
+
+    for record, text in asyncio.run(answers()):
+        assert record.success, record.error
+        assert re.match(r'\{\s*"name"\s*:', text), text

@@ -176,6 +176,39 @@ def test_the_tokens_a_grammar_forces_are_drafted(method: str) -> None:
     assert engine.speculator.windows_by_source["grammar"] == spec.num_drafts  # type: ignore
 
 
+@pytest.mark.parametrize(("method", "source", "options"), [
+    ("ngram", "ngram", {}), ("suffix", "suffix", {}),
+    ("draft_model", "lookup", {"draft_prompt_lookup": True}),
+    ("draft_model", "suffix", {"draft_suffix_decoding": True}),
+])
+def test_a_forced_run_is_continued_by_a_model_free_source(method: str, source: str,
+                                                          options: dict) -> None:
+    """The regex leaves the first letter free, then forces "=KEY=" and leaves six letters
+    free; the prompt holds "=KEY=" followed by "abcdef". So from the forced run's end the
+    source drafts on ("abc": 3 more fill the window of 8): windows of the forced tokens and
+    the source's, verified in one, the output that of the engine without speculation. The
+    forced drafts are the grammar's evidence (all accepted), the rest the source's."""
+    regex = "[a-z]=KEY=[a-z]{6}"
+    prompt = list(b"some text =KEY=abcdef more")
+    params = SamplingParams(temperature=0, max_tokens=20,
+                            structured_outputs=StructuredOutputsParams(regex=regex))
+
+    def output(engine: LLMEngine) -> list[int]:
+        engine.add_request("r", prompt, params)
+        (out,) = [o for o in engine.run_until_done() if o.finished]
+        assert re.fullmatch(regex, out.outputs[0].text)
+        return out.outputs[0].token_ids
+
+    want = output(make_engine(tokenizer=TOKENIZER))
+    engine = spec_engine(method, 8, tokenizer=TOKENIZER, **options)
+    assert output(engine) == want
+    speculator = engine.speculator
+    assert speculator.windows_by_source[f"grammar+{source}"] == 1  # type: ignore[attr-defined]
+    grammar = speculator.free_acceptance["grammar"]  # type: ignore[attr-defined]
+    assert grammar.global_trials == pytest.approx(5) and grammar.global_alpha > 0.95
+    assert speculator.free_acceptance[source].global_trials > 0  # type: ignore[attr-defined]
+
+
 def test_seeded_structured_output_is_unchanged_by_speculation() -> None:
     sampled = SamplingParams(temperature=1.0, max_tokens=150, seed=7)
     arrivals = {0: list(range(6))}

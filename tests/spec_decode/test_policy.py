@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -52,6 +54,29 @@ def test_expected_tokens() -> None:
     assert expected_tokens(0.0, 5) == 1.0
     assert expected_tokens(1.0, 3) == 4.0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+@pytest.mark.parametrize(("alpha", "head", "head_alpha"), [(0.3, 2, 1.0), (0.6, 3, 0.9),
+                                                           (0.0, 1, 0.5), (1.0, 4, 0.95)])
+def test_expected_tokens_with_a_forced_head(alpha: float, head: int, head_alpha: float) -> None:
+    """A window's expected tokens are 1 + the sum over drafts of the chance that every draft
+    up to it is accepted: head_alpha for each of the first `head`, alpha after."""
+    for k in range(7):
+        chances = [head_alpha if j < head else alpha for j in range(k)]
+        want = 1 + sum(math.prod(chances[: j + 1]) for j in range(k))
+        assert expected_tokens(alpha, k, head, head_alpha) == pytest.approx(want)
+    assert expected_tokens(alpha, 5, 0, 0.1) == expected_tokens(alpha, 5)
+
+
+def test_forced_heads_make_the_policy_draft_where_the_source_alone_would_not() -> None:
+    """At one request on a machine where a window of k costs (1 + 0.3 k) decodes, drafts
+    that accept 0.3 are not worth verifying (choose_ks keeps k = 0); behind two forced
+    tokens (accepted 0.99) the same source's window pays: at least the head is drafted."""
+    costs = cost_model(per_token=0.03, knee=1, fixed=0.1)
+    alone = replace(plan(1), free=[True])
+    assert choose_ks([0.3], [5], alone, costs) == [0]
+    headed = replace(alone, heads=[(2, 0.99)])
+    assert choose_ks([0.3], [5], headed, costs)[0] >= 2
 
 
 def test_cost_model_fits_the_hinge() -> None:
