@@ -236,8 +236,10 @@ class Speculator(Speculation):
             # again, priced then like any backlog beyond the usual lag (a start; counting
             # them as usual lag measured no better: docs/benchmarks.md, What the policy's
             # rules rest on)
-            if w.drafts:
-                self._looked_up[rid] = (w.source, w.level, min(w.forced, len(w.drafts)))
+            if w.forced and len(w.drafts) <= w.forced:  # cut to its forced run
+                self._looked_up[rid] = ("grammar", None, 0)
+            elif w.drafts:
+                self._looked_up[rid] = (w.source, w.level, w.forced)
             if w.source != self.config.method:
                 self.acceptance.rest(rid)  # no model drafts: its evidence ages
         elif w.drafts:
