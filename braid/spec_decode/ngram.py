@@ -33,7 +33,8 @@ class NgramProposer(Proposer):
 
     def draft_after(self, req: Request, after: list[int], k: int) -> tuple[list[int], int]:
         tokens = self.history.tokens(req)
-        return self.matcher.match_graded(np.concatenate([tokens, after]), k)
+        return self.matcher.match_graded(
+            np.concatenate([tokens, np.asarray(after, dtype=tokens.dtype)]), k)
 
     def forget(self, request_id: str) -> None:
         self.history.forget(request_id)

@@ -213,6 +213,8 @@ class Speculator(Speculation):
             self.policy.observe_draft(f.num_tokens, f.num_rows, f.seconds)
         for w, d in zip(windows, proposal.drafts, strict=True):
             w.drafts = w.lookup[: w.k] if w.lookup else d
+            if w.forced and len(w.drafts) <= w.forced:  # cut to its forced run
+                w.source, w.level, w.forced = "grammar", None, 0
         for w in windows:
             if not w.req.is_prefilling:
                 self._account(w)
@@ -236,9 +238,7 @@ class Speculator(Speculation):
             # again, priced then like any backlog beyond the usual lag (a start; counting
             # them as usual lag measured no better: docs/benchmarks.md, What the policy's
             # rules rest on)
-            if w.forced and len(w.drafts) <= w.forced:  # cut to its forced run
-                self._looked_up[rid] = ("grammar", None, 0)
-            elif w.drafts:
+            if w.drafts:
                 self._looked_up[rid] = (w.source, w.level, w.forced)
             if w.source != self.config.method:
                 self.acceptance.rest(rid)  # no model drafts: its evidence ages
@@ -331,6 +331,8 @@ class Speculator(Speculation):
 
     def on_verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         source, level, forced = self._looked_up.pop(req.request_id, ("", None, 0))
+        if forced and num_drafted <= forced:  # a short step budget cut it to the forced run
+            source, level, forced = "grammar", None, 0
         self.windows_by_source[f"grammar+{source}" if forced else source
                                or self.config.method] += 1
         self.lookup_windows += source == "lookup"

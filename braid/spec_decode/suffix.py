@@ -283,7 +283,7 @@ class SuffixProposer(Proposer):
         confidence level: their mean estimated probability in quarters (0: below 0.25 ...
         3: 0.75 or more)."""
         tokens = self._sync(req)
-        if after:
+        if len(after):
             tokens = np.concatenate([tokens, np.asarray(after, dtype=tokens.dtype)])
         s = self.settings
         rid = req.request_id

@@ -275,7 +275,7 @@ def test_extraction_answers_follow_the_schema_on_both_endpoints(long_server: Ser
     from braid.bench.metrics import RequestRecord
 
     server = long_server
-    cfg = LoadConfig(server.url, server.model, endpoint=endpoint, max_output_len=48,
+    cfg = LoadConfig(server.url, server.model, endpoint=endpoint, max_output_len=64,
                      progress=False)
     prompts = load_prompts("extraction", 2)
     assert all(p.schema == EXTRACTION_SCHEMA and "```python" in p.prompt for p in prompts)

@@ -10,6 +10,7 @@ import re
 import threading
 from collections import Counter
 from dataclasses import replace
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -177,7 +178,7 @@ def test_the_tokens_a_grammar_forces_are_drafted(method: str) -> None:
 
 
 @pytest.mark.parametrize(("method", "source", "options"), [
-    ("ngram", "ngram", {}), ("suffix", "suffix", {}),
+    ("ngram", "ngram", {}), ("suffix", "suffix", {}), ("suffix", "suffix", {"policy": "goodput"}),
     ("draft_model", "lookup", {"draft_prompt_lookup": True}),
     ("draft_model", "suffix", {"draft_suffix_decoding": True}),
 ])
@@ -207,6 +208,24 @@ def test_a_forced_run_is_continued_by_a_model_free_source(method: str, source: s
     grammar = speculator.free_acceptance["grammar"]  # type: ignore[attr-defined]
     assert grammar.global_trials == pytest.approx(5) and grammar.global_alpha > 0.95
     assert speculator.free_acceptance[source].global_trials > 0  # type: ignore[attr-defined]
+
+
+def test_a_continued_forced_run_cut_to_its_forced_part_is_the_grammars_window() -> None:
+    """A short step budget may verify fewer drafts than a continued forced run held: where
+    only forced drafts were verified, the window is the grammar's, and its source learns
+    nothing; where more were, the forced part is the grammar's evidence and the rest the
+    source's."""
+    speculator = spec_engine("suffix", 8, tokenizer=TOKENIZER).speculator
+    request = SimpleNamespace(request_id="r")  # only its id is read
+    speculator._looked_up["r"] = ("suffix", None, 3)
+    speculator.on_verified(request, 2, 2)
+    grammar, suffix = speculator.free_acceptance["grammar"], speculator.free_acceptance["suffix"]
+    assert speculator.windows_by_source == {"grammar": 1}
+    assert grammar.global_trials == pytest.approx(2) and suffix.global_trials == 0
+    speculator._looked_up["r"] = ("suffix", None, 3)
+    speculator.on_verified(request, 5, 4)  # 3 forced accepted, 1 of the suffix's 2
+    assert speculator.windows_by_source["grammar+suffix"] == 1
+    assert suffix.global_trials == pytest.approx(2)  # one accepted, then the rejection
 
 
 def test_seeded_structured_output_is_unchanged_by_speculation() -> None:

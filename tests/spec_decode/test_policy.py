@@ -70,13 +70,13 @@ def test_expected_tokens_with_a_forced_head(alpha: float, head: int, head_alpha:
 
 def test_forced_heads_make_the_policy_draft_where_the_source_alone_would_not() -> None:
     """At one request on a machine where a window of k costs (1 + 0.3 k) decodes, drafts
-    that accept 0.3 are not worth verifying (choose_ks keeps k = 0); behind two forced
+    that accept 0.2 are not worth verifying (choose_ks keeps k = 0); behind two forced
     tokens (accepted 0.99) the same source's window pays: at least the head is drafted."""
     costs = cost_model(per_token=0.03, knee=1, fixed=0.1)
     alone = replace(plan(1), free=[True])
-    assert choose_ks([0.3], [5], alone, costs) == [0]
+    assert choose_ks([0.2], [5], alone, costs) == [0]
     headed = replace(alone, heads=[(2, 0.99)])
-    assert choose_ks([0.3], [5], headed, costs)[0] >= 2
+    assert choose_ks([0.2], [5], headed, costs)[0] >= 2
 
 
 def test_cost_model_fits_the_hinge() -> None:
