@@ -409,8 +409,7 @@ def _greedy(alphas: list[float], caps: list[int], room: int, plan: StepPlan,
     """Add draft tokens one at a time, each where it adds the most expected tokens per
     second it costs; return the best prefix of that path."""
     n = len(alphas)
-    contexts, catch_up, free = _per_request(plan, n)
-    heads = plan.heads or [(0, 1.0)] * n
+    contexts, catch_up, free, heads = _per_request(plan, n)
     step = _step_of(alphas, [0] * n, plan)
     # Marginal prices, from the cost model around the batch without drafts.
     base = plan.num_decodes + plan.num_pending
@@ -481,18 +480,20 @@ def _ratio(step: _Step, num_requests: int, plan: StepPlan, prices: _Prices) -> f
     return emitted / seconds if seconds > 0 else math.inf
 
 
-def _per_request(plan: StepPlan, n: int) -> tuple[list[int], list[float], list[bool]]:
-    """The plan's contexts, catch-up costs and free flags (defaults: no context, one token
-    each, every request drafting with the draft model)."""
-    return plan.contexts or [0] * n, plan.catch_up or [1.0] * n, plan.free or [False] * n
+def _per_request(plan: StepPlan, n: int
+                 ) -> tuple[list[int], list[float], list[bool], list[tuple[int, float]]]:
+    """The plan's contexts, catch-up costs, free flags and forced heads (defaults: no
+    context, one token each, every request drafting with the draft model, no heads)."""
+    return (plan.contexts or [0] * n, plan.catch_up or [1.0] * n, plan.free or [False] * n,
+            plan.heads or [(0, 1.0)] * n)
 
 
 def _step_of(alphas: list[float], ks: list[int], plan: StepPlan) -> _Step:
-    contexts, catch_up, free = _per_request(plan, len(alphas))
+    contexts, catch_up, free, heads = _per_request(plan, len(alphas))
     modelled = [0 if f else k for k, f in zip(ks, free, strict=True)]  # draft-model drafts
     return _Step(
-        emitted=sum(expected_tokens(a, k, *h) for a, k, h in zip(
-            alphas, ks, plan.heads or [(0, 1.0)] * len(ks), strict=True)),
+        emitted=sum(expected_tokens(a, k, *h) for a, k, h in zip(alphas, ks, heads,
+                                                                 strict=True)),
         drafts=sum(ks),
         draft_attention=sum(attention_work(1 + k, c) - attention_work(1, c)
                             for k, c in zip(ks, contexts, strict=True) if k),

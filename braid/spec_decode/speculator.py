@@ -283,9 +283,9 @@ class Speculator(Speculation):
 
     def _expected(self, rid: str, c: Candidate) -> float:
         """Tokens a window of all of candidate `c`'s drafts is expected to emit."""
+        head_alpha = self.free_acceptance["grammar"].alpha(rid) if c.forced else 1.0
         return expected_tokens(self.free_acceptance[c.source].alpha(rid, level=c.level),
-                               len(c.drafts), c.forced,
-                               self.free_acceptance["grammar"].alpha(rid))
+                               len(c.drafts), c.forced, head_alpha)
 
     def _candidates(self, w: Window, look: tuple[list[int], int | None]) -> list[Candidate]:
         """Each free source's drafts for window `w` ([] where it has none worth verifying)
